@@ -1,0 +1,229 @@
+/*
+ * kvx._native: scatter-gather socket I/O for the tcp backend.
+ *
+ * Byte work only. Python decides which memory may be touched (the agent
+ * validates every descriptor against its registered regions before calling
+ * here); this file moves bytes between a socket and lists of (address,
+ * length) pairs with sendmsg/recvmsg, batched by the kernel's iovec limit,
+ * with the GIL released for the whole loop.
+ *
+ *   sendv(fd, prefix, addrs, lens, timeout_ms) -> None
+ *   recvv(fd, addrs, lens, timeout_ms) -> None
+ *
+ * addrs and lens are C-contiguous buffers of native uint64 (numpy uint64
+ * arrays), of equal length. prefix is a bytes-like object sent before the
+ * first descriptor (a frame header), so that a small request costs one
+ * system call. timeout_ms bounds the time without progress: the call fails
+ * with TimeoutError when the socket accepts or yields no byte for that long.
+ * The socket may be blocking or not; EAGAIN waits in poll().
+ *
+ * Every function has a pure-Python twin in kvx/_io_py.py; tests run both.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+enum io_status {
+    IO_OK = 0,
+    IO_ERRNO = 1,   /* errno holds the reason */
+    IO_EOF = 2,     /* the peer closed the connection */
+    IO_TIMEOUT = 3, /* no progress for timeout_ms */
+};
+
+/* Wait until fd is ready for `events`; IO_TIMEOUT after timeout_ms. */
+static enum io_status wait_ready(int fd, short events, int timeout_ms)
+{
+    struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
+    for (;;) {
+        int rc = poll(&pfd, 1, timeout_ms);
+        if (rc > 0)
+            return IO_OK; /* readable, writable, or an error the next call reports */
+        if (rc == 0)
+            return IO_TIMEOUT;
+        if (errno != EINTR)
+            return IO_ERRNO;
+    }
+}
+
+/* Move all bytes of iov[0..iovcnt) through fd. Modifies iov in place. */
+static enum io_status move_all(int fd, struct iovec *iov, size_t iovcnt, int sending,
+                               int timeout_ms, size_t *moved)
+{
+    size_t at = 0;
+    *moved = 0;
+    while (at < iovcnt) {
+        if (iov[at].iov_len == 0) {
+            at++;
+            continue;
+        }
+        size_t batch = iovcnt - at;
+        if (batch > IOV_MAX)
+            batch = IOV_MAX;
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = &iov[at];
+        msg.msg_iovlen = batch;
+        ssize_t n = sending ? sendmsg(fd, &msg, MSG_NOSIGNAL) : recvmsg(fd, &msg, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                enum io_status st = wait_ready(fd, sending ? POLLOUT : POLLIN, timeout_ms);
+                if (st != IO_OK)
+                    return st;
+                continue;
+            }
+            return IO_ERRNO;
+        }
+        if (n == 0 && !sending)
+            return IO_EOF;
+        *moved += (size_t)n;
+        /* Skip the fully moved entries, then trim the partly moved one. */
+        size_t left = (size_t)n;
+        while (at < iovcnt && left >= iov[at].iov_len) {
+            left -= iov[at].iov_len;
+            at++;
+        }
+        if (left > 0) {
+            iov[at].iov_base = (char *)iov[at].iov_base + left;
+            iov[at].iov_len -= left;
+        }
+    }
+    return IO_OK;
+}
+
+/* Check that addrs and lens are uint64 buffers of one length; set the pair count. */
+static int get_pairs(Py_buffer *addrs, Py_buffer *lens, size_t *count)
+{
+    if (addrs->len % 8 != 0 || lens->len % 8 != 0 || addrs->len != lens->len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "addrs and lens must be uint64 buffers of equal length");
+        return -1;
+    }
+    *count = (size_t)addrs->len / 8;
+    return 0;
+}
+
+static PyObject *raise_status(enum io_status st, int saved_errno, size_t moved, size_t total)
+{
+    switch (st) {
+    case IO_EOF:
+        PyErr_Format(PyExc_ConnectionResetError,
+                     "connection closed by peer after %zu of %zu bytes", moved, total);
+        break;
+    case IO_TIMEOUT:
+        PyErr_Format(PyExc_TimeoutError, "no progress on socket after %zu of %zu bytes",
+                     moved, total);
+        break;
+    default:
+        errno = saved_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+        break;
+    }
+    return NULL;
+}
+
+static PyObject *do_io(int fd, Py_buffer *prefix, Py_buffer *addrs, Py_buffer *lens,
+                       int timeout_ms, int sending)
+{
+    size_t count = 0;
+    if (get_pairs(addrs, lens, &count) < 0)
+        return NULL;
+    size_t has_prefix = (prefix != NULL && prefix->len > 0) ? 1 : 0;
+    size_t iovcnt = count + has_prefix;
+    if (iovcnt == 0)
+        Py_RETURN_NONE;
+    struct iovec *iov = PyMem_RawMalloc(iovcnt * sizeof(struct iovec));
+    if (iov == NULL)
+        return PyErr_NoMemory();
+
+    const uint64_t *a = (const uint64_t *)addrs->buf;
+    const uint64_t *l = (const uint64_t *)lens->buf;
+    size_t total = 0;
+    if (has_prefix) {
+        iov[0].iov_base = prefix->buf;
+        iov[0].iov_len = (size_t)prefix->len;
+        total += (size_t)prefix->len;
+    }
+    for (size_t i = 0; i < count; i++) {
+        iov[has_prefix + i].iov_base = (void *)(uintptr_t)a[i];
+        iov[has_prefix + i].iov_len = (size_t)l[i];
+        total += (size_t)l[i];
+    }
+
+    size_t moved = 0;
+    enum io_status st;
+    int saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = move_all(fd, iov, iovcnt, sending, timeout_ms, &moved);
+    saved_errno = errno;
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(iov);
+    if (st != IO_OK)
+        return raise_status(st, saved_errno, moved, total);
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvx_sendv(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    Py_buffer prefix, addrs, lens;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*y*i:sendv", &fd, &prefix, &addrs, &lens, &timeout_ms))
+        return NULL;
+    PyObject *res = do_io(fd, &prefix, &addrs, &lens, timeout_ms, 1);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    return res;
+}
+
+static PyObject *kvx_recvv(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    Py_buffer addrs, lens;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*i:recvv", &fd, &addrs, &lens, &timeout_ms))
+        return NULL;
+    PyObject *res = do_io(fd, NULL, &addrs, &lens, timeout_ms, 0);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    return res;
+}
+
+static PyMethodDef kvx_methods[] = {
+    {"sendv", kvx_sendv, METH_VARARGS,
+     "sendv(fd, prefix, addrs, lens, timeout_ms): send prefix, then each (addr, len)."},
+    {"recvv", kvx_recvv, METH_VARARGS,
+     "recvv(fd, addrs, lens, timeout_ms): receive exactly into each (addr, len)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef kvx_module = {
+    PyModuleDef_HEAD_INIT, "kvx._native", "Scatter-gather socket I/O for kvx.", -1, kvx_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    PyObject *m = PyModule_Create(&kvx_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

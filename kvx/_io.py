@@ -1,0 +1,41 @@
+"""Selects the implementation of the native byte path.
+
+KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
+twin, and unset means the C extension when it was built, else the twin (with
+a warning: everything works, only slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvx import _io_py
+from kvx.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _select():
+    choice = os.environ.get("KVX_NATIVE", "").strip()
+    if choice not in ("", "0", "1"):
+        raise ConfigError(f"KVX_NATIVE must be 0, 1 or unset, not {choice!r}")
+    if choice == "0":
+        return _io_py, "python"
+    try:
+        from kvx import _native
+    except ImportError as exc:
+        if choice == "1":
+            raise ConfigError(
+                "KVX_NATIVE=1 but the C extension kvx._native is not built "
+                f"({exc}); reinstall kvx with a C compiler present"
+            ) from exc
+        logger.warning("kvx._native is not built (%s); using the pure-Python twin", exc)
+        return _io_py, "python"
+    return _native, "native"
+
+
+_impl, IMPL = _select()
+sendv = _impl.sendv
+recvv = _impl.recvv
+

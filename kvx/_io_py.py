@@ -1,0 +1,76 @@
+"""Pure-Python twin of kvx._native (csrc/kvx_io.c).
+
+Same functions, same semantics, same exceptions; slower (one Python object
+per descriptor). Selected with KVX_NATIVE=0, or used when the C extension was
+not built. Tests run against both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _views(addrs, lens, writable: bool) -> list[memoryview]:
+    views = []
+    for addr, length in zip(addrs.tolist(), lens.tolist()):
+        if length == 0:
+            continue
+        view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+        views.append(view if writable else view.toreadonly())
+    return views
+
+
+def _wait(fd: int, events: int, timeout_ms: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(timeout_ms))
+
+
+def _move_all(fd: int, views: list[memoryview], sending: bool, timeout_ms: int) -> None:
+    total = sum(len(v) for v in views)
+    moved = 0
+    at = 0
+    while at < len(views):
+        batch = views[at : at + IOV_MAX]
+        try:
+            n = os.writev(fd, batch) if sending else os.readv(fd, batch)
+        except InterruptedError:
+            continue
+        except BlockingIOError:
+            if not _wait(fd, select.POLLOUT if sending else select.POLLIN, timeout_ms):
+                raise TimeoutError(
+                    f"no progress on socket after {moved} of {total} bytes"
+                ) from None
+            continue
+        if n == 0 and not sending:
+            raise ConnectionResetError(
+                f"connection closed by peer after {moved} of {total} bytes"
+            )
+        moved += n
+        while at < len(views) and n >= len(views[at]):
+            n -= len(views[at])
+            at += 1
+        if n > 0:
+            views[at] = views[at][n:]
+
+
+def _check_pairs(addrs, lens) -> None:
+    if addrs.dtype.itemsize != 8 or lens.dtype.itemsize != 8 or len(addrs) != len(lens):
+        raise ValueError("addrs and lens must be uint64 buffers of equal length")
+
+
+def sendv(fd: int, prefix: bytes, addrs, lens, timeout_ms: int) -> None:
+    """Send prefix, then each (addr, len), in order; see csrc/kvx_io.c."""
+    _check_pairs(addrs, lens)
+    views = ([memoryview(prefix).cast("B")] if len(prefix) else []) + _views(addrs, lens, False)
+    _move_all(fd, views, True, timeout_ms)
+
+
+def recvv(fd: int, addrs, lens, timeout_ms: int) -> None:
+    """Receive exactly into each (addr, len), in order; see csrc/kvx_io.c."""
+    _check_pairs(addrs, lens)
+    _move_all(fd, _views(addrs, lens, True), False, timeout_ms)

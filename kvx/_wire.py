@@ -1,0 +1,98 @@
+"""The data-plane wire format of the tcp backend.
+
+Every message is a fixed 32-byte little-endian header, then ``payload_len``
+bytes of payload (descriptors, a protobuf handshake message, a notification,
+an error text), then ``data_len`` raw bytes that go straight to or from
+registered memory::
+
+    magic     4s   b"KVXF"
+    version   u16  PROTOCOL_VERSION
+    type      u16  MsgType
+    request   u64  request id, echoed in the response
+    payload   u32  payload length
+    aux       u32  per type: notification length (WRITE_REQ), ErrorCode (ERROR)
+    data      u64  raw data length
+
+Descriptor payloads are arrays of kvx.descs.DESC_DTYPE (24 bytes each).
+
+Protocol version history:
+    1  first version: HELLO/HELLO_REPLY/AUTH handshake with HMAC-SHA256,
+       READ, WRITE, NOTIFY.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVXF"
+HEADER = struct.Struct("<4sHHQIIQ")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 32
+
+# Bounds on payloads that are not descriptor lists.
+MAX_HANDSHAKE_BYTES = 4096
+MAX_ERROR_TEXT_BYTES = 4096
+NONCE_BYTES = 32
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    HELLO_REPLY = 2
+    AUTH = 3
+    AUTH_OK = 4
+    ERROR = 5
+    READ_REQ = 6
+    READ_RESP = 7
+    WRITE_REQ = 8
+    WRITE_RESP = 9
+    NOTIFY = 10
+    NOTIFY_ACK = 11
+
+
+class ErrorCode(enum.IntEnum):
+    UNSPECIFIED = 0
+    ACCESS = 1
+    LIMIT = 2
+    PROTOCOL = 3
+    VERSION = 4
+    EPOCH = 5
+    AUTH = 6
+    INTERNAL = 7
+
+
+def pack(msg_type: MsgType, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, payload_len, aux, data_len)
+
+
+def unpack(header: bytes | bytearray | memoryview) -> tuple[bytes, int, int, int, int, int, int]:
+    """(magic, version, type, request id, payload len, aux, data len); no checks."""
+    return HEADER.unpack(header)
+
+
+def _transcript(label: bytes, first: bytes, second: bytes, initiator: str, target: str,
+                initiator_epoch: int, target_epoch: int) -> bytes:
+    return b"|".join([
+        label, first, second, initiator.encode(), target.encode(),
+        initiator_epoch.to_bytes(8, "little"), target_epoch.to_bytes(8, "little"),
+        PROTOCOL_VERSION.to_bytes(2, "little"),
+    ])
+
+
+def target_proof(secret: bytes, initiator_nonce: bytes, target_nonce: bytes, initiator: str,
+                 target: str, initiator_epoch: int, target_epoch: int) -> bytes:
+    """The target's answer to the initiator's challenge."""
+    msg = _transcript(b"kvx-target", initiator_nonce, target_nonce, initiator, target,
+                      initiator_epoch, target_epoch)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def initiator_proof(secret: bytes, initiator_nonce: bytes, target_nonce: bytes, initiator: str,
+                    target: str, initiator_epoch: int, target_epoch: int) -> bytes:
+    """The initiator's answer to the target's challenge."""
+    msg = _transcript(b"kvx-initiator", target_nonce, initiator_nonce, initiator, target,
+                      initiator_epoch, target_epoch)
+    return hmac.new(secret, msg, hashlib.sha256).digest()

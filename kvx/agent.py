@@ -1,0 +1,420 @@
+"""The transfer agent: one per worker process.
+
+Lifecycle: ``Agent(...)`` starts listening; ``register`` memory;
+``metadata()`` goes to peers (directly or through the metadata service);
+``add_peer(their_metadata)`` connects; ``peer.read`` / ``peer.write`` post
+transfers; ``close()`` ends it all. Everything posted is validated before a
+byte moves: local descriptors against this agent's regions, remote ones
+against the peer's published regions (and again by the peer itself).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from kvx import _wire
+from kvx.backends._sock import is_loopback, parse_address
+from kvx.backends.base import Channel
+from kvx.backends.tcp import TcpBackend
+from kvx.config import Limits, Timeouts
+from kvx.descs import Descs
+from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
+                        PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.memory import (LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region, RegionTable,
+                        RemoteRegion, check_descs)
+from kvx.transfer import Notification, Op, Transfer
+from kvx.v1 import agent_pb2
+
+logger = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+
+_MEMORY_KINDS = {
+    MemoryKind.HOST: agent_pb2.MEMORY_KIND_HOST,
+    MemoryKind.CUDA: agent_pb2.MEMORY_KIND_CUDA,
+}
+_MEMORY_FROM_PB = {v: k for k, v in _MEMORY_KINDS.items()}
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ConfigError(f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
+                          "starting with a letter or digit")
+    return name
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class Agent:
+    """A transfer endpoint.
+
+    name:           unique in the cluster (the metadata service keys on it).
+    listen:         "host:port" for the tcp backend; port 0 picks a free one.
+    advertise_host: the host peers should dial, when ``listen`` binds a
+                    wildcard address.
+    auth_secret:    the cluster secret; peers prove they know it (HMAC
+                    challenge) before any transfer. Without one the agent
+                    listens on loopback only, unless ``allow_insecure``.
+    streams:        connections per peer; large transfers spread over them.
+    on_notify:      ``fn(Notification)`` called from a kvx thread instead of
+                    queueing for ``notifications()``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        advertise_host: str | None = None,
+        auth_secret: bytes | str | None = None,
+        allow_insecure: bool = False,
+        streams: int = 1,
+        timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
+        on_notify: Callable[[Notification], Any] | None = None,
+    ) -> None:
+        self.name = check_name(name)
+        self.epoch = secrets.randbits(64) or 1
+        self.timeouts = timeouts or Timeouts()
+        self.limits = limits or Limits()
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise ConfigError(f"streams must be between 1 and 64, not {streams!r}")
+        self.streams = streams
+        if isinstance(auth_secret, str):
+            auth_secret = auth_secret.encode()
+        if auth_secret is not None and len(auth_secret) < 16:
+            raise ConfigError("auth_secret must be at least 16 bytes (e.g. secrets.token_hex(16))")
+        self._secret: bytes | None = auth_secret
+        host, port = parse_address(listen)
+        if self._secret is None:
+            if not is_loopback(host) and not allow_insecure:
+                raise ConfigError(
+                    f"agent {name!r} would listen on {listen} without an auth_secret, so any host could "
+                    "read and write its registered memory; set auth_secret (recommended), listen on "
+                    "loopback, or pass allow_insecure=True")
+            if not is_loopback(host):
+                logger.warning("agent %s listens on %s WITHOUT authentication (allow_insecure=True)", name, listen)
+            else:
+                logger.info("agent %s has no auth_secret: any local process may connect as a peer", name)
+        if advertise_host is None and host in ("0.0.0.0", "::", ""):
+            advertise_host = socket.gethostname()
+        self._on_notify = on_notify
+        self._notifications: collections.deque[Notification] = collections.deque()
+        self._notify_cv = threading.Condition()
+        self._regions = RegionTable(self.limits.max_regions)
+        self._peers: dict[str, Peer] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._backend = TcpBackend(self, host, port, advertise_host)
+        logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
+
+    # Lifecycle.
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.name!r} epoch={self.epoch:#x} {self.endpoint}>"
+
+    @property
+    def endpoint(self) -> str:
+        return self._backend.endpoint()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop serving; transfers in flight fail with ClosedError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer._close(ClosedError(f"agent {self.name!r} was closed"))
+        self._backend.close()
+        with self._notify_cv:
+            self._notify_cv.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"agent {self.name!r} is closed")
+
+    # Memory.
+
+    def register(self, obj: Any, *, remote_access: bool = True) -> Region:
+        """Register host memory: a numpy array, bytearray, memoryview, mmap,
+        torch CPU tensor, or an ``(address, size_bytes)`` tuple.
+
+        With ``remote_access`` peers may read it, and write it when it is
+        writable. The agent keeps ``obj`` alive until ``deregister``.
+        """
+        self._check_open()
+        return self._regions.add(obj, remote_access=remote_access)
+
+    def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
+        """Remove a region. Waits for transfers that may touch it (up to
+        ``timeout_s``, default Timeouts.transfer_s), then raises RegionBusyError."""
+        self._regions.remove(region, self.timeouts.transfer_s if timeout_s is None else timeout_s)
+
+    @property
+    def regions(self) -> list[Region]:
+        return self._regions.regions()
+
+    # Metadata and peers.
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (kvx.v1.AgentMetadata) for its peers."""
+        md = agent_pb2.AgentMetadata(
+            protocol_version=_wire.PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
+            host_name=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
+            auth_required=self._secret is not None)
+        md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)
+        for r in self._regions.regions():
+            if r.remote_read or r.remote_write:
+                md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
+                               device=r.device, address=r.address, remote_read=r.remote_read,
+                               remote_write=r.remote_write)
+        return md.SerializeToString()
+
+    def add_peer(self, metadata: bytes, *, streams: int | None = None) -> Peer:
+        """Connect to the agent that ``metadata`` describes.
+
+        A peer of the same name is replaced when the epoch differs (it
+        restarted); with the same epoch the live peer is returned, or a dead
+        one reconnected.
+        """
+        self._check_open()
+        md = parse_metadata(metadata)
+        with self._lock:
+            old = self._peers.get(md.name)
+        if old is not None:
+            if old.epoch == md.epoch and old.alive:
+                return old
+            old._close(EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
+                       if old.epoch != md.epoch else PeerLostError(f"peer {md.name!r} reconnected"))
+        tcp = [e.address for e in md.endpoints if e.backend == agent_pb2.BACKEND_TCP]
+        if not tcp:
+            raise ConnectError(f"peer {md.name!r} publishes no tcp endpoint")
+        channel = self._backend.connect(md.name, md.epoch, tcp[0], streams or self.streams)
+        peer = Peer(self, md, channel)
+        with self._lock:
+            if self._closed:
+                channel.close()
+                raise ClosedError(f"agent {self.name!r} is closed")
+            self._peers[md.name] = peer
+        logger.info("agent %s: peer %s epoch %#x over tcp (%s), %d stream(s)", self.name, md.name,
+                    md.epoch, tcp[0], len(channel.conns))
+        return peer
+
+    def peer(self, name: str) -> Peer:
+        with self._lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            raise ConnectError(f"no peer named {name!r}; add_peer() it first")
+        return peer
+
+    @property
+    def peers(self) -> list[Peer]:
+        with self._lock:
+            return list(self._peers.values())
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(name, None)
+        if peer is not None:
+            peer._close(ClosedError(f"peer {name!r} was removed"))
+
+    # Notifications.
+
+    def notifications(self, timeout_s: float = 0.0) -> list[Notification]:
+        """Take the queued notifications; waits up to ``timeout_s`` for one."""
+        with self._notify_cv:
+            if not self._notifications and timeout_s > 0 and not self._closed:
+                self._notify_cv.wait_for(lambda: self._notifications or self._closed, timeout_s)
+            out = list(self._notifications)
+            self._notifications.clear()
+            self._notify_cv.notify_all()
+            return out
+
+    def _deliver(self, peer: str, data: bytes) -> bool:
+        """Called by a serving thread once a notification's data has landed."""
+        note = Notification(peer, data)
+        if self._on_notify is not None:
+            try:
+                self._on_notify(note)
+            except Exception:
+                logger.exception("on_notify callback failed for a notification from %s", peer)
+            return True
+        limit = self.limits.max_pending_notifications
+        with self._notify_cv:
+            if len(self._notifications) >= limit:
+                self._notify_cv.wait_for(lambda: len(self._notifications) < limit or self._closed,
+                                         self.timeouts.io_s)
+            if len(self._notifications) >= limit or self._closed:
+                return False
+            self._notifications.append(note)
+            self._notify_cv.notify_all()
+            return True
+
+
+def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
+    if not isinstance(metadata, (bytes, bytearray, memoryview)):
+        raise ConfigError("add_peer takes the bytes of the peer's agent.metadata()")
+    try:
+        md = agent_pb2.AgentMetadata.FromString(bytes(metadata))
+    except Exception as exc:
+        raise ProtocolError(f"malformed agent metadata: {exc}") from None
+    if md.protocol_version != _wire.PROTOCOL_VERSION:
+        raise VersionError(f"peer {md.name!r} speaks kvx protocol version {md.protocol_version}, this "
+                           f"agent {_wire.PROTOCOL_VERSION}; run the same kvx version on both sides")
+    try:
+        check_name(md.name)
+    except ConfigError as exc:
+        raise ProtocolError(f"agent metadata: {exc}") from None
+    return md
+
+
+class Peer:
+    """A connected remote agent."""
+
+    def __init__(self, agent: Agent, md: agent_pb2.AgentMetadata, channel: Channel) -> None:
+        self.agent = agent
+        self.name = md.name
+        self.epoch = md.epoch
+        self.backend = "tcp"
+        self.host_name = md.host_name
+        self._channel = channel
+        self._closed_error: Exception | None = None
+        self.regions = [
+            RemoteRegion(r.id, r.size_bytes, _MEMORY_FROM_PB.get(r.memory_kind, MemoryKind.HOST), r.device,
+                         r.address, r.remote_read, r.remote_write)
+            for r in md.regions
+        ]
+        # Vectorised view of the published regions, to refuse bad descriptors
+        # before anything goes on the wire (the peer checks again).
+        top = max((r.id for r in self.regions), default=0) + 1
+        self._size = np.zeros(top, np.uint64)
+        self._flags = np.zeros(top, np.uint8)
+        for r in self.regions:
+            self._size[r.id] = r.size_bytes
+            self._flags[r.id] = VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
+        self._slots = threading.BoundedSemaphore(agent.limits.max_inflight_per_peer)
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.name!r} epoch={self.epoch:#x} backend={self.backend} alive={self.alive}>"
+
+    @property
+    def alive(self) -> bool:
+        return self._closed_error is None and self._channel.alive
+
+    def region(self, region_id: int) -> RemoteRegion:
+        for r in self.regions:
+            if r.id == region_id:
+                return r
+        raise AccessError(f"peer {self.name!r} has no region {region_id}")
+
+    def read(self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None) -> Transfer:
+        """Copy ``remote`` (the peer's memory) into ``local``; one-sided."""
+        return self._post(Op.READ, local, remote, notify)
+
+    def write(self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None) -> Transfer:
+        """Copy ``local`` into ``remote`` (the peer's memory); one-sided."""
+        return self._post(Op.WRITE, local, remote, notify)
+
+    def notify(self, data: bytes) -> Transfer:
+        """Send a notification with no data."""
+        data = self._check_notify(data)
+        self._check_alive()
+        transfer = self._start(Op.WRITE, 0, 1, None)
+        self._channel.notify(transfer, data)
+        return transfer
+
+    def _check_notify(self, notify: bytes | None) -> bytes | None:
+        if notify is None:
+            return None
+        if not isinstance(notify, (bytes, bytearray, memoryview)):
+            raise ConfigError("notify must be bytes")
+        notify = bytes(notify)
+        if len(notify) > self.agent.limits.max_notify_bytes:
+            raise LimitError(f"notification of {len(notify)} bytes; at most {self.agent.limits.max_notify_bytes}")
+        return notify
+
+    def _check_alive(self) -> None:
+        self.agent._check_open()
+        if self._closed_error is not None:
+            raise type(self._closed_error)(str(self._closed_error))
+        error = getattr(self._channel, "error", None)
+        if error is not None:
+            raise PeerLostError(f"peer {self.name!r} is lost ({error}); add_peer() its metadata again")
+
+    def _post(self, op: Op, local: Any, remote: Any, notify: bytes | None) -> Transfer:
+        notify = self._check_notify(notify)
+        local_d, remote_d = Descs(local), Descs(remote)
+        if len(local_d) == 0 or len(remote_d) == 0:
+            raise ConfigError("empty descriptor list; use peer.notify() to send only a notification")
+        total = remote_d.total_bytes
+        if local_d.total_bytes != total:
+            raise ConfigError(f"local descriptors cover {local_d.total_bytes} bytes, remote ones {total}")
+        if total > self.agent.limits.max_transfer_bytes:
+            raise LimitError(f"transfer of {total} bytes; at most {self.agent.limits.max_transfer_bytes} "
+                             "(Limits.max_transfer_bytes)")
+        self._check_remote(remote_d.array, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op)
+        self._check_alive()
+        local_c = local_d.coalesce()
+        need = LOCAL_WRITE if op is Op.READ else 0
+        addrs, lens, token = self.agent._regions.resolve(
+            local_c.array, need, "local destination" if op is Op.READ else "local source")
+        try:
+            transfer = self._start(op, total, 0, token)
+        except BaseException:
+            self.agent._regions.release(token)
+            raise
+        self._channel.post(transfer, op, addrs, lens, remote_d.coalesce().array, notify)
+        return transfer
+
+    def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:
+        timeout_s = self.agent.timeouts.transfer_s
+        if not self._slots.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{self.agent.limits.max_inflight_per_peer} transfers to peer {self.name!r} "
+                               f"still in flight after {timeout_s}s (Limits.max_inflight_per_peer)")
+        transfer = Transfer(op, self.name, nbytes, parts, timeout_s)
+        regions, slots = self.agent._regions, self._slots
+
+        def cleanup() -> None:
+            if token is not None:
+                regions.release(token)
+            slots.release()
+
+        transfer._cleanup = cleanup
+        return transfer
+
+    def _check_remote(self, descs: np.ndarray, need: int, op: Op) -> None:
+        check_descs(descs, self._flags, self._size, need, f"peer {self.name!r} {op.value}")
+
+    def close(self) -> None:
+        self.agent.remove_peer(self.name)
+
+    def _close(self, error: Exception) -> None:
+        if self._closed_error is None:
+            self._closed_error = error
+        self._channel.close()

@@ -1,0 +1,1 @@
+"""Data-plane transports. Each is one small interface: see ``base.py``."""

@@ -1,0 +1,82 @@
+"""Socket helpers shared by both sides of the tcp backend."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from kvx import _wire
+from kvx.errors import ConfigError, PeerLostError, ProtocolError, TimeoutError, VersionError
+
+_SCRATCH_BYTES = 1 << 20
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """"host:port" or "[v6]:port" -> (host, port)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"address must be host:port, not {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Read exactly n bytes (the socket's timeout bounds each wait)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise TimeoutError(f"peer sent {got} of {n} expected bytes, then nothing") from None
+        except OSError as exc:
+            raise PeerLostError(f"connection lost: {exc}") from exc
+        if k == 0:
+            raise PeerLostError(f"connection closed by peer after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    """Read and drop n bytes, keeping the framing after a refused request."""
+    scratch = bytearray(min(n, _SCRATCH_BYTES))
+    view = memoryview(scratch)
+    while n > 0:
+        k = sock.recv_into(view[: min(n, len(scratch))])
+        if k == 0:
+            raise PeerLostError("connection closed by peer while draining a refused request")
+        n -= k
+
+
+def check_header(header: bytes | bytearray) -> tuple[int, int, int, int, int]:
+    """Validate magic and version: (type, request id, payload len, aux, data len)."""
+    magic, version, msg_type, request_id, payload_len, aux, data_len = _wire.unpack(header)
+    if magic != _wire.MAGIC:
+        raise ProtocolError(f"not a kvx message (magic {bytes(magic)!r}); is the peer a kvx agent?")
+    if version != _wire.PROTOCOL_VERSION:
+        raise VersionError(
+            f"peer speaks kvx protocol version {version}, this agent {_wire.PROTOCOL_VERSION}; "
+            "run the same kvx version on both sides"
+        )
+    return msg_type, request_id, payload_len, aux, data_len

@@ -1,0 +1,527 @@
+"""The tcp backend: works everywhere, and is the reference for the others.
+
+Initiator side: a channel to a peer holds ``streams`` connections. A transfer
+is cut into parts (by the target's per-message limits, and across streams
+when it is large); each part is one request. Requests are pipelined: each
+connection has a reader thread that takes responses as they come, bytes
+going straight from the socket into registered memory (``_io.recvv``). Small
+requests are sent by the posting thread; large WRITE payloads by a sender
+thread per connection, so that posting never blocks on the network.
+
+Target side: see ``_tcp_serve.py``.
+
+Only the reader thread closes a connection's socket, after the sender is
+done with it: a descriptor number is never reused under a thread still
+moving bytes through it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvx import _io, _wire
+from kvx._wire import ErrorCode, MsgType
+from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, tune)
+from kvx.backends._tcp_serve import InboundConnection
+from kvx.backends.base import Backend, Channel
+from kvx.descs import DESC_DTYPE, Descs
+from kvx.errors import (AccessError, AuthError, ClosedError, ConnectError, EpochError, KvxError,
+                        LimitError, PeerLostError, ProtocolError, TimeoutError, TransferError,
+                        VersionError)
+from kvx.transfer import Op, Transfer
+from kvx.v1 import handshake_pb2
+
+if TYPE_CHECKING:
+    from kvx.agent import Agent
+
+logger = logging.getLogger(__name__)
+
+# WRITE payloads up to this size are sent by the posting thread itself.
+INLINE_SEND_BYTES = 256 * 1024
+# A transfer is spread over several streams only when each gets this much.
+MIN_STREAM_BYTES = 1 << 20
+
+_ERRORS: dict[int, type[KvxError]] = {
+    ErrorCode.ACCESS: AccessError,
+    ErrorCode.LIMIT: LimitError,
+    ErrorCode.PROTOCOL: ProtocolError,
+    ErrorCode.VERSION: VersionError,
+    ErrorCode.EPOCH: EpochError,
+    ErrorCode.AUTH: AuthError,
+}
+
+
+def _remote_error(code: int, text: str, peer: str) -> KvxError:
+    return _ERRORS.get(code, TransferError)(f"peer {peer!r}: {text}")
+
+
+class TcpBackend(Backend):
+    name = "tcp"
+
+    def __init__(self, agent: Agent, host: str, port: int, advertise_host: str | None) -> None:
+        self.agent = agent
+        self.io_ms = max(1, int(agent.timeouts.io_s * 1000))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise ConnectError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
+        self._listener.listen(128)
+        bound_port = self._listener.getsockname()[1]
+        self._endpoint = format_address(advertise_host or host, bound_port)
+        self._lock = threading.Lock()
+        self._inbound: set[InboundConnection] = set()
+        self._channels: set[TcpChannel] = set()
+        self._closed = False
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{agent.name}",
+                                               daemon=True)
+        self._accept_thread.start()
+
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # the listener was shut down
+            address = format_address(*addr[:2])
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                if len(self._inbound) >= self.agent.limits.max_connections:
+                    logger.warning("refusing connection from %s: %d connections open (Limits.max_connections)",
+                                   address, len(self._inbound))
+                    sock.close()
+                    continue
+                tune(sock)
+                conn = InboundConnection(self, sock, address)
+                self._inbound.add(conn)
+            conn.start()
+
+    def _inbound_done(self, conn: InboundConnection) -> None:
+        with self._lock:
+            self._inbound.discard(conn)
+
+    def connect(self, target_name: str, target_epoch: int, address: str, streams: int) -> TcpChannel:
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"agent {self.agent.name!r} is closed")
+        conns: list[_Connection] = []
+        try:
+            for index in range(streams):
+                sock, limits = _dial(self.agent, target_name, target_epoch, address)
+                conns.append(_Connection(self, sock, target_name, index))
+        except BaseException:
+            for conn in conns:
+                conn.shutdown(ClosedError("connect failed"))
+            raise
+        channel = TcpChannel(self, target_name, conns, *limits)
+        with self._lock:
+            self._channels.add(channel)
+        for conn in conns:
+            conn.start()
+        return channel
+
+    def _channel_closed(self, channel: TcpChannel) -> None:
+        with self._lock:
+            self._channels.discard(channel)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            inbound, channels = list(self._inbound), list(self._channels)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for channel in channels:
+            channel.close()
+        for conn in inbound:
+            conn.shutdown()
+        deadline = time.monotonic() + self.agent.timeouts.close_s
+        threads = [self._accept_thread] + [c.thread for c in inbound]
+        threads += [conn.reader for ch in channels for conn in ch.conns]
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            logger.warning("threads still running after close: %s", ", ".join(stuck))
+
+
+def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tuple[socket.socket, tuple[int, int]]:
+    """Connect and run the handshake; returns the socket and the target's limits."""
+    host, port = parse_address(address)
+    timeout_s = agent.timeouts.connect_s
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        raise ConnectError(f"cannot connect to peer {target_name!r} at {address}: {exc}") from exc
+    try:
+        tune(sock)
+        nonce = os.urandom(_wire.NONCE_BYTES)
+        hello = handshake_pb2.Hello(name=agent.name, epoch=agent.epoch, target_name=target_name,
+                                    target_epoch=target_epoch, nonce=nonce).SerializeToString()
+        sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
+        reply = handshake_pb2.HelloReply.FromString(_handshake_reply(sock, MsgType.HELLO_REPLY, target_name))
+        ids = (agent.name, target_name, agent.epoch, target_epoch)
+        secret = agent._secret
+        if reply.auth_required and secret is None:
+            raise AuthError(f"peer {target_name!r} requires authentication; configure the cluster's auth_secret")
+        if secret is not None:
+            if not reply.auth_required:
+                raise AuthError(f"peer {target_name!r} has no auth_secret while this agent has one; "
+                                "configure the same secret on both")
+            expected = _wire.target_proof(secret, nonce, reply.nonce, *ids)
+            import hmac
+
+            if not hmac.compare_digest(reply.proof, expected):
+                raise AuthError(f"peer {target_name!r} failed the HMAC challenge: another auth_secret")
+        proof = _wire.initiator_proof(secret, nonce, reply.nonce, *ids) if secret else b""
+        auth = handshake_pb2.Auth(proof=proof).SerializeToString()
+        sock.sendall(_wire.pack(MsgType.AUTH, payload_len=len(auth)) + auth)
+        _handshake_reply(sock, MsgType.AUTH_OK, target_name)
+        if reply.max_message_bytes <= 0 or reply.max_descs_per_message <= 0:
+            raise ProtocolError(f"peer {target_name!r} announced invalid limits")
+        sock.settimeout(agent.timeouts.io_s)
+        return sock, (reply.max_message_bytes, reply.max_descs_per_message)
+    except KvxError:
+        sock.close()
+        raise
+    except (OSError, ValueError) as exc:  # ValueError covers protobuf DecodeError
+        sock.close()
+        raise ConnectError(f"handshake with peer {target_name!r} at {address} failed: {exc}") from exc
+
+
+def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str) -> bytes:
+    try:
+        msg_type, _, payload_len, aux, data_len = check_header(recv_exact(sock, _wire.HEADER_SIZE))
+    except PeerLostError as exc:
+        raise ConnectError(f"peer {peer!r} closed the connection during the handshake") from exc
+    except TimeoutError as exc:
+        raise ConnectError(f"peer {peer!r} did not answer the handshake in time") from exc
+    if payload_len > _wire.MAX_HANDSHAKE_BYTES or data_len:
+        raise ProtocolError(f"peer {peer!r} sent an oversized handshake message")
+    payload = bytes(recv_exact(sock, payload_len))
+    if msg_type == MsgType.ERROR:
+        raise _remote_error(aux, payload.decode(errors="replace"), peer)
+    if msg_type != expect:
+        raise ProtocolError(f"peer {peer!r} answered the handshake with message type {msg_type}")
+    return payload
+
+
+class _Part:
+    """One request of a transfer, waiting for its response."""
+
+    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes")
+
+    def __init__(self, transfer: Transfer, op: MsgType, addrs: np.ndarray | None, lens: np.ndarray | None,
+                 nbytes: int) -> None:
+        self.transfer = transfer
+        self.op = op
+        self.addrs = addrs  # READ: where the response lands
+        self.lens = lens
+        self.nbytes = nbytes
+
+
+class _Connection:
+    """One initiator connection: pipelined requests, one reader thread."""
+
+    def __init__(self, backend: TcpBackend, sock: socket.socket, peer: str, index: int) -> None:
+        self.backend = backend
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.io_ms = backend.io_ms
+        self.io_s = backend.agent.timeouts.io_s
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.pending: dict[int, _Part] = {}
+        self.ids = itertools.count(1)
+        self.error: KvxError | None = None
+        self.closed = False
+        self.last_progress = time.monotonic()
+        self.queue: collections.deque = collections.deque()
+        self.queue_cv = threading.Condition(self.lock)
+        self.sender: threading.Thread | None = None
+        self.on_break = None  # set by the channel
+        self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
+
+    def start(self) -> None:
+        self.reader.start()
+
+    def submit(self, part: _Part, prefix: bytes, addrs: np.ndarray | None, lens: np.ndarray | None,
+               request_id: int) -> None:
+        """Send one request; a failure fails the part (and the connection)."""
+        with self.lock:
+            if self.error is not None:
+                error = self.error
+            else:
+                error = None
+                self.pending[request_id] = part
+                self.last_progress = time.monotonic()
+                if addrs is not None and part.nbytes > INLINE_SEND_BYTES:
+                    self.queue.append((prefix, addrs, lens))
+                    if self.sender is None:
+                        self.sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                       name=f"kvx-send-{self.peer}")
+                        self.sender.start()
+                    self.queue_cv.notify()
+                    return
+        if error is not None:
+            part.transfer._part_finished(_again(error))
+            return
+        self._send(prefix, addrs, lens)
+
+    def _send(self, prefix: bytes, addrs: np.ndarray | None, lens: np.ndarray | None) -> None:
+        try:
+            with self.send_lock:
+                if self.closed:
+                    raise PeerLostError(f"connection to peer {self.peer!r} is closed")
+                if addrs is None:
+                    self.sock.sendall(prefix)
+                else:
+                    _io.sendv(self.fd, prefix, addrs, lens, self.io_ms)
+        except KvxError as exc:
+            self.shutdown(exc)
+        except builtins_timeout as exc:
+            self.shutdown(TimeoutError(f"peer {self.peer!r} took no data for {self.io_s}s: {exc}"))
+        except OSError as exc:
+            self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
+
+    def _send_loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.queue and self.error is None:
+                    self.queue_cv.wait()
+                if self.error is not None:
+                    self.queue.clear()
+                    return
+                item = self.queue.popleft()
+            self._send(*item)
+
+    def shutdown(self, error: KvxError) -> None:
+        """Fail everything in flight with ``error``; the reader then closes the socket."""
+        with self.lock:
+            if self.error is None:
+                self.error = error
+            pending, self.pending = self.pending, {}
+            self.queue.clear()
+            self.queue_cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for part in pending.values():
+            part.transfer._part_finished(_again(self.error))
+        if self.on_break is not None:
+            self.on_break(self.error)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self._next_header()
+                msg_type, request_id, payload_len, aux, data_len = check_header(header)
+                with self.lock:
+                    part = self.pending.get(request_id)
+                if part is None:
+                    raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
+                error = self._read_response(part, msg_type, payload_len, aux, data_len)
+                with self.lock:
+                    self.pending.pop(request_id, None)
+                    self.last_progress = time.monotonic()
+                part.transfer._part_finished(error)
+        except KvxError as exc:
+            self.shutdown(exc)
+        except builtins_timeout as exc:
+            self.shutdown(TimeoutError(f"peer {self.peer!r} sent no data for {self.io_s}s: {exc}"))
+        except OSError as exc:
+            self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
+        except Exception as exc:  # a bug here must not leave transfers hanging
+            logger.exception("reader for peer %s failed", self.peer)
+            self.shutdown(TransferError(f"internal error: {exc!r}"))
+        finally:
+            self._close_socket()
+
+    def _next_header(self) -> bytearray:
+        header = bytearray(_wire.HEADER_SIZE)
+        view = memoryview(header)
+        got = 0
+        while got < len(header):
+            try:
+                k = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                with self.lock:
+                    idle = not self.pending and got == 0
+                    stalled = time.monotonic() - self.last_progress
+                if idle or stalled < self.io_s:
+                    continue
+                raise TimeoutError(f"peer {self.peer!r} answered nothing for {stalled:.1f}s "
+                                   f"(Timeouts.io_s={self.io_s})") from None
+            if k == 0:
+                with self.lock:
+                    error = self.error
+                raise error or PeerLostError(f"peer {self.peer!r} closed the connection")
+            got += k
+        return header
+
+    def _read_response(self, part: _Part, msg_type: int, payload_len: int, aux: int,
+                       data_len: int) -> KvxError | None:
+        if msg_type == MsgType.ERROR:
+            if payload_len > _wire.MAX_ERROR_TEXT_BYTES or data_len:
+                raise ProtocolError(f"peer {self.peer!r} sent a malformed ERROR")
+            text = bytes(recv_exact(self.sock, payload_len)).decode(errors="replace")
+            return _remote_error(aux, text, self.peer)
+        expected = {MsgType.READ_REQ: MsgType.READ_RESP, MsgType.WRITE_REQ: MsgType.WRITE_RESP,
+                    MsgType.NOTIFY: MsgType.NOTIFY_ACK}[part.op]
+        if msg_type != expected or payload_len:
+            raise ProtocolError(f"peer {self.peer!r} answered {part.op.name} with message type {msg_type}")
+        if msg_type == MsgType.READ_RESP:
+            if data_len != part.nbytes:
+                raise ProtocolError(f"peer {self.peer!r} sent {data_len} bytes for a read of {part.nbytes}")
+            _io.recvv(self.fd, part.addrs, part.lens, self.io_ms)
+        elif data_len:
+            raise ProtocolError(f"peer {self.peer!r} sent data with {MsgType(msg_type).name}")
+        return None
+
+    def _close_socket(self) -> None:
+        sender = self.sender
+        if sender is not None and sender is not threading.current_thread():
+            sender.join(self.backend.agent.timeouts.close_s)
+        with self.send_lock:
+            self.closed = True
+            self.sock.close()
+
+
+builtins_timeout = __builtins__["TimeoutError"] if isinstance(__builtins__, dict) else __builtins__.TimeoutError
+
+
+def _again(error: KvxError) -> KvxError:
+    """A fresh exception of the same class for each transfer it fails."""
+    fresh = type(error)(str(error))
+    fresh.__cause__ = error.__cause__
+    return fresh
+
+
+class TcpChannel(Channel):
+    """Connections to one peer; cuts transfers into parts and spreads them."""
+
+    def __init__(self, backend: TcpBackend, peer: str, conns: list[_Connection], max_message_bytes: int,
+                 max_descs: int) -> None:
+        self.backend = backend
+        self.peer = peer
+        self.conns = conns
+        self.max_message_bytes = max_message_bytes
+        self.max_descs = max_descs
+        self._next_conn = itertools.count()
+        self._error: KvxError | None = None
+        for conn in conns:
+            conn.on_break = self._on_break
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None
+
+    @property
+    def error(self) -> KvxError | None:
+        return self._error
+
+    def _on_break(self, error: KvxError) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        for conn in self.conns:
+            conn.shutdown(error)
+        self.backend._channel_closed(self)
+
+    def close(self) -> None:
+        self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
+
+    def _conn(self) -> _Connection:
+        return self.conns[next(self._next_conn) % len(self.conns)]
+
+    def notify(self, transfer: Transfer, data: bytes) -> None:
+        conn = self.conns[0]
+        request_id = next(conn.ids)
+        prefix = _wire.pack(MsgType.NOTIFY, request_id, payload_len=len(data)) + data
+        conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, None, None, request_id)
+
+    def post(self, transfer: Transfer, op: Op, local_addrs: np.ndarray, local_lens: np.ndarray,
+             remote: np.ndarray, notify: bytes | None) -> None:
+        total = int(local_lens.sum(dtype=np.uint64))
+        cuts = plan_cuts(remote, total, self.max_message_bytes, self.max_descs,
+                         len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1)
+        nparts = len(cuts) - 1
+        remote_cut, remote_idx = Descs(remote).split_at(cuts)
+        local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
+        local["offset"] = local_addrs
+        local["length"] = local_lens
+        local_cut, local_idx = Descs(local).split_at(cuts)
+        attach_notify = notify is not None and nparts == 1 and op is Op.WRITE
+        if notify is not None and not attach_notify:
+            transfer._on_parts_done = lambda t: self.notify(t, notify)
+        transfer._parts_left = nparts
+        for k in range(nparts):
+            wire = remote_cut.array[remote_idx[k]:remote_idx[k + 1]]
+            mine = local_cut.array[local_idx[k]:local_idx[k + 1]]
+            addrs = np.ascontiguousarray(mine["offset"])
+            lens = np.ascontiguousarray(mine["length"])
+            nbytes = int(cuts[k + 1] - cuts[k])
+            conn = self._conn()
+            request_id = next(conn.ids)
+            payload = wire.tobytes()
+            if op is Op.READ:
+                prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
+                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes), prefix, None, None, request_id)
+            else:
+                extra = notify if attach_notify else b""
+                prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
+                                    aux=len(extra), data_len=nbytes) + payload + extra
+                conn.submit(_Part(transfer, MsgType.WRITE_REQ, None, None, nbytes), prefix, addrs, lens,
+                            request_id)
+
+
+def plan_cuts(remote: np.ndarray, total: int, max_bytes: int, max_descs: int, streams: int) -> np.ndarray:
+    """Byte positions that cut a transfer into requests within the target's limits.
+
+    Cuts fall on remote descriptor ends where they can, so blocks stay whole;
+    a descriptor larger than a message is cut inside.
+    """
+    ends = np.cumsum(remote["length"], dtype=np.uint64)
+    nparts = max(streams, -(-total // max_bytes), -(-len(remote) // max_descs), 1)
+    for _ in range(24):
+        ideal = (np.arange(1, nparts, dtype=np.float64) * (total / nparts)).astype(np.uint64)
+        below = np.searchsorted(ends, ideal, side="right") - 1
+        snapped = np.where(below >= 0, ends[np.maximum(below, 0)], 0).astype(np.uint64)
+        for inner in (snapped, ideal):
+            cuts = np.unique(np.concatenate(([0], inner, [total])).astype(np.uint64))
+            if _within(cuts, ends, max_bytes, max_descs):
+                return cuts
+        nparts *= 2
+    # Always valid: every part inside one descriptor and at most max_bytes long.
+    ideal = (np.arange(1, -(-total // max_bytes)) * max_bytes).astype(np.uint64)
+    return np.unique(np.concatenate(([0], ends, ideal)).astype(np.uint64))
+
+
+def _within(cuts: np.ndarray, ends: np.ndarray, max_bytes: int, max_descs: int) -> bool:
+    if np.diff(cuts).max(initial=0) > max_bytes:
+        return False
+    first = np.searchsorted(ends, cuts[:-1], side="right")
+    last = np.searchsorted(ends, cuts[1:], side="left")
+    return int((last - first + 1).max(initial=0)) <= max_descs

@@ -1,0 +1,246 @@
+"""Registered memory: regions, and the table that guards every access.
+
+Every byte a peer touches goes through ``RegionTable.resolve``: it checks each
+descriptor against the registered bounds and access rights (vectorised), and
+pins the table until the access is released, so that ``deregister`` can wait
+until no transfer that might touch a region is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvx.descs import Descs
+from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
+
+# Per-region flag bits in RegionTable._flags.
+VALID = 1
+REMOTE_READ = 2
+REMOTE_WRITE = 4
+LOCAL_WRITE = 8
+
+
+class MemoryKind(enum.Enum):
+    HOST = "host"
+    CUDA = "cuda"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+    """A registered local memory range."""
+
+    id: int
+    address: int
+    size_bytes: int
+    memory_kind: MemoryKind
+    device: int
+    remote_read: bool
+    remote_write: bool
+    writable: bool
+    owner: Any = dataclasses.field(repr=False, default=None)  # keeps the memory alive
+
+    def descs(self, offsets: Any, lengths: Any) -> Descs:
+        return Descs.build(self.id, offsets, lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteRegion:
+    """A peer's registered region, as its metadata describes it."""
+
+    id: int
+    size_bytes: int
+    memory_kind: MemoryKind
+    device: int
+    address: int
+    remote_read: bool
+    remote_write: bool
+
+    def descs(self, offsets: Any, lengths: Any) -> Descs:
+        return Descs.build(self.id, offsets, lengths)
+
+
+def describe_memory(obj: Any) -> tuple[int, int, bool, Any]:
+    """(address, size_bytes, writable, keep-alive object) of host memory ``obj``."""
+    if isinstance(obj, tuple):
+        if len(obj) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj):
+            raise ConfigError("raw memory is registered as an (address, size_bytes) tuple of ints")
+        address, size = obj
+        if address <= 0 or size <= 0 or address + size >= 1 << 64:
+            raise ConfigError(f"invalid raw memory range: address={address:#x} size={size}")
+        return address, size, True, None
+    if hasattr(obj, "__cuda_array_interface__") or _is_torch_cuda(obj):
+        raise RegionError(
+            "GPU memory cannot be registered by this build: CUDA regions need the kvx[gpu] "
+            "extra and GPU support in kvx; register host memory instead"
+        )
+    if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
+        if not obj.is_contiguous():
+            raise ConfigError("register a contiguous tensor (tensor.contiguous())")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), True, obj
+    if isinstance(obj, np.ndarray):
+        if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+            raise ConfigError("register a contiguous array (np.ascontiguousarray)")
+        return int(obj.ctypes.data), int(obj.nbytes), bool(obj.flags.writeable), obj
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise ConfigError(
+            f"cannot register {type(obj).__name__}: pass a numpy array, bytearray, memoryview, "
+            "mmap, torch CPU tensor or (address, size_bytes)"
+        ) from None
+    if not view.contiguous:
+        raise ConfigError("register a contiguous buffer")
+    arr = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.zeros(0, np.uint8)
+    return int(arr.ctypes.data), int(view.nbytes), not view.readonly, arr
+
+
+def _is_torch_cuda(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and getattr(getattr(obj, "device", None), "type", "cpu") != "cpu"
+
+
+class RegionTable:
+    """Thread-safe table of registered regions, indexed by region id."""
+
+    def __init__(self, max_regions: int) -> None:
+        self._max_regions = max_regions
+        self._cond = threading.Condition()
+        self._regions: dict[int, Region] = {}
+        self._base = np.zeros(64, dtype=np.uint64)
+        self._size = np.zeros(64, dtype=np.uint64)
+        self._flags = np.zeros(64, dtype=np.uint8)
+        self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
+        self._active: dict[int, None] = {}
+        self._tokens = itertools.count(1)
+        self._waiters = 0
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def regions(self) -> list[Region]:
+        with self._cond:
+            return list(self._regions.values())
+
+    def get(self, region_id: int) -> Region | None:
+        return self._regions.get(region_id)
+
+    def add(self, obj: Any, *, remote_access: bool) -> Region:
+        address, size, writable, owner = describe_memory(obj)
+        if size <= 0:
+            raise RegionError("cannot register an empty buffer")
+        with self._cond:
+            if len(self._regions) >= self._max_regions:
+                raise RegionError(f"too many registered regions (Limits.max_regions={self._max_regions})")
+            rid = self._next_id
+            if rid >= 1 << 32:
+                raise RegionError("region ids exhausted; restart the agent")
+            self._next_id += 1
+            region = Region(rid, address, size, MemoryKind.HOST, -1,
+                            remote_access, remote_access and writable, writable, owner)
+            if rid >= len(self._flags):
+                grow = max(rid + 1, 2 * len(self._flags))
+                self._base = np.resize(self._base, grow)
+                self._size = np.resize(self._size, grow)
+                self._flags = np.concatenate([self._flags, np.zeros(grow - len(self._flags), np.uint8)])
+            self._base[rid] = address
+            self._size[rid] = size
+            self._flags[rid] = (VALID | (REMOTE_READ if region.remote_read else 0)
+                                | (REMOTE_WRITE if region.remote_write else 0)
+                                | (LOCAL_WRITE if writable else 0))
+            self._regions[rid] = region
+            return region
+
+    def remove(self, region: Region | int, timeout_s: float) -> None:
+        """Deregister; waits for accesses that started before, up to timeout_s."""
+        rid = int(getattr(region, "id", region))
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            if rid not in self._regions:
+                raise RegionError(f"region {rid} is not registered")
+            saved = self._flags[rid]
+            self._flags[rid] = 0  # no new access can resolve against it from here on
+            before = set(self._active)
+            self._waiters += 1
+            try:
+                while before.intersection(self._active):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._flags[rid] = saved
+                        raise RegionBusyError(
+                            f"region {rid} still has transfers in flight after {timeout_s}s; "
+                            "wait for them (Transfer.wait) and deregister again"
+                        )
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
+            del self._regions[rid]
+            self._base[rid] = 0
+            self._size[rid] = 0
+
+    def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """Check descriptors and pin the table: (addresses, lengths, token).
+
+        ``need`` is the flag bits every region must carry; ``who`` names the
+        side in error messages ("remote read", "local destination", ...).
+        Call ``release(token)`` when the bytes have moved.
+        """
+        with self._cond:
+            if len(descs) == 0:
+                return np.zeros(0, np.uint64), np.zeros(0, np.uint64), self._pin()
+            check_descs(descs, self._flags, self._size, need, who)
+            ids = descs["region"]
+            addrs = self._base[ids] + descs["offset"]
+            return addrs, np.ascontiguousarray(descs["length"]), self._pin()
+
+    def _pin(self) -> int:
+        token = next(self._tokens)
+        self._active[token] = None
+        return token
+
+    def release(self, token: int) -> None:
+        with self._cond:
+            self._active.pop(token, None)
+            if self._waiters:
+                self._cond.notify_all()
+
+
+def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int, who: str) -> None:
+    """Raise AccessError unless every descriptor lies inside a valid region
+    (flag VALID) that carries the ``need`` flags; vectorised.
+
+    ``flags`` and ``sizes`` are indexed by region id.
+    """
+    ids = descs["region"]
+    if not len(ids):
+        return
+    if int(ids.max()) >= len(flags):
+        i = int(np.argmax(ids >= len(flags)))
+        raise AccessError(f"{who}: descriptor {i} names unknown region {int(ids[i])}")
+    region_flags = flags[ids]
+    bad = (region_flags & (need | VALID)) != (need | VALID)
+    if bad.any():
+        i = int(np.argmax(bad))
+        if not region_flags[i] & VALID:
+            raise AccessError(f"{who}: descriptor {i} names unknown region {int(ids[i])}")
+        raise AccessError(f"{who}: region {int(ids[i])} does not allow this access "
+                          f"({_describe_flags(int(region_flags[i]))})")
+    region_sizes = sizes[ids]
+    offsets, lengths = descs["offset"], descs["length"]
+    outside = (offsets > region_sizes) | (lengths > region_sizes - np.minimum(offsets, region_sizes))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise AccessError(
+            f"{who}: descriptor {i} (region {int(ids[i])}, offset {int(offsets[i])}, "
+            f"length {int(lengths[i])}) is outside the region's {int(region_sizes[i])} bytes")
+
+
+def _describe_flags(flags: int) -> str:
+    allowed = [name for bit, name in ((REMOTE_READ, "remote read"), (REMOTE_WRITE, "remote write"),
+                                      (LOCAL_WRITE, "local write")) if flags & bit]
+    return "allows " + ", ".join(allowed) if allowed else "registered without remote access"

@@ -1,0 +1,167 @@
+"""Transfer handles and notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from typing import Any, Callable, Generator
+
+from kvx.errors import KvxError, TimeoutError
+
+logger = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Op(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+@dataclasses.dataclass(frozen=True)
+class Notification:
+    """A message a peer attached to a transfer, delivered after its data landed."""
+
+    peer: str
+    data: bytes
+
+
+class Transfer:
+    """The handle of one READ or WRITE.
+
+    ``wait(timeout_s)`` blocks until the transfer has finished and raises the
+    error that failed it; ``await transfer`` does the same in asyncio. A
+    transfer is finished only once no byte of it can still move: when one
+    part fails, the others are waited for before the error is reported, so
+    its local memory is free to reuse as soon as ``wait`` returns or raises.
+    """
+
+    __slots__ = ("op", "peer", "bytes", "posted_at", "completed_at", "_state", "_error",
+                 "_parts_left", "_lock", "_done", "_callbacks", "_default_timeout_s", "_on_parts_done", "_cleanup")
+
+    def __init__(self, op: Op, peer: str, nbytes: int, parts: int, default_timeout_s: float) -> None:
+        self.op = op
+        self.peer = peer
+        self.bytes = nbytes
+        self.posted_at = time.monotonic()
+        self.completed_at: float | None = None
+        self._state = TransferState.PENDING
+        self._error: BaseException | None = None
+        self._parts_left = parts
+        self._lock = threading.Lock()
+        # Held until the transfer finishes; waiters acquire and release it.
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._callbacks: list[Callable[[Transfer], Any]] = []
+        self._default_timeout_s = default_timeout_s
+        # Posts one trailing part (a notification) once all data parts are done.
+        self._on_parts_done: Callable[[Transfer], None] | None = None
+        # Run when the transfer finishes, before waiters wake (releases pins).
+        self._cleanup: Callable[[], None] | None = None
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def done(self) -> bool:
+        return self._state is not TransferState.PENDING
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.completed_at is None else self.completed_at - self.posted_at
+
+    @property
+    def throughput_gbps(self) -> float | None:
+        d = self.duration_s
+        return None if not d else self.bytes / d / 1e9
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until finished; raise its error. Timing out leaves it running."""
+        if self._state is TransferState.PENDING:
+            limit = self._default_timeout_s if timeout_s is None else timeout_s
+            if not self._done.acquire(timeout=max(limit, 0)):
+                raise TimeoutError(
+                    f"{self.op.value} of {self.bytes} bytes from {self.peer!r} not finished after {limit}s"
+                )
+            self._done.release()
+        if self._error is not None:
+            raise self._error
+
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
+        """Call ``fn(transfer)`` once finished (at once if it already is), from a kvx thread."""
+        with self._lock:
+            if self._state is TransferState.PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._state is TransferState.PENDING:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+
+            def wake(_: Transfer) -> None:
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+            self.add_done_callback(wake)
+            yield from future.__await__()
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.op.value} {self.bytes} bytes peer={self.peer!r} {self._state.value}>"
+
+    # Called by backends.
+
+    def _part_finished(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._parts_left -= 1
+            if self._parts_left > 0:
+                return
+            hook, self._on_parts_done = self._on_parts_done, None
+            if hook is not None and self._error is None:
+                self._parts_left = 1  # the hook's own part
+            else:
+                hook = None
+        if hook is not None:
+            hook(self)  # posts one more part, which calls _part_finished once
+            return
+        self._finish()
+
+    def _fail_now(self, error: KvxError) -> None:
+        """Fail a transfer whose parts were never posted."""
+        with self._lock:
+            self._error = error
+            self._parts_left = 0
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._state is not TransferState.PENDING:
+                return
+            self.completed_at = time.monotonic()
+            self._state = TransferState.FAILED if self._error is not None else TransferState.DONE
+            callbacks, self._callbacks = self._callbacks, []
+            cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
+        self._done.release()
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a callback must not break the connection thread
+                logger.exception("transfer done-callback failed")

@@ -1,0 +1,28 @@
+"""Builds the optional C extension kvx._native (csrc/).
+
+KVX_ASAN=1 builds it with AddressSanitizer (run with LD_PRELOAD of libasan).
+Without a working C compiler the build goes on without the extension, and
+kvx runs on the pure-Python twin (kvx/_io_py.py).
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+cflags = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
+ldflags = []
+if os.environ.get("KVX_ASAN") == "1":
+    cflags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"]
+    ldflags += ["-fsanitize=address"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvx._native",
+            sources=["csrc/kvx_io.c"],
+            extra_compile_args=cflags,
+            extra_link_args=ldflags,
+            optional=os.environ.get("KVX_NATIVE") != "1",
+        )
+    ]
+)
