@@ -16,8 +16,8 @@ from kvx.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def _select():
-    choice = os.environ.get("KVX_NATIVE", "").strip()
+def _select(choice: str):  # -> (module, name)
+    choice = choice.strip()
     if choice not in ("", "0", "1"):
         raise ConfigError(f"KVX_NATIVE must be 0, 1 or unset, not {choice!r}")
     if choice == "0":
@@ -35,7 +35,18 @@ def _select():
     return _native, "native"
 
 
-_impl, IMPL = _select()
-sendv = _impl.sendv
-recvv = _impl.recvv
+def use(choice: str) -> str:
+    """Switch implementations at run time ("1", "0" or ""); returns the one in use.
+
+    Callers reach the functions as ``_io.sendv``, so the switch takes effect
+    for the next call.
+    """
+    global IMPL, sendv, recvv
+    impl, IMPL = _select(choice)
+    sendv, recvv = impl.sendv, impl.recvv
+    return IMPL
+
+
+IMPL = ""
+use(os.environ.get("KVX_NATIVE", ""))
 

@@ -78,7 +78,7 @@ def target_main(conn, opts: dict) -> None:
         rc = engine.register_memory(addr, POOL_BYTES)
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")
-        conn.send({"session": f"{HOST}:{engine.get_rpc_port()}", "addr": addr})
+        conn.send({"segment": f"{HOST}:{engine.get_rpc_port()}", "addr": addr})
         # The engine serves reads from its own threads; just wait.
         while not conn.poll(0.2):
             if time.monotonic() > deadline:
@@ -95,18 +95,18 @@ def target_main(conn, opts: dict) -> None:
             pass
 
 
-def read(engine, session, local, remote, lengths) -> float:
+def read(engine, segment, local, remote, lengths) -> float:
     t0 = time.perf_counter()
-    rc = engine.batch_transfer_sync_read(session, local, remote, lengths)
+    rc = engine.batch_transfer_sync_read(segment, local, remote, lengths)
     dt = time.perf_counter() - t0
     if rc != 0:
         raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
     return dt
 
 
-def read_one(engine, session, local, remote, length) -> float:
+def read_one(engine, segment, local, remote, length) -> float:
     t0 = time.perf_counter()
-    rc = engine.transfer_sync_read(session, local, remote, length)
+    rc = engine.transfer_sync_read(segment, local, remote, length)
     dt = time.perf_counter() - t0
     if rc != 0:
         raise RuntimeError(f"transfer_sync_read returned {rc}")
@@ -132,7 +132,7 @@ def main() -> int:
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")
         info = peer.recv(timeout=120)
-        session, raddr = info["session"], info["addr"]
+        segment, raddr = info["segment"], info["addr"]
 
         offs = [int(b) * BLOCK_SIZE for b in XFER_BLOCK_IDS]
         local = [addr + o for o in offs]
@@ -140,24 +140,24 @@ def main() -> int:
         lengths = [BLOCK_SIZE] * len(offs)
 
         # Workload A, first request checked byte for byte.
-        read(engine, session, local, remote, lengths)
+        read(engine, segment, local, remote, lengths)
         verified, why = verify_blocks(pool, XFER_BLOCK_IDS)
         if not verified:
             raise RuntimeError(f"verification failed: {why}")
         out.log("mooncake: verified 1000 x 32 KiB read")
         for _ in range(max(0, args.warmup - 1)):
-            read(engine, session, local, remote, lengths)
-        a = [read(engine, session, local, remote, lengths) for _ in range(args.iters)]
+            read(engine, segment, local, remote, lengths)
+        a = [read(engine, segment, local, remote, lengths) for _ in range(args.iters)]
 
         # Workload B: one 4 KiB read (first 4 KiB of block 1 into local block 1).
         sl, sr = addr + BLOCK_SIZE, raddr + BLOCK_SIZE
         for _ in range(args.lat_warmup):
-            read_one(engine, session, sl, sr, SMALL_BYTES)
-        b = [read_one(engine, session, sl, sr, SMALL_BYTES) for _ in range(args.lat_iters)]
+            read_one(engine, segment, sl, sr, SMALL_BYTES)
+        b = [read_one(engine, segment, sl, sr, SMALL_BYTES) for _ in range(args.lat_iters)]
         # Same thing through the batch call, for reference.
         for _ in range(args.lat_warmup):
-            read(engine, session, [sl], [sr], [SMALL_BYTES])
-        bb = [read(engine, session, [sl], [sr], [SMALL_BYTES]) for _ in range(args.lat_iters)]
+            read(engine, segment, [sl], [sr], [SMALL_BYTES])
+        bb = [read(engine, segment, [sl], [sr], [SMALL_BYTES]) for _ in range(args.lat_iters)]
         expected = np.empty(POOL_BYTES, dtype=np.uint8)
         fill_pattern(expected)
         if not np.array_equal(pool[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES],

@@ -207,11 +207,9 @@ class InboundConnection:
         if nbytes // DESC_SIZE > limits.max_descs_per_message:
             raise _Fatal(LimitError(f"{nbytes // DESC_SIZE} descriptors in one request; this agent "
                                     f"takes at most {limits.max_descs_per_message}"), request_id)
-        descs = np.zeros(nbytes // DESC_SIZE, dtype=DESC_DTYPE)
-        if nbytes:
-            raw = recv_exact(self.sock, nbytes)
-            descs.view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
-        return descs
+        if not nbytes:
+            return np.zeros(0, dtype=DESC_DTYPE)
+        return np.frombuffer(recv_exact(self.sock, nbytes), dtype=DESC_DTYPE)
 
     def _check_size(self, request_id: int, data_len: int) -> None:
         limit = self.agent.limits.max_message_bytes

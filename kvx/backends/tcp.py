@@ -465,23 +465,34 @@ class TcpChannel(Channel):
     def post(self, transfer: Transfer, op: Op, local_addrs: np.ndarray, local_lens: np.ndarray,
              remote: np.ndarray, notify: bytes | None) -> None:
         total = int(local_lens.sum(dtype=np.uint64))
-        cuts = plan_cuts(remote, total, self.max_message_bytes, self.max_descs,
-                         len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1)
-        nparts = len(cuts) - 1
-        remote_cut, remote_idx = Descs(remote).split_at(cuts)
-        local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
-        local["offset"] = local_addrs
-        local["length"] = local_lens
-        local_cut, local_idx = Descs(local).split_at(cuts)
+        streams = len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1
+        if streams == 1 and total <= self.max_message_bytes and len(remote) <= self.max_descs:
+            # One request: the common case, and the one latency depends on.
+            nparts, cuts = 1, (0, total)
+            remote_cut, remote_idx = remote, (0, len(remote))
+            local_cut, local_idx = None, (0, len(local_addrs))
+        else:
+            cuts = plan_cuts(remote, total, self.max_message_bytes, self.max_descs, streams)
+            nparts = len(cuts) - 1
+            remote_cut, remote_idx = Descs(remote).split_at(cuts)
+            remote_cut = remote_cut.array
+            local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
+            local["offset"] = local_addrs
+            local["length"] = local_lens
+            local_cut, local_idx = Descs(local).split_at(cuts)
+            local_cut = local_cut.array
         attach_notify = notify is not None and nparts == 1 and op is Op.WRITE
         if notify is not None and not attach_notify:
             transfer._on_parts_done = lambda t: self.notify(t, notify)
         transfer._parts_left = nparts
         for k in range(nparts):
-            wire = remote_cut.array[remote_idx[k]:remote_idx[k + 1]]
-            mine = local_cut.array[local_idx[k]:local_idx[k + 1]]
-            addrs = np.ascontiguousarray(mine["offset"])
-            lens = np.ascontiguousarray(mine["length"])
+            wire = remote_cut[remote_idx[k]:remote_idx[k + 1]]
+            if local_cut is None:
+                addrs, lens = local_addrs, local_lens
+            else:
+                mine = local_cut[local_idx[k]:local_idx[k + 1]]
+                addrs = np.ascontiguousarray(mine["offset"])
+                lens = np.ascontiguousarray(mine["length"])
             nbytes = int(cuts[k + 1] - cuts[k])
             conn = self._conn()
             request_id = next(conn.ids)

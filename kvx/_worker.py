@@ -1,0 +1,161 @@
+"""An agent in a child process, driven over a pipe.
+
+``kvx demo`` and ``kvx bench`` run their remote side with it, and the
+multi-process tests use it as the peer they kill, stop and restart. The
+child fills its pool with bytes derived from a seed, so the parent can check
+every byte it reads without a copy of the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+START_TIMEOUT_S = 60.0
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """The deterministic pool contents for ``seed``."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    name: str
+    pool_bytes: int
+    seed: int = 1
+    auth_secret: bytes | None = None
+    listen: str = "127.0.0.1:0"
+    native: str = ""  # KVX_NATIVE for the child: "1", "0" or "" (automatic)
+    streams: int = 1
+    timeouts: dict = dataclasses.field(default_factory=dict)
+    limits: dict = dataclasses.field(default_factory=dict)
+    remote_access: bool = True
+
+
+def _main(conn: Any, config: WorkerConfig) -> None:
+    # Die with the parent: a test or benchmark that crashes leaves no agent behind.
+    parent = os.getppid()
+    from kvx import _io
+
+    _io.use(config.native)
+    import kvx
+
+    agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,
+                      streams=config.streams, timeouts=kvx.Timeouts(**config.timeouts),
+                      limits=kvx.Limits(**config.limits))
+    pool = pattern(config.seed, config.pool_bytes).copy()
+    regions = {0: agent.register(pool, remote_access=config.remote_access)}
+    conn.send(("ready", agent.metadata(), os.getpid(), regions[0].id))
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:
+                break
+            continue
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "stop":
+                conn.send(("ok", None))
+                break
+            conn.send(("ok", _command(agent, pool, regions, cmd, args)))
+        except Exception as exc:  # report to the parent, keep serving
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    agent.close()
+
+
+def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) -> Any:
+    if cmd == "metadata":
+        return agent.metadata()
+    if cmd == "peek":
+        offset, length = args
+        return pool[offset:offset + length].tobytes()
+    if cmd == "fill":
+        pool[:] = args[0]
+        return None
+    if cmd == "notifications":
+        return [(n.peer, n.data) for n in agent.notifications(args[0] if args else 0.0)]
+    if cmd == "register":
+        size, remote_access = args
+        buf = np.zeros(size, np.uint8)
+        region = agent.register(buf, remote_access=remote_access)
+        regions[region.id] = region
+        return region.id
+    if cmd == "deregister":
+        agent.deregister(regions.pop(args[0]))
+        return None
+    if cmd == "read_from":
+        # The child as initiator: read from a peer into its own pool.
+        peer_md, local_off, remote_id, remote_off, length = args
+        peer = agent.add_peer(peer_md)
+        peer.read(regions[0].descs(local_off, length), peer.region(remote_id).descs(remote_off, length)).wait()
+        return None
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+class Worker:
+    """The parent's handle on an agent running in a child process."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(child, config), name=f"kvx-worker-{config.name}",
+                                   daemon=True)
+        self.process.start()
+        child.close()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(f"worker {config.name!r} did not start within {START_TIMEOUT_S}s")
+        try:
+            _, self.metadata, self.pid, self.region_id = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"worker {config.name!r} died while starting "
+                               f"(exit code {self.process.exitcode})") from None
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def call(self, cmd: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self._conn.send((cmd, *args))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"worker {self.config.name!r} did not answer {cmd!r} within {timeout_s}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"worker {self.config.name!r}: {value}")
+        return value
+
+    def expected(self, offset: int, length: int) -> np.ndarray:
+        """What the worker's pool held at start, without asking it."""
+        return pattern(self.config.seed, offset + length)[offset:]
+
+    def signal(self, signum: int) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.signal(signal.SIGCONT)
+                self.call("stop", timeout_s=10)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.process.join(10)
+        self.kill()
+        self._conn.close()
