@@ -12,6 +12,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -141,16 +142,36 @@ class Worker:
         return pattern(self.config.seed, offset + length)[offset:]
 
     def signal(self, signum: int) -> None:
-        if self.process.is_alive():
+        if self._alive():
             os.kill(self.process.pid, signum)
 
+    def freeze(self) -> None:
+        """SIGSTOP, and wait until the kernel reports the process stopped."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.process.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    return
+            time.sleep(0.005)
+        raise TimeoutError(f"worker {self.config.name!r} did not stop")
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def _alive(self) -> bool:
+        try:
+            return self.process.is_alive()
+        except ValueError:  # closed by an earlier stop()
+            return False
+
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self._alive():
             self.process.kill()
-        self.process.join(10)
+            self.process.join(10)
 
     def stop(self) -> None:
-        if self.process.is_alive():
+        if self._alive():
             try:
                 self.signal(signal.SIGCONT)
                 self.call("stop", timeout_s=10)
@@ -159,3 +180,8 @@ class Worker:
             self.process.join(10)
         self.kill()
         self._conn.close()
+        if not self._alive():
+            try:
+                self.process.close()
+            except ValueError:
+                pass  # releases its sentinel descriptor

@@ -209,6 +209,7 @@ class Agent:
             old = self._peers.get(md.name)
         if old is not None:
             if old.epoch == md.epoch and old.alive:
+                old._set_regions(md)  # it may have registered or removed regions since
                 return old
             old._close(EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
                        if old.epoch != md.epoch else PeerLostError(f"peer {md.name!r} reconnected"))
@@ -305,20 +306,25 @@ class Peer:
         self.host_name = md.host_name
         self._channel = channel
         self._closed_error: Exception | None = None
-        self.regions = [
+        self._set_regions(md)
+        self._slots = threading.BoundedSemaphore(agent.limits.max_inflight_per_peer)
+
+    def _set_regions(self, md: agent_pb2.AgentMetadata) -> None:
+        regions = [
             RemoteRegion(r.id, r.size_bytes, _MEMORY_FROM_PB.get(r.memory_kind, MemoryKind.HOST), r.device,
                          r.address, r.remote_read, r.remote_write)
             for r in md.regions
         ]
         # Vectorised view of the published regions, to refuse bad descriptors
         # before anything goes on the wire (the peer checks again).
-        top = max((r.id for r in self.regions), default=0) + 1
-        self._size = np.zeros(top, np.uint64)
-        self._flags = np.zeros(top, np.uint8)
-        for r in self.regions:
-            self._size[r.id] = r.size_bytes
-            self._flags[r.id] = VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
-        self._slots = threading.BoundedSemaphore(agent.limits.max_inflight_per_peer)
+        top = max((r.id for r in regions), default=0) + 1
+        sizes = np.zeros(top, np.uint64)
+        flags = np.zeros(top, np.uint8)
+        for r in regions:
+            sizes[r.id] = r.size_bytes
+            flags[r.id] = VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
+        # Swapped in one assignment each; a post in another thread sees old or new.
+        self.regions, self._size, self._flags = regions, sizes, flags
 
     def __repr__(self) -> str:
         return f"<Peer {self.name!r} epoch={self.epoch:#x} backend={self.backend} alive={self.alive}>"

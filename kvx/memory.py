@@ -179,9 +179,11 @@ class RegionTable:
                     self._cond.wait(left)
             finally:
                 self._waiters -= 1
-            del self._regions[rid]
+            removed = self._regions.pop(rid)
             self._base[rid] = 0
             self._size[rid] = 0
+        # Let go of the memory: a handle the caller keeps must not pin it.
+        object.__setattr__(removed, "owner", None)
 
     def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
         """Check descriptors and pin the table: (addresses, lengths, token).
@@ -266,6 +268,8 @@ def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: i
 
 
 def _describe_flags(flags: int) -> str:
+    if not flags & (REMOTE_READ | REMOTE_WRITE):
+        return "registered without remote access"
     allowed = [name for bit, name in ((REMOTE_READ, "remote read"), (REMOTE_WRITE, "remote write"),
                                       (LOCAL_WRITE, "local write")) if flags & bit]
-    return "allows " + ", ".join(allowed) if allowed else "registered without remote access"
+    return "it allows " + ", ".join(allowed) + " only"

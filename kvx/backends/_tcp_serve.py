@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DESC_SIZE = DESC_DTYPE.itemsize
+# How long and how much a connection closed for a protocol error is drained.
+_LINGER_S = 0.5
+_LINGER_BYTES = 1 << 20
 
 _ERROR_CODES: list[tuple[type[KvxError], ErrorCode]] = [
     (AccessError, ErrorCode.ACCESS),
@@ -93,6 +96,7 @@ class InboundConnection:
             if not self.closing:
                 logger.warning("closing connection from %s: %s", self.peer_name, fatal.error)
                 self._send_error(fatal.request_id, fatal.error)
+                self._linger()
         except (PeerLostError, TimeoutError, OSError) as exc:
             if not self.closing:
                 logger.info("connection from %s ended: %s", self.peer_name, exc)
@@ -286,6 +290,18 @@ class InboundConnection:
         return LimitError(f"agent {self.agent.name!r} has "
                           f"{self.agent.limits.max_pending_notifications} notifications its "
                           "application has not taken; the notification was refused")
+
+    def _linger(self) -> None:
+        """Close gently: closing with unread input sends a reset, which can
+        destroy the ERROR before the peer reads it. Bounded in bytes and time."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(_LINGER_S)
+            left = _LINGER_BYTES
+            while left > 0 and self.sock.recv(min(left, 65536)):
+                left -= 65536
+        except OSError:
+            pass
 
     def _send_error(self, request_id: int, error: KvxError) -> None:
         text = str(error).encode()[: _wire.MAX_ERROR_TEXT_BYTES]

@@ -1,0 +1,79 @@
+"""Fixtures shared by the kvx tests.
+
+The whole suite runs twice in CI (scripts/test.sh): with KVX_NATIVE=1 (the C
+data path, required to be built) and KVX_NATIVE=0 (the pure-Python twin).
+Worker processes inherit the same choice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import kvx
+from kvx import _io
+from kvx._worker import Worker, WorkerConfig
+
+NATIVE = os.environ.get("KVX_NATIVE", "")
+SECRET = b"test-cluster-secret-0123456789"
+
+
+def pytest_report_header(config):
+    return f"kvx data path: {_io.IMPL} (KVX_NATIVE={NATIVE or 'unset'})"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_path_is_what_was_asked():
+    if NATIVE == "1":
+        assert _io.IMPL == "native", "KVX_NATIVE=1 but the C extension is not in use"
+    if NATIVE == "0":
+        assert _io.IMPL == "python"
+
+
+@pytest.fixture
+def make_worker():
+    workers: list[Worker] = []
+
+    def make(name: str = "target", pool_bytes: int = 1 << 20, **kwargs) -> Worker:
+        kwargs.setdefault("native", NATIVE)
+        worker = Worker(WorkerConfig(name, pool_bytes, **kwargs))
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def make_agent():
+    agents: list[kvx.Agent] = []
+
+    def make(name: str = "initiator", **kwargs) -> kvx.Agent:
+        agent = kvx.Agent(name, **kwargs)
+        agents.append(agent)
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def kvx_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("kvx-"))
+
+
+def fd_targets() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(out)

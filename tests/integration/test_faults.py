@@ -1,0 +1,393 @@
+"""Bad input, faults and safety: each gets a specific error, the serving agent
+keeps serving other peers, and no byte outside a request is read or written."""
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx import Descs, _wire
+from kvx._wire import MsgType
+from kvx.agent import parse_metadata
+from kvx.backends._sock import parse_address
+from kvx.descs import DESC_DTYPE
+from kvx.v1 import agent_pb2, handshake_pb2
+from tests.conftest import SECRET, fd_targets, kvx_threads, open_fds
+
+BLOCK = 4096
+POOL = 1 << 20
+
+
+def _tampered(metadata: bytes, edit) -> bytes:
+    md = agent_pb2.AgentMetadata.FromString(metadata)
+    edit(md)
+    return md.SerializeToString()
+
+
+def _still_serves(worker, make_agent):
+    """A fresh, well-behaved peer gets correct bytes."""
+    agent = make_agent(f"healthy-{time.monotonic_ns()}", auth_secret=worker.config.auth_secret)
+    pool = np.zeros(BLOCK, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    peer.read(region.descs(0, BLOCK), peer.regions[0].descs(5 * BLOCK, BLOCK)).wait(10)
+    assert pool.tobytes() == worker.expected(5 * BLOCK, BLOCK).tobytes()
+    agent.close()
+
+
+def _guard_intact(worker):
+    assert worker.call("peek", 0, POOL) == worker.expected(0, POOL).tobytes()
+
+
+# Descriptor checks done by the serving agent: the initiator's own pre-check
+# is bypassed by metadata that claims more than the target has.
+
+def test_descriptor_outside_region_is_refused_by_the_target(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.full(2 * BLOCK, 7, np.uint8)
+    region = agent.register(pool)
+    lying = _tampered(worker.metadata, lambda md: setattr(md.regions[0], "size_bytes", 2 * POOL))
+    peer = agent.add_peer(lying)
+    for op in (peer.read, peer.write):
+        with pytest.raises(kvx.AccessError, match="outside the region's 1048576 bytes"):
+            op(region.descs(0, BLOCK), peer.regions[0].descs(POOL - 100, BLOCK)).wait(10)
+        # One bad descriptor among good ones: nothing of the request moves.
+        local = Descs.build(region, [0, BLOCK], BLOCK)
+        with pytest.raises(kvx.AccessError, match="descriptor 1"):
+            op(local, Descs.build(peer.regions[0], [0, POOL], BLOCK)).wait(10)
+    assert (pool == 7).all(), "a refused read wrote local memory"
+    _guard_intact(worker)
+    assert peer.alive  # a refused request does not cost the connection
+    peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(10)
+    assert pool[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+    _still_serves(worker, make_agent)
+
+
+def test_unknown_region_and_region_without_remote_access(make_worker, make_agent):
+    worker = make_worker()
+    hidden = worker.call("register", BLOCK, False)
+    agent = make_agent()
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    assert [r.id for r in agent.add_peer(worker.metadata).regions] == [worker.region_id]
+
+    def add_regions(md):
+        md.regions.add(id=hidden, size_bytes=BLOCK, remote_read=True, remote_write=True)
+        md.regions.add(id=999, size_bytes=BLOCK, remote_read=True, remote_write=True)
+
+    peer = agent.add_peer(_tampered(worker.metadata, add_regions))
+    with pytest.raises(kvx.AccessError, match="without remote access"):
+        peer.read(region.descs(0, BLOCK), Descs.build(hidden, 0, BLOCK)).wait(10)
+    with pytest.raises(kvx.AccessError, match="without remote access"):
+        peer.write(region.descs(0, BLOCK), Descs.build(hidden, 0, BLOCK)).wait(10)
+    with pytest.raises(kvx.AccessError, match="unknown region 999"):
+        peer.read(region.descs(0, BLOCK), Descs.build(999, 0, BLOCK)).wait(10)
+    _guard_intact(worker)
+    _still_serves(worker, make_agent)
+
+
+def test_initiator_refuses_bad_descriptors_before_sending(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.zeros(BLOCK, np.uint8)
+    region = agent.register(pool)
+    readonly = agent.register(b"r" * BLOCK)
+    peer = agent.add_peer(worker.metadata)
+    remote = peer.regions[0]
+    with pytest.raises(kvx.AccessError, match="outside"):
+        peer.read(region.descs(0, BLOCK), remote.descs(POOL, BLOCK))
+    with pytest.raises(kvx.AccessError, match="no published region|unknown region"):
+        peer.read(region.descs(0, BLOCK), Descs.build(77, 0, BLOCK))
+    with pytest.raises(kvx.AccessError, match="local destination"):
+        peer.read(region.descs(1, BLOCK), remote.descs(0, BLOCK))
+    with pytest.raises(kvx.AccessError, match="does not allow"):
+        peer.read(Descs.build(readonly, 0, BLOCK), remote.descs(0, BLOCK))  # read-only destination
+    with pytest.raises(kvx.ConfigError, match="cover"):
+        peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK - 1))
+    with pytest.raises(kvx.ConfigError, match="empty"):
+        peer.read(Descs(np.zeros(0, DESC_DTYPE)), Descs(np.zeros(0, DESC_DTYPE)))
+    small = make_agent("small", limits=kvx.Limits(max_transfer_bytes=BLOCK - 1))
+    small_region = small.register(np.zeros(BLOCK, np.uint8))
+    with pytest.raises(kvx.LimitError, match="max_transfer_bytes"):
+        small.add_peer(worker.metadata).read(small_region.descs(0, BLOCK), remote.descs(0, BLOCK))
+    peer.write(Descs.build(readonly, 0, BLOCK), remote.descs(0, BLOCK)).wait(10)  # read-only source is fine
+    assert worker.call("peek", 0, BLOCK) == b"r" * BLOCK
+
+
+# Connecting: epoch, version, authentication.
+
+def test_wrong_epoch_is_refused(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    stale = _tampered(worker.metadata, lambda md: setattr(md, "epoch", md.epoch ^ 1))
+    with pytest.raises(kvx.EpochError, match="restarted"):
+        agent.add_peer(stale)
+    _still_serves(worker, make_agent)
+
+
+def test_wrong_protocol_version_in_metadata(make_worker, make_agent):
+    worker = make_worker()
+    with pytest.raises(kvx.VersionError, match="version 2"):
+        make_agent().add_peer(_tampered(worker.metadata, lambda md: setattr(md, "protocol_version", 2)))
+    with pytest.raises(kvx.ProtocolError):
+        make_agent("x").add_peer(b"\xff\xff garbage")
+
+
+@pytest.mark.parametrize("initiator_secret,message", [
+    (None, "requires authentication"),
+    (b"another-secret-0123456789", "HMAC"),
+])
+def test_unauthenticated_peers_are_refused(make_worker, make_agent, initiator_secret, message):
+    worker = make_worker(auth_secret=SECRET)
+    agent = make_agent(auth_secret=initiator_secret)
+    with pytest.raises(kvx.AuthError, match=message):
+        agent.add_peer(worker.metadata)
+    _still_serves(worker, make_agent)
+
+
+def test_secured_initiator_refuses_an_open_target(make_worker, make_agent):
+    worker = make_worker()
+    with pytest.raises(kvx.AuthError, match="no auth_secret"):
+        make_agent(auth_secret=SECRET).add_peer(worker.metadata)
+
+
+# Raw bytes on the wire.
+
+def _connect(worker, secret=None, version=_wire.PROTOCOL_VERSION):
+    md = parse_metadata(worker.metadata)
+    sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
+    nonce = os.urandom(32)
+    hello = handshake_pb2.Hello(name="raw", epoch=1, target_name=md.name, target_epoch=md.epoch,
+                                nonce=nonce).SerializeToString()
+    header = bytearray(_wire.pack(MsgType.HELLO, payload_len=len(hello)))
+    struct.pack_into("<H", header, 4, version)
+    sock.sendall(bytes(header) + hello)
+    return sock, md, nonce
+
+
+def _read_message(sock):
+    header = _recv(sock, 32)
+    if not header:
+        return None, b""
+    _, _, msg_type, _, payload_len, aux, data_len = _wire.unpack(header)
+    return (msg_type, aux), _recv(sock, payload_len + data_len)
+
+
+def _recv(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return buf
+        buf += chunk
+    return buf
+
+
+def _session(worker):
+    sock, md, _ = _connect(worker)
+    (msg_type, _), _ = _read_message(sock)
+    assert msg_type == MsgType.HELLO_REPLY
+    auth = handshake_pb2.Auth().SerializeToString()
+    sock.sendall(_wire.pack(MsgType.AUTH, payload_len=len(auth)) + auth)
+    (msg_type, _), _ = _read_message(sock)
+    assert msg_type == MsgType.AUTH_OK
+    return sock, md
+
+
+def _expect_error_then_close(sock, code):
+    (msg_type, aux), text = _read_message(sock)
+    assert (msg_type, aux) == (MsgType.ERROR, code), text
+    assert sock.recv(1) == b"", "the connection should be closed"
+    sock.close()
+    return text.decode()
+
+
+def test_garbage_bytes(make_worker, make_agent):
+    worker = make_worker()
+    md = parse_metadata(worker.metadata)
+    sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
+    sock.sendall(os.urandom(64))
+    assert "not a kvx message" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)  # garbage after a good handshake, too
+    sock.sendall(b"\x00" * 32)
+    _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    _guard_intact(worker)
+    _still_serves(worker, make_agent)
+
+
+def test_wrong_protocol_version_on_the_wire(make_worker, make_agent):
+    worker = make_worker()
+    sock, _, _ = _connect(worker, version=99)
+    assert "version 99" in _expect_error_then_close(sock, _wire.ErrorCode.VERSION)
+    _still_serves(worker, make_agent)
+
+
+def test_requests_before_the_handshake_are_refused(make_worker, make_agent):
+    worker = make_worker(auth_secret=SECRET)
+    md = parse_metadata(worker.metadata)
+    sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
+    descs = Descs.build(worker.region_id, 0, BLOCK).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.READ_REQ, 1, payload_len=len(descs)) + descs)
+    _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    # A forged AUTH with an empty proof fails the challenge.
+    sock, _, _ = _connect(worker)
+    _read_message(sock)
+    auth = handshake_pb2.Auth(proof=b"\x00" * 32).SerializeToString()
+    sock.sendall(_wire.pack(MsgType.AUTH, payload_len=len(auth)) + auth)
+    _expect_error_then_close(sock, _wire.ErrorCode.AUTH)
+    _still_serves(worker, make_agent)
+
+
+def test_messages_over_the_size_limits(make_worker, make_agent):
+    worker = make_worker(limits={"max_message_bytes": 64 * 1024, "max_descs_per_message": 8})
+    # Too many descriptors in one request.
+    sock, _ = _session(worker)
+    descs = Descs.from_blocks(worker.region_id, np.arange(9), 16).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.READ_REQ, 1, payload_len=len(descs)) + descs)
+    assert "at most 8" in _expect_error_then_close(sock, _wire.ErrorCode.LIMIT)
+    # A write announcing more data than a message may carry: refused before any byte lands.
+    sock, _ = _session(worker)
+    descs = Descs.build(worker.region_id, 0, 128 * 1024).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.WRITE_REQ, 2, payload_len=len(descs), data_len=128 * 1024) + descs)
+    assert "at most 65536" in _expect_error_then_close(sock, _wire.ErrorCode.LIMIT)
+    # A read of more than a message's bytes is refused, and the connection lives on.
+    sock, _ = _session(worker)
+    sock.sendall(_wire.pack(MsgType.READ_REQ, 3, payload_len=len(descs)) + descs)
+    (msg_type, aux), text = _read_message(sock)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.LIMIT)
+    small = Descs.build(worker.region_id, 0, 16).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.READ_REQ, 4, payload_len=len(small)) + small)
+    (msg_type, _), data = _read_message(sock)
+    assert msg_type == MsgType.READ_RESP and data == worker.expected(0, 16).tobytes()
+    # An oversized notification.
+    sock.sendall(_wire.pack(MsgType.NOTIFY, 5, payload_len=1 << 20))
+    _expect_error_then_close(sock, _wire.ErrorCode.LIMIT)
+    _guard_intact(worker)
+    _still_serves(worker, make_agent)
+
+
+def test_refused_write_is_drained_and_the_connection_survives(make_worker):
+    worker = make_worker()
+    sock, _ = _session(worker)
+    descs = Descs.build(worker.region_id, POOL - 10, 100).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.WRITE_REQ, 1, payload_len=len(descs), data_len=100) + descs + b"\xee" * 100)
+    (msg_type, aux), _ = _read_message(sock)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS)
+    good = Descs.build(worker.region_id, 0, 100).array.tobytes()
+    sock.sendall(_wire.pack(MsgType.WRITE_REQ, 2, payload_len=len(good), data_len=100) + good + b"\xab" * 100)
+    (msg_type, _), _ = _read_message(sock)
+    assert msg_type == MsgType.WRITE_RESP
+    assert worker.call("peek", 0, 100) == b"\xab" * 100
+    assert worker.call("peek", POOL - 10, 10) == worker.expected(POOL - 10, 10).tobytes()
+    sock.close()
+
+
+# Peers that die, hang or restart.
+
+def test_peer_killed_mid_transfer(make_worker, make_agent):
+    threads_before, fds_before = kvx_threads(), open_fds()
+    size = 32 << 20
+    worker = make_worker(pool_bytes=size)
+    agent = make_agent(timeouts=kvx.Timeouts(io_s=5))
+    pool = np.zeros(size, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    worker.freeze()  # freeze it, so the transfers are surely in flight
+    transfers = [peer.read(region.descs(0, size), peer.regions[0].descs(0, size)),
+                 peer.write(region.descs(0, size), peer.regions[0].descs(0, size))]
+    time.sleep(0.2)
+    assert not any(t.done() for t in transfers)
+    start = time.monotonic()
+    worker.kill()
+    for t in transfers:
+        with pytest.raises(kvx.PeerLostError):
+            t.wait(10)
+    assert time.monotonic() - start < 3
+    assert not peer.alive
+    with pytest.raises(kvx.PeerLostError):
+        peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+    agent.deregister(region, timeout_s=1)  # nothing holds it any more
+
+    # A new process with the same name and a new epoch replaces it.
+    reborn = make_worker(pool_bytes=size, seed=9)
+    region = agent.register(pool)
+    peer2 = agent.add_peer(reborn.metadata)
+    assert peer2.epoch != peer.epoch and agent.peer("target") is peer2
+    peer2.read(region.descs(0, BLOCK), peer2.regions[0].descs(0, BLOCK)).wait(10)
+    assert pool[:BLOCK].tobytes() == reborn.expected(0, BLOCK).tobytes()
+    with pytest.raises(kvx.ConnectError):
+        agent.add_peer(worker.metadata)  # the dead one's metadata leads nowhere
+
+    agent.close()
+    reborn.stop()
+    worker.stop()
+    deadline = time.monotonic() + 5
+    while (kvx_threads() != threads_before or open_fds() > fds_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kvx_threads() == threads_before, "threads left behind"
+    assert open_fds() <= fds_before, f"descriptors left behind: {fd_targets()}"
+
+
+def test_hung_peer_times_out(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent(timeouts=kvx.Timeouts(io_s=1))
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    worker.freeze()
+    t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+    start = time.monotonic()
+    with pytest.raises(kvx.TimeoutError, match="io_s"):
+        t.wait(10)
+    assert 0.9 < time.monotonic() - start < 4
+    worker.thaw()
+
+
+def test_deregister_with_transfers_in_flight_waits_or_refuses(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.zeros(BLOCK, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        with pytest.raises(kvx.RegionBusyError):
+            agent.deregister(region, timeout_s=0.2)
+    finally:
+        worker.thaw()
+    agent.deregister(region, timeout_s=10)  # waits for the read, then goes
+    assert t.state is kvx.TransferState.DONE
+    assert pool.tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_remote_deregister_cuts_off_access(make_worker, make_agent):
+    worker = make_worker()
+    extra = worker.call("register", BLOCK, True)
+    agent = make_agent()
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    peer = agent.add_peer(worker.call("metadata"))
+    peer.write(region.descs(0, BLOCK), Descs.build(extra, 0, BLOCK)).wait(10)
+    worker.call("deregister", extra)
+    with pytest.raises(kvx.AccessError, match=f"unknown region {extra}"):
+        peer.write(region.descs(0, BLOCK), Descs.build(extra, 0, BLOCK)).wait(10)
+
+
+def test_closing_the_agent_fails_what_is_in_flight(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        agent.close()
+        with pytest.raises(kvx.ClosedError):
+            t.wait(5)
+        with pytest.raises(kvx.ClosedError):
+            peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+    finally:
+        worker.thaw()

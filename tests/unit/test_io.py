@@ -1,0 +1,107 @@
+"""The C data path and its pure-Python twin: same bytes, same errors."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvx import _io, _io_py
+
+try:
+    from kvx import _native
+except ImportError:  # only allowed when the twin was asked for
+    _native = None
+
+IMPLS = [pytest.param(_io_py, id="python")]
+if _native is not None:
+    IMPLS.append(pytest.param(_native, id="native"))
+
+
+def test_native_is_built_when_required():
+    if _io.IMPL == "native" or _native is not None:
+        assert _native is not None
+    else:
+        pytest.skip("this run uses the pure-Python twin (KVX_NATIVE=0)")
+
+
+def _pieces(buf: np.ndarray, rng, count: int):
+    """count random non-overlapping pieces of buf, shuffled: (addrs, lens)."""
+    cuts = np.sort(rng.choice(np.arange(1, len(buf)), size=2 * count, replace=False))
+    starts, ends = cuts[0::2], cuts[1::2]
+    order = rng.permutation(count)
+    addrs = (buf.ctypes.data + starts[order]).astype(np.uint64)
+    return addrs, (ends - starts)[order].astype(np.uint64), starts[order], ends[order]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("count", [1, 7, 3000])  # 3000 > IOV_MAX: batched
+def test_gather_send_scatter_receive(impl, count):
+    rng = np.random.default_rng(count)
+    src = rng.integers(0, 256, 1 << 21, dtype=np.uint8)
+    dst = np.zeros(1 << 21, dtype=np.uint8)
+    s_addrs, s_lens, s_starts, s_ends = _pieces(src, rng, count)
+    expected = b"".join(src[a:b].tobytes() for a, b in zip(s_starts, s_ends))
+    total = len(expected)
+    # Receive into a different cut of the destination, of the same total size.
+    d_lens = np.full(count, total // count, dtype=np.uint64)
+    d_lens[-1] += total - int(d_lens.sum())
+    d_starts = np.cumsum(np.concatenate(([0], d_lens[:-1] + 3))).astype(np.uint64)
+    d_addrs = (dst.ctypes.data + d_starts).astype(np.uint64)
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    prefix = b"HDR!"
+    sender = threading.Thread(target=impl.sendv, args=(a.fileno(), prefix, s_addrs, s_lens, 5000))
+    sender.start()
+    head = b.recv(4, socket.MSG_WAITALL)
+    impl.recvv(b.fileno(), d_addrs, d_lens, 5000)
+    sender.join(5)
+    got = b"".join(dst[int(s):int(s) + int(n)].tobytes() for s, n in zip(d_starts, d_lens))
+    assert head == prefix and got == expected
+    gaps = np.ones(len(dst), bool)
+    for s, n in zip(d_starts, d_lens):
+        gaps[int(s):int(s) + int(n)] = False
+    assert not dst[gaps].any(), "bytes landed outside the receive descriptors"
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_eof_is_connection_reset(impl):
+    a, b = socket.socketpair()
+    b.settimeout(5)
+    buf = np.zeros(100, np.uint8)
+    a.sendall(b"x" * 10)
+    a.close()
+    with pytest.raises(ConnectionResetError, match="after 10 of 100 bytes"):
+        impl.recvv(b.fileno(), np.array([buf.ctypes.data], np.uint64), np.array([100], np.uint64), 5000)
+    b.close()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_progress_is_a_timeout(impl):
+    a, b = socket.socketpair()
+    b.settimeout(5)
+    buf = np.zeros(100, np.uint8)
+    with pytest.raises(TimeoutError, match="no progress"):
+        impl.recvv(b.fileno(), np.array([buf.ctypes.data], np.uint64), np.array([100], np.uint64), 100)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_send_to_closed_peer_raises(impl):
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.close()
+    buf = np.zeros(1 << 20, np.uint8)
+    with pytest.raises(OSError):
+        impl.sendv(a.fileno(), b"", np.array([buf.ctypes.data], np.uint64), np.array([1 << 20], np.uint64), 1000)
+    a.close()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mismatched_arrays_are_refused(impl):
+    with pytest.raises(ValueError):
+        impl.recvv(0, np.zeros(2, np.uint64), np.zeros(3, np.uint64), 10)

@@ -1,0 +1,147 @@
+import mmap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx.memory import LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, RegionTable
+
+
+@pytest.fixture
+def agent():
+    with kvx.Agent("mem-test") as a:
+        yield a
+
+
+def test_register_numpy_bytearray_memoryview_mmap_raw(agent):
+    arr = np.zeros(4096, np.uint8)
+    ba = bytearray(100)
+    mm = mmap.mmap(-1, 8192)
+    regions = [agent.register(arr), agent.register(ba), agent.register(memoryview(ba)[10:50]),
+               agent.register(mm), agent.register((arr.ctypes.data, 64))]
+    assert [r.size_bytes for r in regions] == [4096, 100, 40, 8192, 64]
+    assert regions[0].address == arr.ctypes.data
+    assert regions[4].address == arr.ctypes.data
+    assert len({r.id for r in regions}) == 5 and 0 not in {r.id for r in regions}
+    for r in regions:
+        agent.deregister(r)
+    mm.close()
+
+
+def test_register_keeps_memory_alive_until_deregistered(agent):
+    mm = mmap.mmap(-1, 4096)
+    region = agent.register(mm)
+    with pytest.raises(BufferError):
+        mm.close()  # exported to the agent: cannot be unmapped under a peer
+    agent.deregister(region)
+    mm.close()  # the Region handle left behind no longer pins it
+
+
+def test_register_torch_cpu_tensor(agent):
+    torch = pytest.importorskip("torch", reason="torch is installed by the test extra")
+    t = torch.zeros(16, 128, dtype=torch.bfloat16)
+    region = agent.register(t)
+    assert region.address == t.data_ptr() and region.size_bytes == 16 * 128 * 2
+    with pytest.raises(kvx.ConfigError, match="contiguous"):
+        agent.register(t.t())
+
+
+def test_readonly_memory_is_never_remotely_writable(agent):
+    region = agent.register(b"immutable bytes")
+    assert region.remote_read and not region.remote_write and not region.writable
+
+
+def test_register_refuses_bad_objects(agent):
+    with pytest.raises(kvx.ConfigError):
+        agent.register(np.zeros((8, 8))[:, ::2])
+    with pytest.raises(kvx.ConfigError):
+        agent.register("not memory")
+    with pytest.raises(kvx.ConfigError):
+        agent.register((0, 10))
+    with pytest.raises(kvx.RegionError):
+        agent.register(bytearray())
+
+    class FakeCuda:
+        __cuda_array_interface__ = {}
+
+    with pytest.raises(kvx.RegionError, match=r"kvx\[gpu\]"):
+        agent.register(FakeCuda())
+
+
+def test_resolve_checks_bounds_flags_and_unknown_regions():
+    table = RegionTable(16)
+    buf = np.zeros(100, np.uint8)
+    r = table.add(buf, remote_access=True)
+    local_only = table.add(np.zeros(10, np.uint8), remote_access=False)
+    ok = kvx.Descs.build(r, [0, 90], [10, 10]).array
+    addrs, lens, token = table.resolve(ok, REMOTE_READ | REMOTE_WRITE, "t")
+    assert addrs.tolist() == [buf.ctypes.data, buf.ctypes.data + 90] and lens.tolist() == [10, 10]
+    table.release(token)
+    for n in (1, 40):  # the small-list path and the vectorised path say the same
+        pad = [0] * (n - 1)
+        cases = {
+            "outside": kvx.Descs.build(r, pad + [95], 10),
+            "unknown region 9": kvx.Descs.build([r.id] * (n - 1) + [9], pad + [0], 1),
+            "without remote access": kvx.Descs.build([r.id] * (n - 1) + [local_only.id], pad + [0], 1),
+            "unknown region 0": kvx.Descs.build([r.id] * (n - 1) + [0], pad + [0], 1),
+        }
+        for message, descs in cases.items():
+            with pytest.raises(kvx.AccessError, match=message):
+                table.resolve(descs.array, REMOTE_READ, "t")
+    huge = kvx.Descs.build(r, [2**63], [2**63]).array  # offset + length overflows 64 bits
+    with pytest.raises(kvx.AccessError, match="outside"):
+        table.resolve(huge, REMOTE_READ, "t")
+    readonly = table.add(b"ro", remote_access=True)
+    with pytest.raises(kvx.AccessError, match="does not allow"):
+        table.resolve(kvx.Descs.build(readonly, 0, 1).array, LOCAL_WRITE, "t")
+
+
+def test_deregister_waits_for_accesses_in_flight_then_refuses_new_ones():
+    table = RegionTable(16)
+    r = table.add(np.zeros(100, np.uint8), remote_access=True)
+    descs = kvx.Descs.build(r, 0, 10).array
+    _, _, token = table.resolve(descs, REMOTE_READ, "t")
+    with pytest.raises(kvx.RegionBusyError):
+        table.remove(r, timeout_s=0.05)
+    table.resolve(descs, REMOTE_READ, "t")  # still usable after the refused deregister
+    threading.Timer(0.1, table.release, args=(token,)).start()
+    start = time.monotonic()
+    with pytest.raises(kvx.RegionBusyError):  # the second resolve above still pins it
+        table.remove(r, timeout_s=0.3)
+    assert time.monotonic() - start >= 0.25
+
+
+def test_deregister_completes_once_released():
+    table = RegionTable(16)
+    r = table.add(np.zeros(100, np.uint8), remote_access=True)
+    descs = kvx.Descs.build(r, 0, 10).array
+    _, _, token = table.resolve(descs, REMOTE_READ, "t")
+    threading.Timer(0.1, table.release, args=(token,)).start()
+    table.remove(r, timeout_s=5)
+    with pytest.raises(kvx.AccessError, match="unknown region"):
+        table.resolve(descs, REMOTE_READ, "t")
+    with pytest.raises(kvx.RegionError):
+        table.remove(r, timeout_s=1)
+
+
+def test_region_limit():
+    table = RegionTable(2)
+    table.add(bytearray(1), remote_access=True)
+    table.add(bytearray(1), remote_access=True)
+    with pytest.raises(kvx.RegionError, match="max_regions"):
+        table.add(bytearray(1), remote_access=True)
+
+
+def test_insecure_listen_needs_a_secret_or_explicit_consent():
+    with pytest.raises(kvx.ConfigError, match="auth_secret"):
+        kvx.Agent("open", listen="0.0.0.0:0")
+    with kvx.Agent("open", listen="0.0.0.0:0", allow_insecure=True) as agent:
+        assert not agent.endpoint.startswith("0.0.0.0")
+    with kvx.Agent("locked", listen="0.0.0.0:0", auth_secret="s" * 16):
+        pass
+    with pytest.raises(kvx.ConfigError):
+        kvx.Agent("short", auth_secret="short")
+    with pytest.raises(kvx.ConfigError):
+        kvx.Agent("bad name!")
