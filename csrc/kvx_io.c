@@ -15,7 +15,8 @@
  * first descriptor (a frame header), so that a small request costs one
  * system call. timeout_ms bounds the time without progress: the call fails
  * with TimeoutError when the socket accepts or yields no byte for that long.
- * The socket may be blocking or not; EAGAIN waits in poll().
+ * The socket may be non-blocking (EAGAIN waits in poll()) or blocking with
+ * SO_RCVTIMEO/SO_SNDTIMEO set (the kernel waits; EAGAIN is the timeout).
  *
  * Every function has a pure-Python twin in kvx/_io_py.py; tests run both.
  */
@@ -23,6 +24,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <stdint.h>
@@ -42,9 +44,14 @@ enum io_status {
     IO_TIMEOUT = 3, /* no progress for timeout_ms */
 };
 
-/* Wait until fd is ready for `events`; IO_TIMEOUT after timeout_ms. */
+/* Wait until fd is ready for `events`; IO_TIMEOUT after timeout_ms.
+ * On a blocking socket EAGAIN means its SO_RCVTIMEO/SO_SNDTIMEO expired:
+ * the kernel already waited, so that is the timeout. */
 static enum io_status wait_ready(int fd, short events, int timeout_ms)
 {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0 && !(flags & O_NONBLOCK))
+        return IO_TIMEOUT;
     struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
     for (;;) {
         int rc = poll(&pfd, 1, timeout_ms);

@@ -41,7 +41,8 @@ def _move_all(fd: int, views: list[memoryview], sending: bool, timeout_ms: int) 
         except InterruptedError:
             continue
         except BlockingIOError:
-            if not _wait(fd, select.POLLOUT if sending else select.POLLIN, timeout_ms):
+            # Blocking socket: its SO_RCVTIMEO/SO_SNDTIMEO expired; else wait in poll.
+            if os.get_blocking(fd) or not _wait(fd, select.POLLOUT if sending else select.POLLIN, timeout_ms):
                 raise TimeoutError(
                     f"no progress on socket after {moved} of {total} bytes"
                 ) from None
@@ -59,7 +60,8 @@ def _move_all(fd: int, views: list[memoryview], sending: bool, timeout_ms: int) 
 
 
 def _check_pairs(addrs, lens) -> None:
-    if addrs.dtype.itemsize != 8 or lens.dtype.itemsize != 8 or len(addrs) != len(lens):
+    a, b = memoryview(addrs), memoryview(lens)
+    if a.itemsize != 8 or b.itemsize != 8 or a.nbytes != b.nbytes:
         raise ValueError("addrs and lens must be uint64 buffers of equal length")
 
 

@@ -8,12 +8,13 @@ until no transfer that might touch a region is left.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -110,7 +111,8 @@ class RegionTable:
 
     def __init__(self, max_regions: int) -> None:
         self._max_regions = max_regions
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # deregister waits on it
         self._regions: dict[int, Region] = {}
         self._base = np.zeros(64, dtype=np.uint64)
         self._size = np.zeros(64, dtype=np.uint64)
@@ -185,26 +187,28 @@ class RegionTable:
         # Let go of the memory: a handle the caller keeps must not pin it.
         object.__setattr__(removed, "owner", None)
 
-    def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
-        """Check descriptors and pin the table: (addresses, lengths, token).
+    def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[Any, Any, int, int]:
+        """Check descriptors and pin the table: (addresses, lengths, total bytes, token).
 
         ``need`` is the flag bits every region must carry; ``who`` names the
         side in error messages ("remote read", "local destination", ...).
+        Addresses and lengths are uint64 buffers (numpy arrays, or
+        ``array.array("Q")`` for short lists, which are cheaper to build).
         Call ``release(token)`` when the bytes have moved.
         """
-        with self._cond:
-            if len(descs) == 0:
-                return np.zeros(0, np.uint64), np.zeros(0, np.uint64), self._pin()
-            check_descs(descs, self._flags, self._size, need, who)
+        with self._lock:
             if len(descs) <= SMALL_LIST:
-                base = self._base
                 rows = descs.tolist()
-                addrs = np.array([int(base[r]) + o for r, o, _ in rows], dtype=np.uint64)
-                lens = np.array([n for _, _, n in rows], dtype=np.uint64)
-                return addrs, lens, self._pin()
+                if _small_ok(rows, self._flags, self._size, need | VALID):
+                    base = self._base
+                    addrs = array.array("Q", [int(base[r]) + o for r, o, _ in rows])
+                    lens = array.array("Q", [n for _, _, n in rows])
+                    return addrs, lens, sum(lens), self._pin()
+            check_descs(descs, self._flags, self._size, need, who)
             ids = descs["region"]
             addrs = self._base[ids] + descs["offset"]
-            return addrs, np.ascontiguousarray(descs["length"]), self._pin()
+            lens = np.ascontiguousarray(descs["length"])
+            return addrs, lens, int(lens.sum(dtype=np.uint64)), self._pin()
 
     def _pin(self) -> int:
         token = next(self._tokens)
@@ -212,7 +216,7 @@ class RegionTable:
         return token
 
     def release(self, token: int) -> None:
-        with self._cond:
+        with self._lock:
             self._active.pop(token, None)
             if self._waiters:
                 self._cond.notify_all()
@@ -222,11 +226,11 @@ class RegionTable:
 SMALL_LIST = 16
 
 
-def _small_ok(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int) -> bool:
-    """True when every descriptor is valid; False sends the caller down the
-    vectorised path, which finds and names the bad one."""
+def _small_ok(rows: list, flags: np.ndarray, sizes: np.ndarray, need: int) -> bool:
+    """True when every (region, offset, length) row is valid; False sends the
+    caller down the vectorised path, which finds and names the bad one."""
     nflags = len(flags)
-    for region, offset, length in descs.tolist():
+    for region, offset, length in rows:
         if region >= nflags or (int(flags[region]) & need) != need:
             return False
         size = int(sizes[region])
@@ -235,14 +239,18 @@ def _small_ok(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int
     return True
 
 
-def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int, who: str) -> None:
+def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int,
+                who: str | Callable[[], str]) -> None:
     """Raise AccessError unless every descriptor lies inside a valid region
     (flag VALID) that carries the ``need`` flags; vectorised.
 
-    ``flags`` and ``sizes`` are indexed by region id.
+    ``flags`` and ``sizes`` are indexed by region id. ``who`` names the side
+    in error messages; a callable is only called when there is an error.
     """
-    if len(descs) <= SMALL_LIST and _small_ok(descs, flags, sizes, need | VALID):
+    if len(descs) <= SMALL_LIST and _small_ok(descs.tolist(), flags, sizes, need | VALID):
         return
+    if callable(who):
+        who = who()
     ids = descs["region"]
     if not len(ids):
         return

@@ -60,7 +60,7 @@ class Transfer:
         # Held until the transfer finishes; waiters acquire and release it.
         self._done = threading.Lock()
         self._done.acquire()
-        self._callbacks: list[Callable[[Transfer], Any]] = []
+        self._callbacks: list[Callable[[Transfer], Any]] | None = None
         self._default_timeout_s = default_timeout_s
         # Posts one trailing part (a notification) once all data parts are done.
         self._on_parts_done: Callable[[Transfer], None] | None = None
@@ -103,6 +103,8 @@ class Transfer:
         """Call ``fn(transfer)`` once finished (at once if it already is), from a kvx thread."""
         with self._lock:
             if self._state is TransferState.PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -155,7 +157,7 @@ class Transfer:
                 return
             self.completed_at = time.monotonic()
             self._state = TransferState.FAILED if self._error is not None else TransferState.DONE
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks or (), None
             cleanup, self._cleanup = self._cleanup, None
         if cleanup is not None:
             cleanup()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
+from typing import Callable
 
 from kvx import _wire
 from kvx.errors import ConfigError, PeerLostError, ProtocolError, TimeoutError, VersionError
@@ -32,7 +34,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking mode, with the timeout kept by the kernel (SO_RCVTIMEO and
+    SO_SNDTIMEO): a Python timeout would poll() before every send and recv."""
+    sock.settimeout(None)
+    set_timeout(sock, timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
@@ -40,15 +46,21 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
+def set_timeout(sock: socket.socket, timeout_s: float) -> None:
+    tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Read exactly n bytes (the socket's timeout bounds each wait)."""
+    """Read exactly n bytes (the socket's SO_RCVTIMEO bounds each wait)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         try:
-            k = sock.recv_into(view[got:])
-        except socket.timeout:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except (socket.timeout, BlockingIOError):
             raise TimeoutError(f"peer sent {got} of {n} expected bytes, then nothing") from None
         except OSError as exc:
             raise PeerLostError(f"connection lost: {exc}") from exc
@@ -58,12 +70,39 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def recv_header(sock: socket.socket, idle_ok: Callable[[], bool]) -> bytearray | None:
+    """The next message header; None on a clean close between messages.
+
+    When a wait times out before any byte of it, ``idle_ok()`` decides:
+    True keeps waiting (an idle connection is fine), False is a TimeoutError.
+    """
+    header = bytearray(_wire.HEADER_SIZE)
+    view = memoryview(header)
+    got = 0
+    while got < _wire.HEADER_SIZE:
+        try:
+            k = sock.recv_into(view[got:], _wire.HEADER_SIZE - got, socket.MSG_WAITALL)
+        except (socket.timeout, BlockingIOError):
+            if got == 0 and idle_ok():
+                continue
+            raise TimeoutError("no message from the peer within the timeout") from None
+        if k == 0:
+            if got == 0:
+                return None
+            raise PeerLostError("connection closed in the middle of a message header")
+        got += k
+    return header
+
+
 def drain(sock: socket.socket, n: int) -> None:
     """Read and drop n bytes, keeping the framing after a refused request."""
     scratch = bytearray(min(n, _SCRATCH_BYTES))
     view = memoryview(scratch)
     while n > 0:
-        k = sock.recv_into(view[: min(n, len(scratch))])
+        try:
+            k = sock.recv_into(view[: min(n, len(scratch))])
+        except (socket.timeout, BlockingIOError):
+            raise TimeoutError("peer stopped sending the data of a refused request") from None
         if k == 0:
             raise PeerLostError("connection closed by peer while draining a refused request")
         n -= k

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvx import _io, _wire
 from kvx._wire import ErrorCode, MsgType
-from kvx.backends._sock import check_header, drain, recv_exact
+from kvx.backends._sock import check_header, drain, recv_exact, recv_header, set_timeout
 from kvx.descs import DESC_DTYPE
 from kvx.errors import (AccessError, AuthError, EpochError, KvxError, LimitError, PeerLostError,
                         ProtocolError, TimeoutError, VersionError)
@@ -122,7 +122,7 @@ class InboundConnection:
 
     def _handshake(self) -> None:
         agent = self.agent
-        self.sock.settimeout(agent.timeouts.connect_s)
+        set_timeout(self.sock, agent.timeouts.connect_s)
         try:
             hello = handshake_pb2.Hello.FromString(self._recv_message(MsgType.HELLO))
         except _Fatal:
@@ -160,29 +160,10 @@ class InboundConnection:
                     "auth_secret"))
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
         self.peer_name = hello.name
-        self.sock.settimeout(agent.timeouts.io_s)
+        set_timeout(self.sock, agent.timeouts.io_s)
         logger.debug("peer %s (epoch %#x) connected from %s", hello.name, hello.epoch, self.address)
 
     # Requests.
-
-    def _next_header(self) -> bytearray | None:
-        """The next request header; None when the peer closed between requests."""
-        header = bytearray(_wire.HEADER_SIZE)
-        view = memoryview(header)
-        got = 0
-        while got < len(header):
-            try:
-                k = self.sock.recv_into(view[got:])
-            except socket.timeout:
-                if got == 0 and not self.closing:
-                    continue  # idle between requests is fine
-                raise TimeoutError("peer stopped in the middle of a request header") from None
-            if k == 0:
-                if got == 0:
-                    return None
-                raise PeerLostError("connection closed in the middle of a request header")
-            got += k
-        return header
 
     def _serve(self) -> None:
         handlers = {
@@ -191,7 +172,7 @@ class InboundConnection:
             MsgType.NOTIFY: self._on_notify,
         }
         while not self.closing:
-            header = self._next_header()
+            header = recv_header(self.sock, lambda: not self.closing)
             if header is None:
                 return
             try:
@@ -227,12 +208,11 @@ class InboundConnection:
         descs = self._recv_descs(request_id, payload_len)
         table = self.agent._regions
         try:
-            addrs, lens, token = table.resolve(descs, REMOTE_READ, "remote read")
+            addrs, lens, total, token = table.resolve(descs, REMOTE_READ, "remote read")
         except AccessError as exc:
             self._send_error(request_id, exc)
             return
         try:
-            total = int(lens.sum(dtype=np.uint64))
             if total > self.agent.limits.max_message_bytes:
                 self._send_error(request_id, LimitError(
                     f"read of {total} bytes in one request; this agent takes at most "
@@ -258,7 +238,7 @@ class InboundConnection:
                                        f"cover {total}"), request_id)
         table = self.agent._regions
         try:
-            addrs, lens, token = table.resolve(descs, REMOTE_WRITE, "remote write")
+            addrs, lens, _, token = table.resolve(descs, REMOTE_WRITE, "remote write")
         except AccessError as exc:
             drain(self.sock, data_len)  # the bytes go nowhere; the framing survives
             self._send_error(request_id, exc)
@@ -296,7 +276,7 @@ class InboundConnection:
         destroy the ERROR before the peer reads it. Bounded in bytes and time."""
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            self.sock.settimeout(_LINGER_S)
+            set_timeout(self.sock, _LINGER_S)
             left = _LINGER_BYTES
             while left > 0 and self.sock.recv(min(left, 65536)):
                 left -= 65536

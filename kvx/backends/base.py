@@ -9,6 +9,7 @@ its peers' requests against the agent's region table.
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import numpy as np
 
@@ -24,9 +25,11 @@ class Channel(abc.ABC):
         """False once the channel failed or was closed; posting then fails."""
 
     @abc.abstractmethod
-    def post(self, transfer: Transfer, op: Op, local_addrs: np.ndarray, local_lens: np.ndarray,
+    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None) -> None:
-        """Start moving bytes; completion and errors arrive through ``transfer``."""
+        """Start moving ``total`` bytes between local (address, length) pairs
+        (uint64 buffers) and ``remote`` descriptors; completion and errors
+        arrive through ``transfer``."""
 
     @abc.abstractmethod
     def notify(self, transfer: Transfer, data: bytes) -> None:

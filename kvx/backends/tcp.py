@@ -24,13 +24,14 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvx import _io, _wire
 from kvx._wire import ErrorCode, MsgType
-from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, tune)
+from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, recv_header,
+                                set_timeout, tune)
 from kvx.backends._tcp_serve import InboundConnection
 from kvx.backends.base import Backend, Channel
 from kvx.descs import DESC_DTYPE, Descs
@@ -58,6 +59,10 @@ _ERRORS: dict[int, type[KvxError]] = {
     ErrorCode.EPOCH: EpochError,
     ErrorCode.AUTH: AuthError,
 }
+
+
+_RESPONSE = {MsgType.READ_REQ: MsgType.READ_RESP, MsgType.WRITE_REQ: MsgType.WRITE_RESP,
+             MsgType.NOTIFY: MsgType.NOTIFY_ACK}
 
 
 def _remote_error(code: int, text: str, peer: str) -> KvxError:
@@ -108,7 +113,7 @@ class TcpBackend(Backend):
                                    address, len(self._inbound))
                     sock.close()
                     continue
-                tune(sock)
+                tune(sock, self.agent.timeouts.connect_s)
                 conn = InboundConnection(self, sock, address)
                 self._inbound.add(conn)
             conn.start()
@@ -174,7 +179,7 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
     except OSError as exc:
         raise ConnectError(f"cannot connect to peer {target_name!r} at {address}: {exc}") from exc
     try:
-        tune(sock)
+        tune(sock, timeout_s)
         nonce = os.urandom(_wire.NONCE_BYTES)
         hello = handshake_pb2.Hello(name=agent.name, epoch=agent.epoch, target_name=target_name,
                                     target_epoch=target_epoch, nonce=nonce).SerializeToString()
@@ -199,7 +204,7 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         _handshake_reply(sock, MsgType.AUTH_OK, target_name)
         if reply.max_message_bytes <= 0 or reply.max_descs_per_message <= 0:
             raise ProtocolError(f"peer {target_name!r} announced invalid limits")
-        sock.settimeout(agent.timeouts.io_s)
+        set_timeout(sock, agent.timeouts.io_s)
         return sock, (reply.max_message_bytes, reply.max_descs_per_message)
     except KvxError:
         sock.close()
@@ -336,7 +341,11 @@ class _Connection:
     def _read_loop(self) -> None:
         try:
             while True:
-                header = self._next_header()
+                header = recv_header(self.sock, self._idle)
+                if header is None:
+                    with self.lock:
+                        error = self.error
+                    raise error or PeerLostError(f"peer {self.peer!r} closed the connection")
                 msg_type, request_id, payload_len, aux, data_len = check_header(header)
                 with self.lock:
                     part = self.pending.get(request_id)
@@ -347,10 +356,14 @@ class _Connection:
                     self.pending.pop(request_id, None)
                     self.last_progress = time.monotonic()
                 part.transfer._part_finished(error)
+        except TimeoutError:
+            self.shutdown(TimeoutError(f"peer {self.peer!r} answered nothing for {self.io_s}s "
+                                       "(Timeouts.io_s)"))
         except KvxError as exc:
             self.shutdown(exc)
         except builtins_timeout as exc:
-            self.shutdown(TimeoutError(f"peer {self.peer!r} sent no data for {self.io_s}s: {exc}"))
+            self.shutdown(TimeoutError(f"peer {self.peer!r} sent no data for {self.io_s}s "
+                                       f"(Timeouts.io_s): {exc}"))
         except OSError as exc:
             self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
         except Exception as exc:  # a bug here must not leave transfers hanging
@@ -359,27 +372,10 @@ class _Connection:
         finally:
             self._close_socket()
 
-    def _next_header(self) -> bytearray:
-        header = bytearray(_wire.HEADER_SIZE)
-        view = memoryview(header)
-        got = 0
-        while got < len(header):
-            try:
-                k = self.sock.recv_into(view[got:])
-            except socket.timeout:
-                with self.lock:
-                    idle = not self.pending and got == 0
-                    stalled = time.monotonic() - self.last_progress
-                if idle or stalled < self.io_s:
-                    continue
-                raise TimeoutError(f"peer {self.peer!r} answered nothing for {stalled:.1f}s "
-                                   f"(Timeouts.io_s={self.io_s})") from None
-            if k == 0:
-                with self.lock:
-                    error = self.error
-                raise error or PeerLostError(f"peer {self.peer!r} closed the connection")
-            got += k
-        return header
+    def _idle(self) -> bool:
+        """While waiting for a response: True if the wait is not (yet) a stall."""
+        with self.lock:
+            return not self.pending or time.monotonic() - self.last_progress < self.io_s
 
     def _read_response(self, part: _Part, msg_type: int, payload_len: int, aux: int,
                        data_len: int) -> KvxError | None:
@@ -388,9 +384,7 @@ class _Connection:
                 raise ProtocolError(f"peer {self.peer!r} sent a malformed ERROR")
             text = bytes(recv_exact(self.sock, payload_len)).decode(errors="replace")
             return _remote_error(aux, text, self.peer)
-        expected = {MsgType.READ_REQ: MsgType.READ_RESP, MsgType.WRITE_REQ: MsgType.WRITE_RESP,
-                    MsgType.NOTIFY: MsgType.NOTIFY_ACK}[part.op]
-        if msg_type != expected or payload_len:
+        if msg_type != _RESPONSE[part.op] or payload_len:
             raise ProtocolError(f"peer {self.peer!r} answered {part.op.name} with message type {msg_type}")
         if msg_type == MsgType.READ_RESP:
             if data_len != part.nbytes:
@@ -454,6 +448,8 @@ class TcpChannel(Channel):
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
 
     def _conn(self) -> _Connection:
+        if len(self.conns) == 1:
+            return self.conns[0]
         return self.conns[next(self._next_conn) % len(self.conns)]
 
     def notify(self, transfer: Transfer, data: bytes) -> None:
@@ -462,9 +458,8 @@ class TcpChannel(Channel):
         prefix = _wire.pack(MsgType.NOTIFY, request_id, payload_len=len(data)) + data
         conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, None, None, request_id)
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: np.ndarray, local_lens: np.ndarray,
+    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None) -> None:
-        total = int(local_lens.sum(dtype=np.uint64))
         streams = len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1
         if streams == 1 and total <= self.max_message_bytes and len(remote) <= self.max_descs:
             # One request: the common case, and the one latency depends on.

@@ -76,8 +76,12 @@ def test_resolve_checks_bounds_flags_and_unknown_regions():
     r = table.add(buf, remote_access=True)
     local_only = table.add(np.zeros(10, np.uint8), remote_access=False)
     ok = kvx.Descs.build(r, [0, 90], [10, 10]).array
-    addrs, lens, token = table.resolve(ok, REMOTE_READ | REMOTE_WRITE, "t")
-    assert addrs.tolist() == [buf.ctypes.data, buf.ctypes.data + 90] and lens.tolist() == [10, 10]
+    addrs, lens, total, token = table.resolve(ok, REMOTE_READ | REMOTE_WRITE, "t")
+    assert list(addrs) == [buf.ctypes.data, buf.ctypes.data + 90] and list(lens) == [10, 10] and total == 20
+    table.release(token)
+    many = kvx.Descs.build(r, np.arange(40), 1).array  # the vectorised path gives the same
+    addrs, lens, total, token = table.resolve(many, REMOTE_READ, "t")
+    assert list(addrs) == list(buf.ctypes.data + np.arange(40)) and total == 40
     table.release(token)
     for n in (1, 40):  # the small-list path and the vectorised path say the same
         pad = [0] * (n - 1)
@@ -102,7 +106,7 @@ def test_deregister_waits_for_accesses_in_flight_then_refuses_new_ones():
     table = RegionTable(16)
     r = table.add(np.zeros(100, np.uint8), remote_access=True)
     descs = kvx.Descs.build(r, 0, 10).array
-    _, _, token = table.resolve(descs, REMOTE_READ, "t")
+    _, _, _, token = table.resolve(descs, REMOTE_READ, "t")
     with pytest.raises(kvx.RegionBusyError):
         table.remove(r, timeout_s=0.05)
     table.resolve(descs, REMOTE_READ, "t")  # still usable after the refused deregister
@@ -117,7 +121,7 @@ def test_deregister_completes_once_released():
     table = RegionTable(16)
     r = table.add(np.zeros(100, np.uint8), remote_access=True)
     descs = kvx.Descs.build(r, 0, 10).array
-    _, _, token = table.resolve(descs, REMOTE_READ, "t")
+    _, _, _, token = table.resolve(descs, REMOTE_READ, "t")
     threading.Timer(0.1, table.release, args=(token,)).start()
     table.remove(r, timeout_s=5)
     with pytest.raises(kvx.AccessError, match="unknown region"):
