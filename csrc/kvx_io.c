@@ -47,10 +47,9 @@ enum io_status {
 /* Wait until fd is ready for `events`; IO_TIMEOUT after timeout_ms.
  * On a blocking socket EAGAIN means its SO_RCVTIMEO/SO_SNDTIMEO expired:
  * the kernel already waited, so that is the timeout. */
-static enum io_status wait_ready(int fd, short events, int timeout_ms)
+static enum io_status wait_ready(int fd, int blocking, short events, int timeout_ms)
 {
-    int flags = fcntl(fd, F_GETFL);
-    if (flags >= 0 && !(flags & O_NONBLOCK))
+    if (blocking)
         return IO_TIMEOUT;
     struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
     for (;;) {
@@ -69,6 +68,8 @@ static enum io_status move_all(int fd, struct iovec *iov, size_t iovcnt, int sen
                                int timeout_ms, size_t *moved)
 {
     size_t at = 0;
+    int flags = fcntl(fd, F_GETFL);
+    int blocking = flags >= 0 && !(flags & O_NONBLOCK);
     *moved = 0;
     while (at < iovcnt) {
         if (iov[at].iov_len == 0) {
@@ -87,7 +88,7 @@ static enum io_status move_all(int fd, struct iovec *iov, size_t iovcnt, int sen
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                enum io_status st = wait_ready(fd, sending ? POLLOUT : POLLIN, timeout_ms);
+                enum io_status st = wait_ready(fd, blocking, sending ? POLLOUT : POLLIN, timeout_ms);
                 if (st != IO_OK)
                     return st;
                 continue;

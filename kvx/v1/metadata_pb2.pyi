@@ -1,0 +1,176 @@
+from kvx.v1 import agent_pb2 as _agent_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+    ROLE_OTHER: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+ROLE_OTHER: Role
+
+class AgentRecord(_message.Message):
+    __slots__ = ("name", "epoch", "role", "labels", "metadata", "engine_info", "lease_id", "registered_unix_ms", "revision")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EngineInfoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INFO_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    role: Role
+    labels: _containers.ScalarMap[str, str]
+    metadata: _agent_pb2.AgentMetadata
+    engine_info: _containers.ScalarMap[str, str]
+    lease_id: int
+    registered_unix_ms: int
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., metadata: _Optional[_Union[_agent_pb2.AgentMetadata, _Mapping]] = ..., engine_info: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., registered_unix_ms: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class RegisterAgentRequest(_message.Message):
+    __slots__ = ("record", "ttl_s")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    record: AgentRecord
+    ttl_s: int
+    def __init__(self, record: _Optional[_Union[AgentRecord, _Mapping]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class RegisterAgentResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_s", "revision")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_s: int
+    revision: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_s: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+
+class UnregisterAgentRequest(_message.Message):
+    __slots__ = ("name", "epoch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    epoch: int
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class UnregisterAgentResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: bool = ...) -> None: ...
+
+class GetAgentRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetAgentResponse(_message.Message):
+    __slots__ = ("record",)
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    record: AgentRecord
+    def __init__(self, record: _Optional[_Union[AgentRecord, _Mapping]] = ...) -> None: ...
+
+class ListAgentsRequest(_message.Message):
+    __slots__ = ("role", "labels", "page_size", "page_token")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    labels: _containers.ScalarMap[str, str]
+    page_size: int
+    page_token: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListAgentsResponse(_message.Message):
+    __slots__ = ("records", "next_page_token")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AgentRecord]
+    next_page_token: str
+    def __init__(self, records: _Optional[_Iterable[_Union[AgentRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class WatchAgentsRequest(_message.Message):
+    __slots__ = ("role", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class WatchAgentsResponse(_message.Message):
+    __slots__ = ("type", "record", "revision")
+    class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        EVENT_TYPE_UNSPECIFIED: _ClassVar[WatchAgentsResponse.EventType]
+        EVENT_TYPE_PUT: _ClassVar[WatchAgentsResponse.EventType]
+        EVENT_TYPE_DELETE: _ClassVar[WatchAgentsResponse.EventType]
+        EVENT_TYPE_SYNCED: _ClassVar[WatchAgentsResponse.EventType]
+    EVENT_TYPE_UNSPECIFIED: WatchAgentsResponse.EventType
+    EVENT_TYPE_PUT: WatchAgentsResponse.EventType
+    EVENT_TYPE_DELETE: WatchAgentsResponse.EventType
+    EVENT_TYPE_SYNCED: WatchAgentsResponse.EventType
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    type: WatchAgentsResponse.EventType
+    record: AgentRecord
+    revision: int
+    def __init__(self, type: _Optional[_Union[WatchAgentsResponse.EventType, str]] = ..., record: _Optional[_Union[AgentRecord, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
