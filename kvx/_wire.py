@@ -75,11 +75,11 @@ def unpack(header: bytes | bytearray | memoryview) -> tuple[bytes, int, int, int
 
 def _transcript(label: bytes, first: bytes, second: bytes, initiator: str, target: str,
                 initiator_epoch: int, target_epoch: int) -> bytes:
-    return b"|".join([
-        label, first, second, initiator.encode(), target.encode(),
-        initiator_epoch.to_bytes(8, "little"), target_epoch.to_bytes(8, "little"),
-        PROTOCOL_VERSION.to_bytes(2, "little"),
-    ])
+    # Every field length-prefixed: no two different transcripts encode alike.
+    fields = [label, first, second, initiator.encode(), target.encode(),
+              initiator_epoch.to_bytes(8, "little"), target_epoch.to_bytes(8, "little"),
+              PROTOCOL_VERSION.to_bytes(2, "little")]
+    return b"".join(len(f).to_bytes(4, "little") + f for f in fields)
 
 
 def target_proof(secret: bytes, initiator_nonce: bytes, target_nonce: bytes, initiator: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import secrets
 import socket
 import threading
@@ -25,31 +24,22 @@ from kvx import _wire
 from kvx.backends._sock import is_loopback, parse_address
 from kvx.backends.base import Channel
 from kvx.backends.tcp import TcpBackend
-from kvx.config import Limits, Timeouts
+from kvx.config import Limits, Timeouts, check_name
 from kvx.descs import Descs
 from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
-from kvx.memory import (LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region, RegionTable,
+from kvx.memory import (LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region, RegionTable,
                         RemoteRegion, check_descs)
 from kvx.transfer import Notification, Op, Transfer
 from kvx.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
-
 _MEMORY_KINDS = {
     MemoryKind.HOST: agent_pb2.MEMORY_KIND_HOST,
     MemoryKind.CUDA: agent_pb2.MEMORY_KIND_CUDA,
 }
 _MEMORY_FROM_PB = {v: k for k, v in _MEMORY_KINDS.items()}
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ConfigError(f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
-                          "starting with a letter or digit")
-    return name
 
 
 def _boot_id() -> str:
@@ -269,8 +259,9 @@ class Agent:
         limit = self.limits.max_pending_notifications
         with self._notify_cv:
             if len(self._notifications) >= limit:
+                # Briefly: well inside the initiator's io_s, so it gets a LimitError, not a dead connection.
                 self._notify_cv.wait_for(lambda: len(self._notifications) < limit or self._closed,
-                                         self.timeouts.io_s)
+                                         min(1.0, self.timeouts.io_s / 4))
             if len(self._notifications) >= limit or self._closed:
                 return False
             self._notifications.append(note)
@@ -324,14 +315,17 @@ class Peer:
         ]
         # Vectorised view of the published regions, to refuse bad descriptors
         # before anything goes on the wire (the peer checks again).
+        if any(r.id >= MAX_REGION_ID for r in regions):
+            raise ProtocolError(f"peer {md.name!r} publishes a region id of {MAX_REGION_ID} or more")
         top = max((r.id for r in regions), default=0) + 1
         sizes = np.zeros(top, np.uint64)
         flags = np.zeros(top, np.uint8)
         for r in regions:
             sizes[r.id] = r.size_bytes
             flags[r.id] = VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
-        # Swapped in one assignment each; a post in another thread sees old or new.
-        self.regions, self._size, self._flags = regions, sizes, flags
+        # One reference, swapped at once: a post in another thread sees all old or all new.
+        self._table = (sizes, flags)
+        self.regions = regions
 
     def __repr__(self) -> str:
         return f"<Peer {self.name!r} epoch={self.epoch:#x} backend={self.backend} alive={self.alive}>"
@@ -398,6 +392,8 @@ class Peer:
             remote_total = _total(remote_a)
             if remote_total != total:
                 raise ConfigError(f"local descriptors cover {total} bytes, remote ones {remote_total}")
+            if total == 0:
+                raise ConfigError("the descriptors cover 0 bytes; use peer.notify() to send only a notification")
             if total > self.agent.limits.max_transfer_bytes:
                 raise LimitError(f"transfer of {total} bytes; at most {self.agent.limits.max_transfer_bytes} "
                                  "(Limits.max_transfer_bytes)")
@@ -427,11 +423,11 @@ class Peer:
             self.agent._regions.release(token)
         with self._slots:
             self._inflight -= 1
-            if self._inflight == self.agent.limits.max_inflight_per_peer - 1:
-                self._slots.notify()
+            self._slots.notify()  # no-op without waiters
 
     def _check_remote(self, descs: np.ndarray, need: int, op: Op) -> None:
-        check_descs(descs, self._flags, self._size, need, lambda: f"peer {self.name!r} {op.value}")
+        sizes, flags = self._table
+        check_descs(descs, flags, sizes, need, lambda: f"peer {self.name!r} {op.value}")
 
     def close(self) -> None:
         self.agent.remove_peer(self.name)

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from kvx.errors import ConfigError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    """An agent name: 1-128 characters of letters, digits and ._:/@-."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ConfigError(f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
+                          "starting with a letter or digit")
+    return name
+
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -21,6 +21,9 @@ import numpy as np
 from kvx.descs import Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
 
+# Region ids are never reused within an epoch, and index dense arrays.
+MAX_REGION_ID = 1 << 20
+
 # Per-region flag bits in RegionTable._flags.
 VALID = 1
 REMOTE_READ = 2
@@ -119,6 +122,7 @@ class RegionTable:
         self._flags = np.zeros(64, dtype=np.uint8)
         self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
         self._active: dict[int, None] = {}
+        self._removing: set[int] = set()
         self._tokens = itertools.count(1)
         self._waiters = 0
 
@@ -140,8 +144,9 @@ class RegionTable:
             if len(self._regions) >= self._max_regions:
                 raise RegionError(f"too many registered regions (Limits.max_regions={self._max_regions})")
             rid = self._next_id
-            if rid >= 1 << 32:
-                raise RegionError("region ids exhausted; restart the agent")
+            if rid >= MAX_REGION_ID:
+                raise RegionError(f"{MAX_REGION_ID} registrations in this epoch: region ids exhausted "
+                                  "(they are never reused); restart the agent")
             self._next_id += 1
             region = Region(rid, address, size, MemoryKind.HOST, -1,
                             remote_access, remote_access and writable, writable, owner)
@@ -165,6 +170,9 @@ class RegionTable:
         with self._cond:
             if rid not in self._regions:
                 raise RegionError(f"region {rid} is not registered")
+            if rid in self._removing:
+                raise RegionBusyError(f"region {rid} is being deregistered by another thread")
+            self._removing.add(rid)
             saved = self._flags[rid]
             self._flags[rid] = 0  # no new access can resolve against it from here on
             before = set(self._active)
@@ -181,6 +189,7 @@ class RegionTable:
                     self._cond.wait(left)
             finally:
                 self._waiters -= 1
+                self._removing.discard(rid)
             removed = self._regions.pop(rid)
             self._base[rid] = 0
             self._size[rid] = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from typing import Callable
 
 from kvx import _wire
@@ -50,12 +51,18 @@ def set_timeout(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(timeout_s)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Read exactly n bytes (the socket's SO_RCVTIMEO bounds each wait)."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """Read exactly n bytes. The socket's timeout bounds each wait; a
+    ``deadline`` (time.monotonic()) bounds them all together."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"peer sent {got} of {n} expected bytes before the deadline")
+            sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         except (socket.timeout, BlockingIOError):

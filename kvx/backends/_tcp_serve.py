@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +26,8 @@ from kvx import _io, _wire
 from kvx._wire import ErrorCode, MsgType
 from kvx.backends._sock import check_header, drain, recv_exact, recv_header, set_timeout
 from kvx.descs import DESC_DTYPE
-from kvx.errors import (AccessError, AuthError, EpochError, KvxError, LimitError, PeerLostError,
+from kvx.config import check_name
+from kvx.errors import (AccessError, ConfigError, AuthError, EpochError, KvxError, LimitError, PeerLostError,
                         ProtocolError, TimeoutError, VersionError)
 from kvx.memory import REMOTE_READ, REMOTE_WRITE
 from kvx.v1 import handshake_pb2
@@ -75,6 +77,8 @@ class InboundConnection:
         self.sock = sock
         self.address = address
         self.peer_name = f"<unauthenticated {address}>"
+        self.authenticated = False
+        self._deadline: float | None = None  # of the handshake
         self.closing = False
         self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
 
@@ -111,18 +115,19 @@ class InboundConnection:
     # Handshake.
 
     def _recv_message(self, expect: MsgType) -> bytes:
-        header = recv_exact(self.sock, _wire.HEADER_SIZE)
+        header = recv_exact(self.sock, _wire.HEADER_SIZE, self._deadline)
         try:
             msg_type, _, payload_len, _, data_len = check_header(header)
         except (ProtocolError, VersionError) as exc:
             raise _Fatal(exc) from None
         if msg_type != expect or data_len or payload_len > _wire.MAX_HANDSHAKE_BYTES:
             raise _Fatal(ProtocolError(f"expected {expect.name} during the handshake, got type {msg_type}"))
-        return bytes(recv_exact(self.sock, payload_len))
+        return bytes(recv_exact(self.sock, payload_len, self._deadline))
 
     def _handshake(self) -> None:
         agent = self.agent
-        set_timeout(self.sock, agent.timeouts.connect_s)
+        # One deadline for the whole handshake: a trickling peer cannot hold a slot.
+        self._deadline = time.monotonic() + agent.timeouts.connect_s
         try:
             hello = handshake_pb2.Hello.FromString(self._recv_message(MsgType.HELLO))
         except _Fatal:
@@ -136,6 +141,10 @@ class InboundConnection:
                 "the metadata is stale): fetch its metadata again"))
         if len(hello.nonce) != _wire.NONCE_BYTES:
             raise _Fatal(ProtocolError("HELLO nonce must be 32 bytes"))
+        try:
+            check_name(hello.name)
+        except ConfigError as exc:
+            raise _Fatal(ProtocolError(f"HELLO: {exc}")) from None
         secret = agent._secret
         nonce = os.urandom(_wire.NONCE_BYTES)
         ids = (hello.name, agent.name, hello.epoch, agent.epoch)
@@ -145,6 +154,7 @@ class InboundConnection:
             max_message_bytes=agent.limits.max_message_bytes,
             max_descs_per_message=agent.limits.max_descs_per_message,
         ).SerializeToString()
+        self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         self.sock.sendall(_wire.pack(MsgType.HELLO_REPLY, payload_len=len(reply)) + reply)
         try:
             auth = handshake_pb2.Auth.FromString(self._recv_message(MsgType.AUTH))
@@ -158,8 +168,10 @@ class InboundConnection:
                 raise _Fatal(AuthError(
                     f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, "
                     "auth_secret"))
+        self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
         self.peer_name = hello.name
+        self.authenticated = True
         set_timeout(self.sock, agent.timeouts.io_s)
         logger.debug("peer %s (epoch %#x) connected from %s", hello.name, hello.epoch, self.address)
 
@@ -274,12 +286,16 @@ class InboundConnection:
     def _linger(self) -> None:
         """Close gently: closing with unread input sends a reset, which can
         destroy the ERROR before the peer reads it. Bounded in bytes and time."""
+        deadline = time.monotonic() + _LINGER_S
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            set_timeout(self.sock, _LINGER_S)
             left = _LINGER_BYTES
-            while left > 0 and self.sock.recv(min(left, 65536)):
-                left -= 65536
+            while left > 0 and time.monotonic() < deadline:
+                self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                got = len(self.sock.recv(min(left, 65536)))
+                if not got:
+                    break
+                left -= got
         except OSError:
             pass
 

@@ -17,7 +17,9 @@ moving bytes through it.
 
 from __future__ import annotations
 
+import builtins
 import collections
+import hmac
 import itertools
 import logging
 import os
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 INLINE_SEND_BYTES = 256 * 1024
 # A transfer is spread over several streams only when each gets this much.
 MIN_STREAM_BYTES = 1 << 20
+# Inbound connections still in their handshake (not yet authenticated) at once.
+MAX_HANDSHAKES = 64
 
 _ERRORS: dict[int, type[KvxError]] = {
     ErrorCode.ACCESS: AccessError,
@@ -89,6 +93,7 @@ class TcpBackend(Backend):
         self._lock = threading.Lock()
         self._inbound: set[InboundConnection] = set()
         self._channels: set[TcpChannel] = set()
+        self._conns: set[_Connection] = set()  # initiator connections until their reader ends
         self._closed = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{agent.name}",
                                                daemon=True)
@@ -101,22 +106,34 @@ class TcpBackend(Backend):
         while True:
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                return  # the listener was shut down
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                # EMFILE, ECONNABORTED, EPROTO...: transient; the listener stays up.
+                logger.warning("accept failed on %s: %s", self._endpoint, exc)
+                time.sleep(0.05)
+                continue
             address = format_address(*addr[:2])
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                if len(self._inbound) >= self.agent.limits.max_connections:
-                    logger.warning("refusing connection from %s: %d connections open (Limits.max_connections)",
-                                   address, len(self._inbound))
-                    sock.close()
-                    continue
-                tune(sock, self.agent.timeouts.connect_s)
-                conn = InboundConnection(self, sock, address)
-                self._inbound.add(conn)
-            conn.start()
+            try:
+                with self._lock:
+                    if self._closed:
+                        sock.close()
+                        return
+                    unauthenticated = sum(1 for c in self._inbound if not c.authenticated)
+                    if len(self._inbound) >= self.agent.limits.max_connections or \
+                            unauthenticated >= MAX_HANDSHAKES:
+                        logger.warning("refusing connection from %s: %d open, %d in handshake "
+                                       "(Limits.max_connections)", address, len(self._inbound), unauthenticated)
+                        sock.close()
+                        continue
+                    tune(sock, self.agent.timeouts.connect_s)
+                    conn = InboundConnection(self, sock, address)
+                    self._inbound.add(conn)
+                conn.start()
+            except Exception:  # a failure with one connection must not stop the listener
+                logger.exception("could not serve connection from %s", address)
+                sock.close()
 
     def _inbound_done(self, conn: InboundConnection) -> None:
         with self._lock:
@@ -138,6 +155,7 @@ class TcpBackend(Backend):
         channel = TcpChannel(self, target_name, conns, *limits)
         with self._lock:
             self._channels.add(channel)
+            self._conns.update(conns)
         for conn in conns:
             conn.start()
         return channel
@@ -146,10 +164,14 @@ class TcpBackend(Backend):
         with self._lock:
             self._channels.discard(channel)
 
+    def _connection_closed(self, conn: _Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            inbound, channels = list(self._inbound), list(self._channels)
+            inbound, channels, conns = list(self._inbound), list(self._channels), list(self._conns)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -160,8 +182,10 @@ class TcpBackend(Backend):
         for conn in inbound:
             conn.shutdown()
         deadline = time.monotonic() + self.agent.timeouts.close_s
+        for conn in conns:
+            conn.shutdown(ClosedError(f"agent {self.agent.name!r} was closed"))
         threads = [self._accept_thread] + [c.thread for c in inbound]
-        threads += [conn.reader for ch in channels for conn in ch.conns]
+        threads += [t for conn in conns for t in (conn.reader, conn.sender) if t is not None]
         for thread in threads:
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -183,8 +207,12 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         nonce = os.urandom(_wire.NONCE_BYTES)
         hello = handshake_pb2.Hello(name=agent.name, epoch=agent.epoch, target_name=target_name,
                                     target_epoch=target_epoch, nonce=nonce).SerializeToString()
+        deadline = time.monotonic() + timeout_s
         sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
-        reply = handshake_pb2.HelloReply.FromString(_handshake_reply(sock, MsgType.HELLO_REPLY, target_name))
+        reply = handshake_pb2.HelloReply.FromString(
+            _handshake_reply(sock, MsgType.HELLO_REPLY, target_name, deadline))
+        if len(reply.nonce) != _wire.NONCE_BYTES or reply.name != target_name or reply.epoch != target_epoch:
+            raise ProtocolError(f"peer {target_name!r} answered the handshake with another identity or nonce")
         ids = (agent.name, target_name, agent.epoch, target_epoch)
         secret = agent._secret
         if reply.auth_required and secret is None:
@@ -194,14 +222,13 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
                 raise AuthError(f"peer {target_name!r} has no auth_secret while this agent has one; "
                                 "configure the same secret on both")
             expected = _wire.target_proof(secret, nonce, reply.nonce, *ids)
-            import hmac
-
             if not hmac.compare_digest(reply.proof, expected):
                 raise AuthError(f"peer {target_name!r} failed the HMAC challenge: another auth_secret")
         proof = _wire.initiator_proof(secret, nonce, reply.nonce, *ids) if secret else b""
         auth = handshake_pb2.Auth(proof=proof).SerializeToString()
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(_wire.pack(MsgType.AUTH, payload_len=len(auth)) + auth)
-        _handshake_reply(sock, MsgType.AUTH_OK, target_name)
+        _handshake_reply(sock, MsgType.AUTH_OK, target_name, deadline)
         if reply.max_message_bytes <= 0 or reply.max_descs_per_message <= 0:
             raise ProtocolError(f"peer {target_name!r} announced invalid limits")
         set_timeout(sock, agent.timeouts.io_s)
@@ -214,16 +241,16 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         raise ConnectError(f"handshake with peer {target_name!r} at {address} failed: {exc}") from exc
 
 
-def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str) -> bytes:
+def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str, deadline: float) -> bytes:
     try:
-        msg_type, _, payload_len, aux, data_len = check_header(recv_exact(sock, _wire.HEADER_SIZE))
+        msg_type, _, payload_len, aux, data_len = check_header(recv_exact(sock, _wire.HEADER_SIZE, deadline))
     except PeerLostError as exc:
         raise ConnectError(f"peer {peer!r} closed the connection during the handshake") from exc
     except TimeoutError as exc:
         raise ConnectError(f"peer {peer!r} did not answer the handshake in time") from exc
     if payload_len > _wire.MAX_HANDSHAKE_BYTES or data_len:
         raise ProtocolError(f"peer {peer!r} sent an oversized handshake message")
-    payload = bytes(recv_exact(sock, payload_len))
+    payload = bytes(recv_exact(sock, payload_len, deadline))
     if msg_type == MsgType.ERROR:
         raise _remote_error(aux, payload.decode(errors="replace"), peer)
     if msg_type != expect:
@@ -232,21 +259,48 @@ def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str) -> bytes:
 
 
 class _Part:
-    """One request of a transfer, waiting for its response."""
+    """One request of a transfer.
 
-    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes")
+    ``holds`` counts what must end before the part may finish: its response
+    (always) and, when it carries data, the send of that data. The part
+    finishes when the last hold is released, so a transfer never finishes
+    while a thread still moves bytes of its memory, whichever order the
+    response, the send and a connection failure come in.
+    """
 
-    def __init__(self, transfer: Transfer, op: MsgType, addrs: np.ndarray | None, lens: np.ndarray | None,
-                 nbytes: int) -> None:
+    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error")
+
+    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int,
+                 sends_data: bool = False) -> None:
         self.transfer = transfer
         self.op = op
-        self.addrs = addrs  # READ: where the response lands
+        self.addrs = addrs  # READ: where the response lands; WRITE: what is sent
         self.lens = lens
         self.nbytes = nbytes
+        self.holds = 2 if sends_data else 1
+        self.error: KvxError | None = None
+
+
+def _translate(exc: BaseException, peer: str, io_s: float) -> KvxError:
+    """An error from a socket or the byte path, as the kvx error it means."""
+    if isinstance(exc, TimeoutError):
+        return TimeoutError(f"peer {peer!r} answered nothing for {io_s}s (Timeouts.io_s)")
+    if isinstance(exc, KvxError):
+        return exc
+    if isinstance(exc, builtins.TimeoutError):
+        return TimeoutError(f"peer {peer!r} moved no data for {io_s}s (Timeouts.io_s): {exc}")
+    if isinstance(exc, OSError):
+        return PeerLostError(f"connection to peer {peer!r} lost: {exc}")
+    return TransferError(f"internal error: {exc!r}")
 
 
 class _Connection:
-    """One initiator connection: pipelined requests, one reader thread."""
+    """One initiator connection: pipelined requests, one reader thread, and a
+    sender thread for large payloads and for sends that would have to wait.
+
+    The reader thread never blocks on the send lock: what cannot be sent at
+    once goes to the sender thread.
+    """
 
     def __init__(self, backend: TcpBackend, sock: socket.socket, peer: str, index: int) -> None:
         self.backend = backend
@@ -258,6 +312,7 @@ class _Connection:
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
         self.pending: dict[int, _Part] = {}
+        self.receiving: _Part | None = None  # the part the reader is moving bytes into
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
         self.closed = False
@@ -271,9 +326,18 @@ class _Connection:
     def start(self) -> None:
         self.reader.start()
 
-    def submit(self, part: _Part, prefix: bytes, addrs: np.ndarray | None, lens: np.ndarray | None,
-               request_id: int) -> None:
-        """Send one request; a failure fails the part (and the connection)."""
+    def _release(self, part: _Part, error: KvxError | None = None) -> None:
+        with self.lock:
+            if error is not None and part.error is None:
+                part.error = error
+            part.holds -= 1
+            last = part.holds == 0
+        if last:
+            part.transfer._part_finished(part.error)
+
+    def submit(self, part: _Part, prefix: bytes, request_id: int) -> None:
+        """Send one request now if the socket is free, else queue it."""
+        sends_data = part.holds == 2
         with self.lock:
             if self.error is not None:
                 error = self.error
@@ -281,8 +345,10 @@ class _Connection:
                 error = None
                 self.pending[request_id] = part
                 self.last_progress = time.monotonic()
-                if addrs is not None and part.nbytes > INLINE_SEND_BYTES:
-                    self.queue.append((prefix, addrs, lens))
+                inline = (not self.queue and not (sends_data and part.nbytes > INLINE_SEND_BYTES)
+                          and self.send_lock.acquire(blocking=False))
+                if not inline:
+                    self.queue.append((part, prefix))
                     if self.sender is None:
                         self.sender = threading.Thread(target=self._send_loop, daemon=True,
                                                        name=f"kvx-send-{self.peer}")
@@ -290,25 +356,30 @@ class _Connection:
                     self.queue_cv.notify()
                     return
         if error is not None:
+            part.holds = 0
             part.transfer._part_finished(_again(error))
             return
-        self._send(prefix, addrs, lens)
+        self._send_locked(part, prefix)
 
-    def _send(self, prefix: bytes, addrs: np.ndarray | None, lens: np.ndarray | None) -> None:
+    def _send_locked(self, part: _Part, prefix: bytes) -> None:
+        """Send with send_lock held (released here); then release the send hold."""
+        sends_data = part.holds == 2 and part.op == MsgType.WRITE_REQ
+        error = None
         try:
-            with self.send_lock:
-                if self.closed:
-                    raise PeerLostError(f"connection to peer {self.peer!r} is closed")
-                if addrs is None:
-                    self.sock.sendall(prefix)
+            try:
+                if self.closed or self.error is not None:
+                    raise self.error or PeerLostError(f"connection to peer {self.peer!r} is closed")
+                if sends_data:
+                    _io.sendv(self.fd, prefix, part.addrs, part.lens, self.io_ms)
                 else:
-                    _io.sendv(self.fd, prefix, addrs, lens, self.io_ms)
-        except KvxError as exc:
-            self.shutdown(exc)
-        except builtins_timeout as exc:
-            self.shutdown(TimeoutError(f"peer {self.peer!r} took no data for {self.io_s}s: {exc}"))
-        except OSError as exc:
-            self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
+                    self.sock.sendall(prefix)
+            finally:
+                self.send_lock.release()
+        except BaseException as exc:
+            error = _translate(exc, self.peer, self.io_s)
+            self.shutdown(error)
+        if sends_data:
+            self._release(part, _again(error) if error is not None else None)
 
     def _send_loop(self) -> None:
         while True:
@@ -316,59 +387,72 @@ class _Connection:
                 while not self.queue and self.error is None:
                     self.queue_cv.wait()
                 if self.error is not None:
-                    self.queue.clear()
-                    return
-                item = self.queue.popleft()
-            self._send(*item)
+                    return  # shutdown() failed what was queued
+                part, prefix = self.queue.popleft()
+            self.send_lock.acquire()
+            self._send_locked(part, prefix)
 
     def shutdown(self, error: KvxError) -> None:
-        """Fail everything in flight with ``error``; the reader then closes the socket."""
+        """Fail everything in flight with ``error``; the reader then closes the socket.
+
+        Bytes being moved right now (the reader's current receive, a send in
+        progress) are left to the thread moving them, which releases its hold
+        when its system call returns; shutting the socket down makes that soon.
+        """
         with self.lock:
             if self.error is None:
                 self.error = error
-            pending, self.pending = self.pending, {}
-            self.queue.clear()
+            error = self.error
+            failed = [p for p in self.pending.values() if p is not self.receiving]
+            self.pending = {i: p for i, p in self.pending.items() if p is self.receiving}
+            queued, self.queue = list(self.queue), collections.deque()
             self.queue_cv.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        for part in pending.values():
-            part.transfer._part_finished(_again(self.error))
+        for part in failed:
+            self._release(part, _again(error))
+        for part, _ in queued:
+            if part.holds == 2 and part.op == MsgType.WRITE_REQ:
+                self._release(part, _again(error))  # its data was never sent
         if self.on_break is not None:
-            self.on_break(self.error)
+            self.on_break(error)
 
     def _read_loop(self) -> None:
         try:
             while True:
                 header = recv_header(self.sock, self._idle)
                 if header is None:
-                    with self.lock:
-                        error = self.error
-                    raise error or PeerLostError(f"peer {self.peer!r} closed the connection")
+                    raise PeerLostError(f"peer {self.peer!r} closed the connection")
                 msg_type, request_id, payload_len, aux, data_len = check_header(header)
                 with self.lock:
+                    if self.error is not None:
+                        raise _again(self.error)
                     part = self.pending.get(request_id)
-                if part is None:
-                    raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
-                error = self._read_response(part, msg_type, payload_len, aux, data_len)
+                    if part is None:
+                        raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
+                    self.receiving = part
+                try:
+                    result = self._read_response(part, msg_type, payload_len, aux, data_len)
+                except BaseException as exc:
+                    failure = _translate(exc, self.peer, self.io_s)
+                    with self.lock:
+                        self.pending.pop(request_id, None)
+                        self.receiving = None
+                    self._release(part, _again(failure))
+                    raise failure from exc
                 with self.lock:
                     self.pending.pop(request_id, None)
+                    self.receiving = None
                     self.last_progress = time.monotonic()
-                part.transfer._part_finished(error)
-        except TimeoutError:
-            self.shutdown(TimeoutError(f"peer {self.peer!r} answered nothing for {self.io_s}s "
-                                       "(Timeouts.io_s)"))
-        except KvxError as exc:
-            self.shutdown(exc)
-        except builtins_timeout as exc:
-            self.shutdown(TimeoutError(f"peer {self.peer!r} sent no data for {self.io_s}s "
-                                       f"(Timeouts.io_s): {exc}"))
-        except OSError as exc:
-            self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
-        except Exception as exc:  # a bug here must not leave transfers hanging
-            logger.exception("reader for peer %s failed", self.peer)
-            self.shutdown(TransferError(f"internal error: {exc!r}"))
+                self._release(part, result)
+        except BaseException as exc:
+            with self.lock:
+                error = self.error
+            if error is None and not isinstance(exc, (KvxError, OSError)):
+                logger.exception("reader for peer %s failed", self.peer)
+            self.shutdown(error or _translate(exc, self.peer, self.io_s))
         finally:
             self._close_socket()
 
@@ -401,9 +485,7 @@ class _Connection:
         with self.send_lock:
             self.closed = True
             self.sock.close()
-
-
-builtins_timeout = __builtins__["TimeoutError"] if isinstance(__builtins__, dict) else __builtins__.TimeoutError
+        self.backend._connection_closed(self)
 
 
 def _again(error: KvxError) -> KvxError:
@@ -456,7 +538,7 @@ class TcpChannel(Channel):
         conn = self.conns[0]
         request_id = next(conn.ids)
         prefix = _wire.pack(MsgType.NOTIFY, request_id, payload_len=len(data)) + data
-        conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, None, None, request_id)
+        conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, request_id)
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None) -> None:
@@ -494,13 +576,13 @@ class TcpChannel(Channel):
             payload = wire.tobytes()
             if op is Op.READ:
                 prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
-                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes), prefix, None, None, request_id)
+                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes), prefix, request_id)
             else:
                 extra = notify if attach_notify else b""
                 prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
                                     aux=len(extra), data_len=nbytes) + payload + extra
-                conn.submit(_Part(transfer, MsgType.WRITE_REQ, None, None, nbytes), prefix, addrs, lens,
-                            request_id)
+                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, sends_data=True),
+                            prefix, request_id)
 
 
 def plan_cuts(remote: np.ndarray, total: int, max_bytes: int, max_descs: int, streams: int) -> np.ndarray:

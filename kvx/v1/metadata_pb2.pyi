@@ -20,7 +20,7 @@ ROLE_DECODE: Role
 ROLE_OTHER: Role
 
 class AgentRecord(_message.Message):
-    __slots__ = ("name", "epoch", "role", "labels", "metadata", "engine_info", "lease_id", "registered_unix_ms", "revision")
+    __slots__ = ("name", "epoch", "role", "labels", "metadata", "engine_info", "lease_id", "registered_unix_ms", "revision", "started_unix_ms")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class AgentRecord(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     epoch: int
     role: Role
@@ -53,7 +54,8 @@ class AgentRecord(_message.Message):
     lease_id: int
     registered_unix_ms: int
     revision: int
-    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., metadata: _Optional[_Union[_agent_pb2.AgentMetadata, _Mapping]] = ..., engine_info: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., registered_unix_ms: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    started_unix_ms: int
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., metadata: _Optional[_Union[_agent_pb2.AgentMetadata, _Mapping]] = ..., engine_info: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., registered_unix_ms: _Optional[int] = ..., revision: _Optional[int] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
     __slots__ = ("record", "ttl_s")

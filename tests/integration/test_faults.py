@@ -391,3 +391,118 @@ def test_closing_the_agent_fails_what_is_in_flight(make_worker, make_agent):
             peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
     finally:
         worker.thaw()
+
+
+# Regressions from review.
+
+def test_no_byte_lands_after_a_failed_transfer_is_reported(make_worker, make_agent):
+    size = 64 << 20
+    worker = make_worker(pool_bytes=size)
+    agent = make_agent(streams=4)
+    pool = np.zeros(size, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    t = peer.read(region.descs(0, size), peer.regions[0].descs(0, size))
+    deadline = time.monotonic() + 5
+    while not pool[::4096].any() and time.monotonic() < deadline:
+        time.sleep(0.0005)  # wait until bytes are flowing
+    worker.kill()
+    try:
+        t.wait(10)
+        pytest.skip("the transfer finished before the peer died; nothing to check")
+    except kvx.PeerLostError:
+        pass
+    snapshot = pool.copy()
+    time.sleep(0.3)
+    assert np.array_equal(pool, snapshot), "bytes landed after wait() reported the failure"
+    agent.deregister(region, timeout_s=1)
+
+
+def test_notifications_and_large_writes_share_a_connection(make_worker, make_agent):
+    # A READ's trailing notification is sent while a large WRITE holds the
+    # socket: it must queue, not stall the reader until io_s.
+    size = 32 << 20
+    worker = make_worker(pool_bytes=size)
+    agent = make_agent(timeouts=kvx.Timeouts(io_s=3))
+    pool = np.ones(size, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    start = time.monotonic()
+    transfers = []
+    for _ in range(4):
+        transfers.append(peer.read(region.descs(0, 8 << 20), peer.regions[0].descs(8 << 20, 8 << 20), notify=b"r"))
+        transfers.append(peer.write(region.descs(16 << 20, 16 << 20), peer.regions[0].descs(16 << 20, 16 << 20)))
+    for t in transfers:
+        t.wait(20)
+    assert time.monotonic() - start < 10
+    assert len(worker.call("notifications", 5.0)) == 4
+
+
+def test_posting_threads_wake_when_slots_free(make_worker, make_agent):
+    import threading
+
+    worker = make_worker()
+    agent = make_agent(limits=kvx.Limits(max_inflight_per_peer=2), timeouts=kvx.Timeouts(transfer_s=20))
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    errors = []
+
+    def post_many():
+        try:
+            for _ in range(50):
+                peer.read(region.descs(0, 64), peer.regions[0].descs(0, 64)).wait(20)
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=post_many) for _ in range(6)]
+    start = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors and time.monotonic() - start < 15
+
+
+def test_trickling_handshake_is_cut_off(make_worker):
+    worker = make_worker(timeouts={"connect_s": 1.0})
+    md = parse_metadata(worker.metadata)
+    sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
+    start = time.monotonic()
+    closed = False
+    for _ in range(20):
+        try:
+            sock.sendall(b"K")
+            time.sleep(0.3)
+        except OSError:
+            closed = True
+            break
+    else:
+        closed = _recv(sock, 64) is not None and sock.recv(1) == b""
+    assert closed and time.monotonic() - start < 4
+    sock.close()
+
+
+def test_hello_with_an_invalid_name_is_refused(make_worker):
+    worker = make_worker()
+    md = parse_metadata(worker.metadata)
+    sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
+    hello = handshake_pb2.Hello(name="bad name\n", epoch=1, target_name=md.name, target_epoch=md.epoch,
+                                nonce=os.urandom(32)).SerializeToString()
+    sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
+    assert "invalid agent name" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+
+
+def test_metadata_with_huge_region_ids_is_refused(make_worker, make_agent):
+    worker = make_worker()
+    hostile = _tampered(worker.metadata, lambda md: md.regions.add(id=2**32 - 1, size_bytes=1, remote_read=True))
+    with pytest.raises(kvx.ProtocolError, match="region id"):
+        make_agent().add_peer(hostile)
+
+
+def test_zero_byte_transfers_are_refused(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    region = agent.register(np.zeros(BLOCK, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    with pytest.raises(kvx.ConfigError, match="0 bytes"):
+        peer.read(region.descs([0, 1], 0), peer.regions[0].descs([0, 1], 0))

@@ -149,3 +149,17 @@ def test_insecure_listen_needs_a_secret_or_explicit_consent():
         kvx.Agent("short", auth_secret="short")
     with pytest.raises(kvx.ConfigError):
         kvx.Agent("bad name!")
+
+
+def test_a_second_concurrent_deregister_is_refused_not_raced():
+    table = RegionTable(16)
+    r = table.add(np.zeros(100, np.uint8), remote_access=True)
+    _, _, _, token = table.resolve(kvx.Descs.build(r, 0, 10).array, REMOTE_READ, "t")
+    first = threading.Thread(target=lambda: pytest.raises(kvx.RegionBusyError, table.remove, r, 0.5))
+    first.start()
+    time.sleep(0.1)
+    with pytest.raises(kvx.RegionBusyError, match="another thread"):
+        table.remove(r, timeout_s=5)
+    first.join()
+    table.release(token)
+    table.remove(r, timeout_s=1)

@@ -1,0 +1,259 @@
+"""Where the metadata service keeps agent records: the interface and the
+embedded in-memory store. ``EtcdStore`` (``etcd.py``) implements the same
+interface on etcd, so that several service replicas share one cluster state.
+
+Records are ``kvx.v1.AgentRecord`` messages keyed by agent name, each
+attached to a lease; a lease that is not renewed expires and takes its
+records with it. Every change gets a store-wide revision (etcd's own, or a
+counter here), which also serves compare-and-set writes.
+
+Everything here is asyncio, run on the metadata service's event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+from typing import AsyncIterator
+
+from kvx.errors import KvxError
+from kvx.v1 import metadata_pb2
+
+logger = logging.getLogger(__name__)
+
+AgentRecord = metadata_pb2.AgentRecord
+
+# A watcher that falls this far behind is cut off (it resynchronises).
+WATCH_QUEUE_MAX = 10_000
+
+
+class StoreError(KvxError):
+    """The store failed or is unreachable (etcd down); callers may retry."""
+
+
+class WatchLagError(StoreError):
+    """A watcher fell too far behind and was cut off; watch again."""
+
+
+class EventType(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+    SYNCED = "synced"  # the initial snapshot is complete
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: EventType
+    record: AgentRecord | None  # for DELETE: the record as it was
+    revision: int
+
+
+class Store(abc.ABC):
+    """The storage verbs the metadata service needs."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Connect and start background work."""
+
+    async def close(self) -> None:
+        """Stop background work and disconnect."""
+
+    @abc.abstractmethod
+    async def ready(self) -> bool:
+        """True when the store answers (for /readyz and gRPC health)."""
+
+    @abc.abstractmethod
+    async def grant_lease(self, ttl_s: int) -> int:
+        """A new lease id, expiring ttl_s seconds from now unless renewed."""
+
+    @abc.abstractmethod
+    async def keep_alive(self, lease_id: int) -> int:
+        """Renew a lease; its remaining ttl in seconds, 0 if it is gone."""
+
+    @abc.abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None:
+        """End a lease now; its records are deleted. Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def get(self, name: str) -> AgentRecord | None:
+        """The record, with ``revision`` set to its last change; None if absent."""
+
+    @abc.abstractmethod
+    async def list(self) -> list[AgentRecord]:
+        """Every record, sorted by name."""
+
+    @abc.abstractmethod
+    async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
+        """Write ``record`` under ``lease_id`` if the name's current revision is
+        ``expect_revision`` (0: absent). The new revision, or None on conflict."""
+
+    @abc.abstractmethod
+    async def delete_if(self, name: str, expect_revision: int) -> bool:
+        """Delete if the current revision is ``expect_revision``; True if deleted."""
+
+    @abc.abstractmethod
+    def watch(self) -> AsyncIterator[Event]:
+        """A PUT per current record, one SYNCED, then every change in order.
+
+        Raises WatchLagError if the consumer falls too far behind, StoreError
+        if the store goes away; the caller watches again to resynchronise.
+        """
+
+
+@dataclasses.dataclass
+class _Lease:
+    ttl_s: int
+    deadline: float
+    names: set[str] = dataclasses.field(default_factory=set)
+
+
+class MemoryStore(Store):
+    """Everything in this process: nothing to install, nothing survives a restart.
+
+    Agents re-register by themselves when the service comes back, so a
+    restart costs a few seconds of lookups, not the cluster's state.
+    """
+
+    name = "memory"
+
+    def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
+        self._records: dict[str, AgentRecord] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._lease_ids = itertools.count(0x6B7600000001)
+        self._revision = 0
+        self._watchers: set[asyncio.Queue] = set()
+        self._expiry_interval_s = expiry_interval_s
+        self._expiry_task: asyncio.Task | None = None
+        self.expired_leases = 0  # for metrics
+
+    async def start(self) -> None:
+        self._expiry_task = asyncio.create_task(self._expire_loop(), name="kvx-lease-expiry")
+
+    async def close(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            try:
+                await self._expiry_task
+            except asyncio.CancelledError:
+                pass
+        for queue in list(self._watchers):
+            self._cut_off(queue, StoreError("the metadata store is closing"))
+
+    async def ready(self) -> bool:
+        return True
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        lease_id = next(self._lease_ids)
+        self._leases[lease_id] = _Lease(ttl_s, time.monotonic() + ttl_s)
+        return lease_id
+
+    async def keep_alive(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return 0
+        lease.deadline = time.monotonic() + lease.ttl_s
+        return lease.ttl_s
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            for name in sorted(lease.names):
+                self._delete(name)
+
+    async def get(self, name: str) -> AgentRecord | None:
+        record = self._records.get(name)
+        return _copy(record) if record is not None else None
+
+    async def list(self) -> list[AgentRecord]:
+        return [_copy(self._records[name]) for name in sorted(self._records)]
+
+    async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
+        current = self._records.get(record.name)
+        if (current.revision if current is not None else 0) != expect_revision:
+            return None
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise StoreError(f"lease {lease_id:#x} does not exist (expired?)")
+        if current is not None:
+            old = self._leases.get(current.lease_id)
+            if old is not None:
+                old.names.discard(record.name)
+        self._revision += 1
+        stored = _copy(record)
+        stored.lease_id = lease_id
+        stored.revision = self._revision
+        self._records[record.name] = stored
+        lease.names.add(record.name)
+        self._publish(Event(EventType.PUT, stored, self._revision))
+        return self._revision
+
+    async def delete_if(self, name: str, expect_revision: int) -> bool:
+        current = self._records.get(name)
+        if current is None or current.revision != expect_revision:
+            return False
+        self._delete(name)
+        return True
+
+    async def watch(self) -> AsyncIterator[Event]:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_MAX)
+        # Snapshot and subscription in one step: no change can fall between them.
+        snapshot = [_copy(self._records[name]) for name in sorted(self._records)]
+        revision = self._revision
+        self._watchers.add(queue)
+        try:
+            for record in snapshot:
+                yield Event(EventType.PUT, record, record.revision)
+            yield Event(EventType.SYNCED, None, revision)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self._watchers.discard(queue)
+
+    # Internals.
+
+    def _delete(self, name: str) -> None:
+        record = self._records.pop(name, None)
+        if record is None:
+            return
+        lease = self._leases.get(record.lease_id)
+        if lease is not None:
+            lease.names.discard(name)
+        self._revision += 1
+        self._publish(Event(EventType.DELETE, record, self._revision))
+
+    def _publish(self, event: Event) -> None:
+        for queue in list(self._watchers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self._cut_off(queue, WatchLagError(f"watcher fell {WATCH_QUEUE_MAX} events behind"))
+
+    def _cut_off(self, queue: asyncio.Queue, error: Exception) -> None:
+        self._watchers.discard(queue)
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(error)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._expiry_interval_s)
+            now = time.monotonic()
+            for lease_id in [i for i, lease in self._leases.items() if lease.deadline <= now]:
+                logger.info("lease %#x expired", lease_id)
+                self.expired_leases += 1
+                await self.revoke_lease(lease_id)
+
+
+def _copy(record: AgentRecord) -> AgentRecord:
+    out = AgentRecord()
+    out.CopyFrom(record)
+    return out
