@@ -16,9 +16,10 @@ from kvx.agent import Agent, Peer
 from kvx.config import Limits, Timeouts
 from kvx.descs import DESC_DTYPE, Descs
 from kvx.errors import (AccessError, AuthError, ClosedError, ConfigError, ConnectError, EpochError,
-                        KvxError, LimitError, PeerLostError, ProtocolError, RegionBusyError,
+                        KvxError, LimitError, MetadataError, PeerLostError, ProtocolError, RegionBusyError,
                         RegionError, TimeoutError, TransferError, VersionError)
 from kvx.layout import KVLayout
+from kvx.metadata.client import MetadataOptions
 from kvx.memory import MemoryKind, Region, RemoteRegion
 from kvx.transfer import Notification, Op, Transfer, TransferState
 
@@ -39,6 +40,8 @@ __all__ = [
     "KvxError",
     "LimitError",
     "Limits",
+    "MetadataError",
+    "MetadataOptions",
     "MemoryKind",
     "Notification",
     "Op",

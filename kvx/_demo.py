@@ -14,6 +14,8 @@ from kvx.agent import Agent
 from kvx.layout import KVLayout
 from kvx.config import MiB
 from kvx._worker import Worker, WorkerConfig, pattern
+from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.v1.metadata_pb2 import Role
 
 
 def _fmt_bytes(n: int) -> str:
@@ -27,13 +29,19 @@ def run(layers: int, num_blocks: int, block_size: int, request_blocks: int, out=
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     say(f"kvx demo: KV pool of {layers} layers x K/V x {num_blocks} blocks x {_fmt_bytes(block_size)} "
         f"= {_fmt_bytes(pool_bytes)} on each side")
-    with Worker(WorkerConfig("prefill-0", pool_bytes, seed=42, auth_secret=secret)) as prefill, \
-            Agent("decode-0", auth_secret=secret) as decode:
-        pool = np.zeros(pool_bytes, np.uint8)
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as service, \
+            Worker(WorkerConfig("prefill-0", pool_bytes, seed=42, auth_secret=secret,
+                                metadata=service.address, role="prefill")) as prefill, \
+            Agent("decode-0", auth_secret=secret, metadata=service.address, role="decode") as decode:
+        pool = np.empty(pool_bytes, np.uint8)
+        pool.fill(0)  # touch every page now, as an engine's KV cache is; np.zeros would fault them in mid-transfer
         region = decode.register(pool)
-        peer = decode.add_peer(prefill.metadata)
-        say(f"  prefill agent pid {prefill.pid}, decode agent pid {os.getpid()}: connected over "
-            f"{peer.backend} ({_io.IMPL} data path), HMAC-authenticated")
+        agents = service.call(service.server.store.list())
+        say(f"  metadata service on {service.address} (in-process, memory store): "
+            f"{', '.join(f'{a.name} ({Role.Name(a.role)[5:].lower()})' for a in agents)} registered")
+        peer = decode.connect("prefill-0")
+        say(f"  prefill agent pid {prefill.pid}, decode agent pid {os.getpid()}: decode found prefill-0 "
+            f"by name, connected over {peer.backend} ({_io.IMPL} data path), HMAC-authenticated")
 
         rng = np.random.default_rng(7)
         src_blocks = np.sort(rng.choice(num_blocks, request_blocks, replace=False))

@@ -37,6 +37,9 @@ class WorkerConfig:
     timeouts: dict = dataclasses.field(default_factory=dict)
     limits: dict = dataclasses.field(default_factory=dict)
     remote_access: bool = True
+    metadata: str | None = None  # "host:port" of a metadata service to register with
+    role: str = "other"
+    lease_ttl_s: int = 10
 
 
 def _main(conn: Any, config: WorkerConfig) -> None:
@@ -47,10 +50,11 @@ def _main(conn: Any, config: WorkerConfig) -> None:
     _io.use(config.native)
     import kvx
 
+    pool = pattern(config.seed, config.pool_bytes).copy()
     agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,
                       streams=config.streams, timeouts=kvx.Timeouts(**config.timeouts),
-                      limits=kvx.Limits(**config.limits))
-    pool = pattern(config.seed, config.pool_bytes).copy()
+                      limits=kvx.Limits(**config.limits), metadata=config.metadata, role=config.role,
+                      metadata_options=kvx.MetadataOptions(lease_ttl_s=config.lease_ttl_s))
     regions = {0: agent.register(pool, remote_access=config.remote_access)}
     conn.send(("ready", agent.metadata(), os.getpid(), regions[0].id))
     while True:

@@ -28,6 +28,8 @@ from kvx.config import Limits, Timeouts, check_name
 from kvx.descs import Descs
 from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.metadata.client import MetadataOptions
+from kvx.metadata.directory import Directory
 from kvx.memory import (LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region, RegionTable,
                         RemoteRegion, check_descs)
 from kvx.transfer import Notification, Op, Transfer
@@ -63,6 +65,12 @@ class Agent:
     streams:        connections per peer; large transfers spread over them.
     on_notify:      ``fn(Notification)`` called from a kvx thread instead of
                     queueing for ``notifications()``.
+    metadata:       "host:port" of a kvx metadata service: the agent registers
+                    there (as ``role`` with ``labels`` and ``engine_info``),
+                    keeps its lease alive, registers again by itself after
+                    the service restarts, and unregisters on close; peers
+                    are then found by name with ``connect(name)``.
+    metadata_options: token, TLS files and lease for that service.
     """
 
     def __init__(
@@ -77,6 +85,11 @@ class Agent:
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
         on_notify: Callable[[Notification], Any] | None = None,
+        metadata: str | None = None,
+        role: str = "other",
+        labels: dict[str, str] | None = None,
+        engine_info: dict[str, str] | None = None,
+        metadata_options: MetadataOptions | None = None,
     ) -> None:
         self.name = check_name(name)
         self.epoch = secrets.randbits(64) or 1
@@ -112,6 +125,15 @@ class Agent:
         self._closed = False
         self._backend = TcpBackend(self, host, port, advertise_host)
         logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
+        self._directory: Directory | None = None
+        if metadata is not None:
+            try:
+                self._directory = Directory(self, metadata, role, labels, engine_info, metadata_options)
+                self._directory.start()
+            except BaseException:
+                self._directory = None
+                self._backend.close()
+                raise
 
     # Lifecycle.
 
@@ -139,6 +161,8 @@ class Agent:
                 return
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
+        if self._directory is not None:
+            self._directory.close()  # unregisters first: peers stop finding us
         for peer in peers:
             peer._close(ClosedError(f"agent {self.name!r} was closed"))
         self._backend.close()
@@ -159,12 +183,17 @@ class Agent:
         writable. The agent keeps ``obj`` alive until ``deregister``.
         """
         self._check_open()
-        return self._regions.add(obj, remote_access=remote_access)
+        region = self._regions.add(obj, remote_access=remote_access)
+        if self._directory is not None and remote_access:
+            self._directory.regions_changed()
+        return region
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         """Remove a region. Waits for transfers that may touch it (up to
         ``timeout_s``, default Timeouts.transfer_s), then raises RegionBusyError."""
         self._regions.remove(region, self.timeouts.transfer_s if timeout_s is None else timeout_s)
+        if self._directory is not None:
+            self._directory.regions_changed()
 
     @property
     def regions(self) -> list[Region]:
@@ -216,6 +245,28 @@ class Agent:
         logger.info("agent %s: peer %s epoch %#x over tcp (%s), %d stream(s)", self.name, md.name,
                     md.epoch, tcp[0], len(channel.conns))
         return peer
+
+    def connect(self, name: str, *, streams: int | None = None) -> Peer:
+        """The peer named ``name``, resolved through the metadata service.
+
+        Served from the local cache while it is current; a peer that
+        restarted (new epoch) or changed its regions is looked up again.
+        """
+        self._check_open()
+        if self._directory is None:
+            raise ConfigError("connect(name) needs a metadata service: Agent(..., metadata='host:port'); "
+                              "without one, use add_peer(their_metadata)")
+        with self._lock:
+            cached = self._peers.get(name)
+        return self._directory.resolve(name, cached, streams)
+
+    def _replace_stale_peer(self, name: str, new_epoch: int) -> None:
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None or peer.epoch == new_epoch:
+                return
+            del self._peers[name]
+        peer._close(EpochError(f"peer {name!r} restarted (epoch {peer.epoch:#x} -> {new_epoch:#x})"))
 
     def peer(self, name: str) -> Peer:
         with self._lock:

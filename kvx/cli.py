@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvx", description="KV-cache transfer for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvx {__version__}")
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level (default: WARNING)")
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (default: INFO for the metadata service, WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="move KV blocks between a prefill and a decode agent and verify them",
@@ -58,12 +58,74 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--streams", type=_positive, default=1, help="connections per peer (default: 1)")
     bench.add_argument("--backend", choices=["tcp"], default="tcp", help="transport (default: tcp)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    meta = sub.add_parser("metadata", help="run the metadata service (gRPC registry, admin REST API)",
+                          description="Agents register here under a lease and find each other by name. "
+                          "The memory store needs nothing else (agents re-register by themselves after a "
+                          "restart); etcd keeps the state across restarts and lets several replicas "
+                          "serve one cluster.")
+    meta.add_argument("--listen", default="127.0.0.1:50051", help="gRPC host:port (default: 127.0.0.1:50051)")
+    meta.add_argument("--store", default="memory",
+                      help="memory (default) or etcd://host:port[,host:port...]")
+    meta.add_argument("--admin-listen", default="127.0.0.1:8081",
+                      help="admin REST API host:port; 'off' disables it (default: 127.0.0.1:8081)")
+    meta.add_argument("--admin-token-file", help="file holding the bearer token for state-changing admin "
+                      "calls; without it those calls are refused")
+    meta.add_argument("--admin-reads-need-token", action="store_true",
+                      help="require the admin token for reads too (not /healthz, /readyz)")
+    meta.add_argument("--token-file", help="file holding the bearer token every gRPC call must carry")
+    meta.add_argument("--tls-cert", help="PEM certificate for gRPC TLS (with --tls-key)")
+    meta.add_argument("--tls-key", help="PEM private key for gRPC TLS")
+    meta.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it")
+    meta.add_argument("--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none "
+                      "(default: 10)")
     return parser
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise KvxError(f"cannot read token file {path}: {exc}") from None
+    if len(token) < 16:
+        raise KvxError(f"the token in {path} is shorter than 16 characters")
+    return token
+
+
+def _run_metadata(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvx.metadata.service import MetadataServer, ServiceLimits, TlsConfig
+    from kvx.metadata.store import MemoryStore
+
+    if args.store == "memory":
+        store = MemoryStore()
+    elif args.store.startswith("etcd://"):
+        from kvx.metadata.etcd import EtcdStore
+
+        store = EtcdStore(args.store)
+    else:
+        raise KvxError(f"--store must be 'memory' or etcd://host:port[,...], not {args.store!r}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise KvxError("--tls-cert and --tls-key go together")
+    tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    server = MetadataServer(
+        args.listen, store, admin_listen=None if args.admin_listen == "off" else args.admin_listen,
+        admin_token=_read_token(args.admin_token_file), admin_reads_need_token=args.admin_reads_need_token,
+        token=_read_token(args.token_file), tls=tls, limits=ServiceLimits(default_ttl_s=args.default_ttl_s))
+    try:
+        asyncio.run(server.serve_forever())
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "metadata" else "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "demo":
             from kvx import _demo
@@ -72,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("kvx demo: --blocks must not exceed --num-blocks", file=sys.stderr)
                 return 2
             return _demo.run(args.layers, args.num_blocks, args.block_size, args.blocks)
+        if args.command == "metadata":
+            return _run_metadata(args)
         if args.command == "bench":
             from kvx import _bench
 

@@ -12,6 +12,7 @@ the original chained as ``__cause__``::
     │   ├── AuthError          the HMAC challenge failed (no, or another, secret)
     │   ├── EpochError         the peer restarted: its epoch is not the one addressed
     │   └── VersionError       the peer speaks another kvx protocol version
+    ├── MetadataError          the metadata service refused a request (``.code``: the gRPC status)
     ├── ProtocolError          a peer sent bytes that break the wire protocol
     ├── TransferError          one transfer failed; the agent and peer stay usable
     │   ├── AccessError        a descriptor left the registered memory, or named an
@@ -38,6 +39,7 @@ __all__ = [
     "EpochError",
     "KvxError",
     "LimitError",
+    "MetadataError",
     "PeerLostError",
     "ProtocolError",
     "RegionBusyError",
@@ -78,6 +80,17 @@ class EpochError(ConnectError):
 
 class VersionError(ConnectError):
     """The peer speaks another kvx protocol version."""
+
+
+class MetadataError(KvxError):
+    """The metadata service refused a request; ``code`` is its gRPC status code.
+
+    An unreachable service is a ConnectError instead.
+    """
+
+    def __init__(self, message: str, code: object = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ProtocolError(KvxError):

@@ -1,0 +1,276 @@
+"""The metadata service client used by agents (synchronous gRPC, background threads).
+
+- ``MetadataClient``: the RPCs, with gRPC errors translated into kvx errors.
+- ``Registration``: keeps one agent registered: registers, renews its lease
+  on a KeepAlive stream, registers again by itself when the service restarts
+  or the lease is lost, and unregisters on stop.
+- ``Watcher``: follows WatchAgents, reconnecting (and so resynchronising from
+  a fresh snapshot) after the service restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Callable, Iterator
+
+import grpc
+
+from kvx.errors import ConfigError, ConnectError, MetadataError
+from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+AgentRecord = metadata_pb2.AgentRecord
+ROLES = {"prefill": metadata_pb2.ROLE_PREFILL, "decode": metadata_pb2.ROLE_DECODE, "other": metadata_pb2.ROLE_OTHER}
+
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataOptions:
+    """How an agent talks to the metadata service.
+
+    token:      sent as ``authorization: Bearer <token>`` on every call.
+    tls_ca:     PEM file of the CA that signed the service's certificate;
+                setting it switches the channel to TLS.
+    tls_cert, tls_key: client certificate, when the service requires one.
+    lease_ttl_s: the agent's lease; it is renewed every third of it.
+    timeout_s:  per call.
+    """
+
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    lease_ttl_s: int = 10
+    timeout_s: float = 5.0
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def translate(exc: grpc.RpcError, target: str) -> Exception:
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ConnectError(f"metadata service at {target} unavailable: {detail}")
+    return MetadataError(f"metadata service at {target}: {detail}", code)
+
+
+class MetadataClient:
+    def __init__(self, target: str, options: MetadataOptions | None = None) -> None:
+        self.target = target
+        self.options = options or MetadataOptions()
+        opts = self.options
+        if opts.tls_ca or opts.tls_cert:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(opts.tls_ca) if opts.tls_ca else None,
+                private_key=_read(opts.tls_key) if opts.tls_key else None,
+                certificate_chain=_read(opts.tls_cert) if opts.tls_cert else None)
+            self._channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = metadata_pb2_grpc.MetadataServiceStub(self._channel)
+        self.call_metadata = [("authorization", f"Bearer {opts.token}")] if opts.token else None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method: Callable, request: object) -> object:
+        try:
+            return method(request, timeout=self.options.timeout_s, metadata=self.call_metadata)
+        except grpc.RpcError as exc:
+            raise translate(exc, self.target) from None
+
+    def register(self, record: AgentRecord, ttl_s: int = 0) -> metadata_pb2.RegisterAgentResponse:
+        return self._unary(self.stub.RegisterAgent, metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s))
+
+    def get(self, name: str) -> AgentRecord | None:
+        try:
+            return self._unary(self.stub.GetAgent, metadata_pb2.GetAgentRequest(name=name)).record
+        except MetadataError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def list(self, role: str | None = None, labels: dict[str, str] | None = None) -> list[AgentRecord]:
+        request = metadata_pb2.ListAgentsRequest(role=ROLES[role] if role else 0, labels=labels or {},
+                                                 page_size=1000)
+        out: list[AgentRecord] = []
+        while True:
+            response = self._unary(self.stub.ListAgents, request)
+            out.extend(response.records)
+            if not response.next_page_token:
+                return out
+            request.page_token = response.next_page_token
+
+    def unregister(self, name: str, epoch: int = 0) -> bool:
+        return self._unary(self.stub.UnregisterAgent,
+                           metadata_pb2.UnregisterAgentRequest(name=name, epoch=epoch)).existed
+
+
+class Registration:
+    """Keeps one agent's record registered until ``stop()``."""
+
+    def __init__(self, client: MetadataClient, build_record: Callable[[], AgentRecord]) -> None:
+        self.client = client
+        self.build_record = build_record
+        self.ttl_s = client.options.lease_ttl_s
+        self.lease_id: int | None = None
+        self.replaced = False  # a newer instance holds the name: stop trying
+        self._lock = threading.Lock()  # one registration call at a time
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stream: grpc.Future | None = None
+        self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
+
+    def start(self) -> None:
+        """Register now (raises if the service refuses or is unreachable), then keep it."""
+        self._register()
+        self._thread.start()
+
+    def update(self) -> None:
+        """Publish the record again now (regions changed). Failures are retried in the background."""
+        try:
+            self._register()
+        except ConnectError as exc:
+            logger.warning("could not update the registration now (%s); retrying in the background", exc)
+            self.lease_id = None
+        self._restart_stream()
+
+    def stop(self, unregister: bool = True) -> None:
+        self._stop.set()
+        self._restart_stream()
+        self._thread.join(self.client.options.timeout_s + 1)
+        if unregister and not self.replaced:
+            record = self.build_record()
+            try:
+                self.client.unregister(record.name, record.epoch)
+            except (ConnectError, MetadataError) as exc:
+                logger.info("could not unregister %s (%s); its lease will expire", record.name, exc)
+
+    def _register(self) -> None:
+        with self._lock:
+            try:
+                response = self.client.register(self.build_record(), self.ttl_s)
+            except MetadataError as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    self.replaced = True
+                raise
+            self.lease_id = response.lease_id
+            self.ttl_s = response.ttl_s
+
+    def _restart_stream(self) -> None:
+        self._wake.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                if self.lease_id is None:
+                    self._register()
+                    logger.info("registered with the metadata service at %s again", self.client.target)
+                attempt = 0
+                self._keep_alive()
+            except MetadataError as exc:
+                if self.replaced:
+                    logger.error("%s; this agent stops re-registering", exc)
+                    return
+                logger.warning("metadata registration failed: %s", exc)
+                self.lease_id = None
+            except ConnectError as exc:
+                if attempt == 0:
+                    logger.warning("%s; registering again as soon as it is back", exc)
+                self.lease_id = None
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED and attempt == 0:
+                    logger.warning("lease keep-alive stream ended: %s", exc.details())
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    self.lease_id = None
+            self._stop.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+
+    def _keep_alive(self) -> None:
+        lease_id = self.lease_id
+        interval_s = max(0.2, self.ttl_s / 3)
+        self._wake.clear()
+
+        def requests() -> Iterator[metadata_pb2.KeepAliveRequest]:
+            while not self._stop.is_set() and not self._wake.is_set():
+                yield metadata_pb2.KeepAliveRequest(lease_id=lease_id)
+                self._wake.wait(interval_s)
+
+        self._stream = self.client.stub.KeepAlive(requests(), metadata=self.client.call_metadata)
+        try:
+            for response in self._stream:
+                if response.ttl_s == 0:
+                    if self.lease_id != lease_id:
+                        return  # update() registered again under a new lease
+                    logger.warning("lease %#x is gone (expired or revoked); registering again", lease_id)
+                    self.lease_id = None
+                    return
+        finally:
+            self._stream.cancel()
+            self._stream = None
+
+
+class Watcher:
+    """Calls ``on_event(WatchAgentsResponse)`` for every change, from its own thread.
+
+    After a reconnection the snapshot comes again (PUT events, then SYNCED).
+    """
+
+    def __init__(self, client: MetadataClient, on_event: Callable[[metadata_pb2.WatchAgentsResponse], None],
+                 role: str | None = None, labels: dict[str, str] | None = None) -> None:
+        self.client = client
+        self.on_event = on_event
+        self.request = metadata_pb2.WatchAgentsRequest(role=ROLES[role] if role else 0, labels=labels or {})
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._stream = None
+        self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                self._stream = self.client.stub.WatchAgents(self.request, metadata=self.client.call_metadata)
+                for event in self._stream:
+                    attempt = 0
+                    if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED:
+                        self.synced.set()
+                    try:
+                        self.on_event(event)
+                    except Exception:
+                        logger.exception("watch callback failed")
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                if attempt == 0:
+                    logger.warning("watch of the metadata service ended (%s); reconnecting", exc.code())
+            self._stop.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        self._thread.join(5)

@@ -1,0 +1,107 @@
+"""An agent's view of the metadata service: its own registration, and peer
+lookups with a cache that watch events invalidate.
+
+A peer that re-registers with a new epoch is never served from the old
+record: the watch marks the name stale (and the old peer is closed at once),
+and ``resolve`` asks the service again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvx.errors import ConfigError, ConnectError
+from kvx.metadata.client import ROLES, MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.v1 import agent_pb2, metadata_pb2
+
+if TYPE_CHECKING:
+    from kvx.agent import Agent, Peer
+
+logger = logging.getLogger(__name__)
+_DELETE = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
+_PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
+
+
+class Directory:
+    def __init__(self, agent: Agent, target: str, role: str, labels: dict[str, str] | None,
+                 engine_info: dict[str, str] | None, options: MetadataOptions | None) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        self.agent = agent
+        self.role = ROLES[role]
+        self.labels = dict(labels or {})
+        self.engine_info = dict(engine_info or {})
+        self.started_unix_ms = int(time.time() * 1000)
+        self.client = MetadataClient(target, options)
+        self.registration = Registration(self.client, self.record)
+        self._lock = threading.Lock()
+        self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
+        self._stale: set[str] = set()
+        self._watcher: Watcher | None = None
+
+    def start(self) -> None:
+        try:
+            self.registration.start()
+        except BaseException:
+            self.client.close()
+            raise
+
+    def record(self) -> metadata_pb2.AgentRecord:
+        md = agent_pb2.AgentMetadata.FromString(self.agent.metadata())
+        return metadata_pb2.AgentRecord(name=self.agent.name, epoch=self.agent.epoch, role=self.role,
+                                        labels=self.labels, metadata=md, engine_info=self.engine_info,
+                                        started_unix_ms=self.started_unix_ms)
+
+    def regions_changed(self) -> None:
+        self.registration.update()
+
+    def resolve(self, name: str, cached: Peer | None, streams: int | None) -> Peer:
+        self._ensure_watch()
+        with self._lock:
+            fresh = name not in self._stale and (cached is None or self._known.get(name, cached.epoch) == cached.epoch)
+        if cached is not None and cached.alive and fresh:
+            return cached
+        record = self.client.get(name)
+        if record is None:
+            raise ConnectError(f"no agent named {name!r} is registered with the metadata service "
+                               f"at {self.client.target}")
+        with self._lock:
+            self._stale.discard(name)
+            self._known[name] = record.epoch
+        return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
+
+    def _ensure_watch(self) -> None:
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = Watcher(self.client, self._on_event)
+                watcher = self._watcher
+            else:
+                return
+        watcher.synced.wait(self.client.options.timeout_s)
+
+    def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type not in (_PUT, _DELETE):
+            return
+        name, epoch = event.record.name, event.record.epoch
+        with self._lock:
+            self._stale.add(name)  # regions may have changed, or the agent is gone
+            if event.type == _PUT:
+                self._known[name] = epoch
+        if event.type == _PUT:
+            try:
+                peer: Any = self.agent.peer(name)
+            except ConnectError:
+                return
+            if peer.epoch != epoch:
+                logger.info("peer %s restarted (epoch %#x -> %#x): closing the old connection",
+                            name, peer.epoch, epoch)
+                self.agent._replace_stale_peer(name, epoch)
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        self.registration.stop(unregister=True)
+        self.client.close()

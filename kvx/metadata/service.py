@@ -1,0 +1,404 @@
+"""The kvx metadata service (gRPC, asyncio): a registry of agents and their memory.
+
+Stateless in front of a ``Store``: the in-memory one (one process, nothing
+to install) or etcd (several replicas, one cluster state). Standard gRPC
+health checking and server reflection are on. With a token configured every
+call must carry ``authorization: Bearer <token>`` in its metadata; with TLS
+the server presents a certificate and may require client certificates.
+
+Rules for registrations: a name belongs to one live epoch. A registration
+with the same epoch refreshes the record (new regions, new lease). One with
+another epoch replaces the record only when its agent started later (a
+restart); an older instance is refused with FAILED_PRECONDITION and the
+record stays as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvx.config import check_name
+from kvx.errors import ConfigError
+from kvx.metadata.metrics import ServiceMetrics
+from kvx.metadata.store import MemoryStore, Store, StoreError, WatchLagError
+from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
+Event = metadata_pb2.WatchAgentsResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceLimits:
+    default_ttl_s: int = 10
+    min_ttl_s: int = 2
+    max_ttl_s: int = 300
+    max_record_bytes: int = 256 * 1024
+    max_regions: int = 4096
+    max_labels: int = 64
+    max_label_bytes: int = 256  # each key and each value
+    max_engine_info: int = 64
+    max_engine_info_bytes: int = 4096  # each value
+    default_page_size: int = 100
+    max_page_size: int = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """PEM files. With ``client_ca`` the server requires client certificates."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _matches(record: metadata_pb2.AgentRecord, role: int, labels: Any) -> bool:
+    if role and record.role != role:
+        return False
+    return all(record.labels.get(k) == v for k, v in labels.items())
+
+
+class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
+    def __init__(self, store: Store, limits: ServiceLimits, metrics: ServiceMetrics,
+                 token: str | None = None) -> None:
+        self.store = store
+        self.limits = limits
+        self.metrics = metrics
+        self._token = token
+
+    # Plumbing: auth, timing, error translation.
+
+    async def _call(self, method: str, context: aio.ServicerContext, fn: Callable[[], Awaitable[Any]]) -> Any:
+        start = time.perf_counter()
+        try:
+            self._authorize(context)
+            return await fn()
+        except _Refused as refused:
+            await context.abort(refused.code, str(refused))
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+        finally:
+            self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
+
+    def _authorize(self, context: aio.ServicerContext) -> None:
+        if self._token is None:
+            return
+        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if sent != f"Bearer {self._token}":
+            raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
+                           "missing or wrong token: send 'authorization: Bearer <token>' metadata")
+
+    # RPCs.
+
+    async def RegisterAgent(self, request, context):  # noqa: N802 - gRPC names
+        return await self._call("RegisterAgent", context, lambda: self.register(request))
+
+    async def register(self, request: metadata_pb2.RegisterAgentRequest) -> metadata_pb2.RegisterAgentResponse:
+        record = request.record
+        self._validate(record)
+        ttl = request.ttl_s or self.limits.default_ttl_s
+        if not self.limits.min_ttl_s <= ttl <= self.limits.max_ttl_s:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"ttl_s {ttl} outside [{self.limits.min_ttl_s}, {self.limits.max_ttl_s}]")
+        for _ in range(8):
+            current = await self.store.get(record.name)
+            if current is not None and current.epoch != record.epoch:
+                if current.started_unix_ms >= record.started_unix_ms:
+                    raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, (
+                        f"agent {record.name!r} is registered by epoch {current.epoch:#x} (started "
+                        f"{current.started_unix_ms} ms), not older than this epoch {record.epoch:#x} "
+                        f"(started {record.started_unix_ms} ms): refusing the stale registration"))
+            lease_id = await self.store.grant_lease(ttl)
+            stored = metadata_pb2.AgentRecord()
+            stored.CopyFrom(record)
+            stored.registered_unix_ms = int(time.time() * 1000)
+            revision = await self.store.put_if(stored, lease_id, current.revision if current else 0)
+            if revision is None:  # raced with another write of this name
+                await self.store.revoke_lease(lease_id)
+                continue
+            if current is not None and current.lease_id and current.lease_id != lease_id:
+                await self.store.revoke_lease(current.lease_id)  # holds no record any more
+            self.metrics.registrations.inc()
+            logger.info("registered %s epoch %#x role %s lease %#x", record.name, record.epoch,
+                        metadata_pb2.Role.Name(record.role), lease_id)
+            return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
+        raise _Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
+
+    def _validate(self, record: metadata_pb2.AgentRecord) -> None:
+        bad = lambda msg: _Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
+        lim = self.limits
+        try:
+            check_name(record.name)
+        except ConfigError as exc:
+            raise bad(str(exc)) from None
+        if record.ByteSize() > lim.max_record_bytes:
+            raise bad(f"record of {record.ByteSize()} bytes; at most {lim.max_record_bytes}")
+        if not record.epoch:
+            raise bad("epoch must be set (non-zero)")
+        if record.started_unix_ms <= 0:
+            raise bad("started_unix_ms must be set")
+        if record.role not in metadata_pb2.Role.values():
+            raise bad(f"unknown role {record.role}")
+        md = record.metadata
+        if md.name != record.name or md.epoch != record.epoch:
+            raise bad("metadata.name and metadata.epoch must equal the record's name and epoch")
+        if len(md.regions) > lim.max_regions:
+            raise bad(f"{len(md.regions)} regions; at most {lim.max_regions}")
+        for what, entries, count, size in (("labels", record.labels, lim.max_labels, lim.max_label_bytes),
+                                           ("engine_info", record.engine_info, lim.max_engine_info,
+                                            lim.max_engine_info_bytes)):
+            if len(entries) > count:
+                raise bad(f"{len(entries)} {what}; at most {count}")
+            for key, value in entries.items():
+                if not key or len(key) > lim.max_label_bytes or len(value) > size:
+                    raise bad(f"{what} entry {key[:40]!r}: empty key, or key or value too long")
+
+    async def KeepAlive(self, request_iterator, context):  # noqa: N802
+        try:
+            self._authorize(context)
+        except _Refused as refused:
+            await context.abort(refused.code, str(refused))
+        try:
+            async for request in request_iterator:
+                ttl = await self.store.keep_alive(request.lease_id)
+                yield metadata_pb2.KeepAliveResponse(lease_id=request.lease_id, ttl_s=ttl)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+
+    async def UnregisterAgent(self, request, context):  # noqa: N802
+        return await self._call("UnregisterAgent", context, lambda: self.unregister(request.name, request.epoch))
+
+    async def unregister(self, name: str, epoch: int = 0) -> metadata_pb2.UnregisterAgentResponse:
+        for _ in range(8):
+            current = await self.store.get(name)
+            if current is None or (epoch and current.epoch != epoch):
+                return metadata_pb2.UnregisterAgentResponse(existed=False)
+            if await self.store.delete_if(name, current.revision):
+                await self.store.revoke_lease(current.lease_id)
+                logger.info("unregistered %s epoch %#x", name, current.epoch)
+                return metadata_pb2.UnregisterAgentResponse(existed=True)
+        raise _Refused(grpc.StatusCode.ABORTED, f"{name!r} kept changing; retry")
+
+    async def GetAgent(self, request, context):  # noqa: N802
+        return await self._call("GetAgent", context, lambda: self.get(request.name))
+
+    async def get(self, name: str) -> metadata_pb2.GetAgentResponse:
+        record = await self.store.get(name)
+        if record is None:
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
+        return metadata_pb2.GetAgentResponse(record=record)
+
+    async def ListAgents(self, request, context):  # noqa: N802
+        return await self._call("ListAgents", context, lambda: self.list(request))
+
+    async def list(self, request: metadata_pb2.ListAgentsRequest) -> metadata_pb2.ListAgentsResponse:
+        if request.page_size < 0:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
+        size = min(request.page_size or self.limits.default_page_size, self.limits.max_page_size)
+        after = ""
+        if request.page_token:
+            try:
+                after = base64.urlsafe_b64decode(request.page_token.encode()).decode()
+                check_name(after)
+            except (ValueError, ConfigError):
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
+        records = [r for r in await self.store.list()
+                   if r.name > after and _matches(r, request.role, request.labels)]
+        page, more = records[:size], len(records) > size
+        token = base64.urlsafe_b64encode(page[-1].name.encode()).decode() if more else ""
+        return metadata_pb2.ListAgentsResponse(records=page, next_page_token=token)
+
+    async def WatchAgents(self, request, context):  # noqa: N802
+        try:
+            self._authorize(context)
+        except _Refused as refused:
+            await context.abort(refused.code, str(refused))
+        types = {"put": Event.EVENT_TYPE_PUT, "delete": Event.EVENT_TYPE_DELETE,
+                 "synced": Event.EVENT_TYPE_SYNCED}
+        try:
+            async for event in self.store.watch():
+                if event.record is not None and not _matches(event.record, request.role, request.labels):
+                    continue
+                yield Event(type=types[event.type.value], record=event.record, revision=event.revision)
+        except WatchLagError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"{exc}; watch again")
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+
+
+class MetadataServer:
+    """The gRPC service, health, reflection and (optionally) the admin API, on one event loop."""
+
+    def __init__(self, listen: str = "127.0.0.1:50051", store: Store | None = None, *,
+                 admin_listen: str | None = None, admin_token: str | None = None,
+                 admin_reads_need_token: bool = False, token: str | None = None,
+                 tls: TlsConfig | None = None, limits: ServiceLimits | None = None) -> None:
+        self.listen = listen
+        self.store = store or MemoryStore()
+        self.limits = limits or ServiceLimits()
+        self.metrics = ServiceMetrics(self.store)
+        self.servicer = MetadataServicer(self.store, self.limits, self.metrics, token)
+        self.admin_listen = admin_listen
+        self.admin_token = admin_token
+        self.admin_reads_need_token = admin_reads_need_token
+        self.tls = tls
+        self.address = ""
+        self.admin_address = ""
+        self._server: aio.Server | None = None
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._tasks: list[asyncio.Task] = []
+        self._admin: Any = None
+        self.ready = False
+
+    async def start(self) -> None:
+        await self.store.start()
+        try:
+            await self._start_serving()
+        except BaseException:
+            await self.stop(0)  # nothing half-started is left behind
+            raise
+
+    async def _start_serving(self) -> None:
+        options = [("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
+                   ("grpc.so_reuseport", 0)]
+        self._server = aio.server(options=options)
+        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        if self.tls is None:
+            port = self._server.add_insecure_port(self.listen)
+        else:
+            creds = grpc.ssl_server_credentials(
+                [(_read(self.tls.key), _read(self.tls.cert))],
+                root_certificates=_read(self.tls.client_ca) if self.tls.client_ca else None,
+                require_client_auth=self.tls.client_ca is not None)
+            port = self._server.add_secure_port(self.listen, creds)
+        if not port:
+            raise ConfigError(f"cannot listen on {self.listen}")
+        host = self.listen.rpartition(":")[0]
+        self.address = f"{host}:{port}"
+        await self._server.start()
+        await self._update_health()
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="kvx-metadata-health"))
+        if self.admin_listen:
+            from kvx.admin.app import serve_admin
+
+            self._admin = await serve_admin(self)
+        logger.info("kvx metadata service on %s (store: %s)%s", self.address, self.store.name,
+                    f", admin API on {self.admin_address}" if self.admin_address else "")
+
+    async def _update_health(self) -> None:
+        try:
+            ready = await asyncio.wait_for(self.store.ready(), 5)
+        except (asyncio.TimeoutError, StoreError):
+            ready = False
+        if ready != self.ready:
+            logger.log(logging.INFO if ready else logging.WARNING, "metadata store %s",
+                       "ready" if ready else "NOT ready")
+        self.ready = ready
+        self.metrics.store_ready.set(1 if ready else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            result = self._health.set(service, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self._update_health()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._admin is not None:
+            await self._admin.stop()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await self.store.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await self._server.wait_for_termination()
+        finally:
+            await self.stop()
+
+
+class ThreadedServer:
+    """A MetadataServer on its own event loop in a background thread
+    (``kvx demo``, tests, embedding next to an engine)."""
+
+    def __init__(self, server: MetadataServer, start_timeout_s: float = 30.0) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvx-metadata", daemon=True)
+        self._thread.start()
+        if not self._started.wait(start_timeout_s):
+            raise RuntimeError("the metadata service did not start in time")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.server.start())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+            self._started.set()
+            self._loop.close()
+            return
+        self._started.set()
+        self._loop.run_forever()
+
+    def call(self, coro: Awaitable[Any], timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(self.server.stop(0.5))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self) -> ThreadedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

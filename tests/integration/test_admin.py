@@ -1,0 +1,276 @@
+"""The admin REST API of the metadata service, against a real server.
+
+Agents are registered through the real gRPC API; the REST API is driven
+with httpx. Every test runs under a deadline (pytest-timeout) and every
+network call has its own timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+
+import grpc
+import httpx
+import pytest
+
+import kvx
+from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.metadata.store import MemoryStore, StoreError
+from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "t0ken-admin-7f3a91"
+HTTP_TIMEOUT_S = 10.0
+RPC_TIMEOUT_S = 10.0
+_epochs = itertools.count(0x1000)
+
+
+@pytest.fixture
+def make_server():
+    """Starts ThreadedServers (gRPC + admin on loopback, free ports); stops them at teardown."""
+    started: list[ThreadedServer] = []
+
+    def make(**kwargs) -> ThreadedServer:
+        kwargs.setdefault("admin_listen", "127.0.0.1:0")
+        threaded = ThreadedServer(MetadataServer("127.0.0.1:0", **kwargs), start_timeout_s=20)
+        started.append(threaded)
+        return threaded
+
+    yield make
+    for threaded in started:
+        threaded.stop()
+
+
+@pytest.fixture
+def server(make_server):
+    return make_server(admin_token=TOKEN)
+
+
+def admin(threaded: ThreadedServer, token: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.Client(base_url=f"http://{threaded.server.admin_address}", headers=headers,
+                        timeout=HTTP_TIMEOUT_S)
+
+
+def stub(threaded: ThreadedServer):
+    channel = grpc.insecure_channel(threaded.address)
+    return channel, metadata_pb2_grpc.MetadataServiceStub(channel)
+
+
+def register(threaded: ThreadedServer, name: str, role: int = metadata_pb2.ROLE_PREFILL, **labels: str) -> None:
+    epoch = next(_epochs)
+    record = metadata_pb2.AgentRecord(name=name, epoch=epoch, role=role,
+                                      started_unix_ms=int(time.time() * 1000))
+    record.labels.update(labels)
+    record.metadata.name, record.metadata.epoch = name, epoch
+    channel, client = stub(threaded)
+    with channel:
+        client.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=record, ttl_s=60), timeout=RPC_TIMEOUT_S)
+
+
+def register_five(threaded: ThreadedServer) -> None:
+    """Three prefill agents (two in zone a) and two decode agents."""
+    register(threaded, "p0", metadata_pb2.ROLE_PREFILL, zone="a", model="m1")
+    register(threaded, "p1", metadata_pb2.ROLE_PREFILL, zone="a", model="m2")
+    register(threaded, "p2", metadata_pb2.ROLE_PREFILL, zone="b", model="m1")
+    register(threaded, "d0", metadata_pb2.ROLE_DECODE, zone="a", model="m1")
+    register(threaded, "d1", metadata_pb2.ROLE_DECODE, zone="b", model="m1")
+
+
+def names(response: httpx.Response) -> list[str]:
+    assert response.status_code == 200, response.text
+    return [agent["name"] for agent in response.json()["agents"]]
+
+
+def test_health_and_readiness(server):
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", server.server.admin_address)
+    assert not server.server.admin_address.endswith(":0")
+    with admin(server) as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        ready = http.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json() == {"ready": True, "store": "memory"}
+
+
+class _DownStore(MemoryStore):
+    """A store that never answers readiness and fails listing while ``down``."""
+
+    down = True
+
+    async def ready(self) -> bool:
+        return not self.down
+
+    async def list(self):
+        if self.down:
+            raise StoreError("connection refused (test)")
+        return await super().list()
+
+
+def test_unready_store_gives_503(make_server):
+    threaded = make_server(store=_DownStore(), admin_token=TOKEN)
+    with admin(threaded) as http:
+        assert http.get("/healthz").status_code == 200
+        ready = http.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        listed = http.get("/v1/agents")
+        assert listed.status_code == 503 and "unavailable" in listed.json()["detail"]
+
+
+def test_list_filters_by_role_and_labels(server):
+    register_five(server)
+    with admin(server) as http:
+        assert sorted(names(http.get("/v1/agents"))) == ["d0", "d1", "p0", "p1", "p2"]
+        assert names(http.get("/v1/agents", params={"role": "prefill"})) == ["p0", "p1", "p2"]
+        assert names(http.get("/v1/agents", params={"role": "decode"})) == ["d0", "d1"]
+        assert names(http.get("/v1/agents", params={"role": "other"})) == []
+        assert names(http.get("/v1/agents", params={"label": "zone=a"})) == ["d0", "p0", "p1"]
+        both = http.get("/v1/agents", params=[("label", "zone=a"), ("label", "model=m1"), ("role", "prefill")])
+        assert names(both) == ["p0"]
+        agent = http.get("/v1/agents", params={"role": "decode", "label": "zone=b"}).json()["agents"][0]
+    assert agent["name"] == "d1" and agent["role"] == "ROLE_DECODE"
+    assert agent["labels"] == {"zone": "b", "model": "m1"}
+    assert agent["metadata"]["name"] == "d1" and int(agent["epoch"]) >= 0x1000
+    assert int(agent["lease_id"]) != 0 and int(agent["registered_unix_ms"]) > 0
+
+
+def test_list_pagination_follows_tokens(server):
+    register_five(server)
+    seen, token, pages = [], "", 0
+    with admin(server) as http:
+        while True:
+            params = {"page_size": 2, **({"page_token": token} if token else {})}
+            response = http.get("/v1/agents", params=params)
+            page = names(response)
+            assert 1 <= len(page) <= 2
+            seen += page
+            pages += 1
+            token = response.json()["next_page_token"]
+            if not token:
+                break
+            assert pages < 10, "pagination does not end"
+    assert pages == 3
+    assert seen == sorted(["d0", "d1", "p0", "p1", "p2"])
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"role": "bogus"}, "role"),
+    ({"page_size": "many"}, "page_size"),
+    ({"page_size": -1}, "page_size"),
+    ({"label": "zone"}, "key=value"),
+    ({"label": "=a"}, "key=value"),
+    ([("label", "zone=a"), ("label", "zone=b")], "twice"),
+    ({"page_token": "%%not-a-token%%"}, "page_token"),
+])
+def test_bad_list_parameters_give_400(server, params, words):
+    with admin(server) as http:
+        response = http.get("/v1/agents", params=params)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["detail"]
+
+
+def test_get_one_agent_and_404(server):
+    register(server, "p0", metadata_pb2.ROLE_PREFILL, zone="a")
+    with admin(server) as http:
+        found = http.get("/v1/agents/p0")
+        assert found.status_code == 200
+        assert found.json()["name"] == "p0" and found.json()["labels"] == {"zone": "a"}
+        missing = http.get("/v1/agents/nobody")
+        assert missing.status_code == 404 and "nobody" in missing.json()["detail"]
+
+
+def test_evict_needs_the_admin_token(server):
+    register(server, "p0")
+    register(server, "p1")
+    with admin(server) as http:
+        anonymous = http.delete("/v1/agents/p0")
+        assert anonymous.status_code == 401
+        assert anonymous.headers["www-authenticate"] == "Bearer"
+        assert http.delete("/v1/agents/p0", headers={"Authorization": "Bearer wrong"}).status_code == 403
+        assert http.delete("/v1/agents/p0", headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+        assert http.get("/v1/agents/p0").status_code == 200  # still there
+    with admin(server, TOKEN) as http:
+        evicted = http.delete("/v1/agents/p0")
+        assert evicted.status_code == 200 and evicted.json() == {"evicted": True}
+        assert http.get("/v1/agents/p0").status_code == 404
+        assert http.delete("/v1/agents/p0").json() == {"evicted": False}
+        assert names(http.get("/v1/agents")) == ["p1"]
+    channel, client = stub(server)
+    with channel:
+        with pytest.raises(grpc.RpcError) as err:
+            client.GetAgent(metadata_pb2.GetAgentRequest(name="p0"), timeout=RPC_TIMEOUT_S)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert client.GetAgent(metadata_pb2.GetAgentRequest(name="p1"), timeout=RPC_TIMEOUT_S).record.name == "p1"
+
+
+def test_evict_is_refused_without_a_configured_token(make_server):
+    threaded = make_server()  # no admin_token
+    register(threaded, "p0")
+    for token in (None, "anything"):
+        with admin(threaded, token) as http:
+            response = http.delete("/v1/agents/p0")
+        assert response.status_code == 403, response.text
+        assert "admin token" in response.json()["detail"]
+    with admin(threaded) as http:
+        assert http.get("/v1/agents/p0").status_code == 200  # reads stay open
+
+
+def test_reads_can_require_the_token(make_server):
+    threaded = make_server(admin_token=TOKEN, admin_reads_need_token=True)
+    register(threaded, "p0")
+    with admin(threaded) as http:
+        for path in ("/v1/agents", "/v1/agents/p0", "/metrics"):
+            response = http.get(path)
+            assert response.status_code == 401, path
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert http.get("/v1/agents", headers={"Authorization": "Bearer nope"}).status_code == 403
+        assert http.get("/healthz").status_code == 200
+        assert http.get("/readyz").status_code == 200
+    with admin(threaded, TOKEN) as http:
+        assert names(http.get("/v1/agents")) == ["p0"]
+        assert http.get("/v1/agents/p0").status_code == 200
+        assert http.get("/metrics").status_code == 200
+    with admin(threaded) as http:
+        spec = http.get("/openapi.json").json()
+    assert spec["paths"]["/v1/agents"]["get"]["security"] == [{"HTTPBearer": []}]
+
+
+def test_metrics_match_what_was_registered(server):
+    register_five(server)
+    with admin(server) as http:
+        response = http.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        text = response.text
+        assert 'kvx_metadata_agents{role="prefill"} 3.0' in text.splitlines()
+        assert 'kvx_metadata_agents{role="decode"} 2.0' in text.splitlines()
+        assert 'kvx_metadata_agents{role="other"} 0.0' in text.splitlines()
+        assert "kvx_metadata_registrations_total 5.0" in text.splitlines()
+        assert 'kvx_metadata_request_seconds_count{method="RegisterAgent"} 5.0' in text.splitlines()
+        assert "kvx_metadata_store_ready 1.0" in text.splitlines()
+        http.delete("/v1/agents/p0", headers={"Authorization": f"Bearer {TOKEN}"})
+        after = http.get("/metrics").text.splitlines()
+    assert 'kvx_metadata_agents{role="prefill"} 2.0' in after
+
+
+def test_openapi_and_docs(server):
+    with admin(server) as http:
+        spec = http.get("/openapi.json")
+        assert spec.status_code == 200
+        spec = spec.json()
+        docs = http.get("/docs")
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert spec["info"]["title"] == "kvx metadata admin" and spec["info"]["version"] == kvx.__version__
+    assert {"/healthz", "/readyz", "/v1/agents", "/v1/agents/{name}", "/metrics"} <= set(spec["paths"])
+    assert set(spec["paths"]["/v1/agents/{name}"]) == {"get", "delete"}
+    assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert spec["paths"]["/v1/agents/{name}"]["delete"]["security"] == [{"HTTPBearer": []}]
+    assert "security" not in spec["paths"]["/v1/agents"]["get"]  # reads are open on this server
+
+
+def test_admin_port_in_use_is_a_clear_error(server):
+    taken = server.server.admin_address
+    with pytest.raises(OSError, match="admin API cannot listen"):
+        ThreadedServer(MetadataServer("127.0.0.1:0", admin_listen=taken, admin_token=TOKEN), start_timeout_s=20)
