@@ -4,6 +4,14 @@
 # (KVX_NATIVE=0). Extra arguments go to pytest. Runs unattended (CI=true, no stdin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The etcd metadata-store tests need a real etcd (Debian package etcd-server: /usr/bin/etcd).
+if ! command -v etcd >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq </dev/null
+    apt-get install -y -qq --no-install-recommends etcd-server </dev/null
+    # The package may start a system etcd on the default ports; the tests start their own.
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]' </dev/null
 export PYTHONUNBUFFERED=1
 echo "== kvx tests: native data path (KVX_NATIVE=1)"

@@ -277,7 +277,11 @@ class MetadataServer:
         self.ready = False
 
     async def start(self) -> None:
-        await self.store.start()
+        try:
+            await self.store.start()
+        except StoreError as exc:
+            # Serve anyway, reporting not-ready: the store may come up after us.
+            logger.warning("metadata store not reachable yet (%s); serving, not ready", exc)
         try:
             await self._start_serving()
         except BaseException:

@@ -1,0 +1,404 @@
+"""``EtcdStore``: the metadata ``Store`` on etcd (v3 API, through ``aetcd``).
+
+Several metadata-service replicas pointed at one etcd cluster share its state;
+none holds state of its own. How the store maps onto etcd:
+
+* a lease is an etcd lease: LeaseGrant (etcd raises a ttl below its minimum,
+  about 2 s), one LeaseKeepAlive round trip per ``keep_alive`` (the granted
+  ttl, 0 when the lease is gone), LeaseRevoke (deletes the lease's keys);
+* a record is the key ``prefix + name``, valued the serialized ``AgentRecord``
+  and attached to its lease. A returned record's ``revision`` is the key's
+  ``mod_revision``, its ``lease_id`` the key's lease;
+* ``put_if`` / ``delete_if`` are transactions comparing the key's
+  ``mod_revision`` with ``expect_revision`` (etcd compares an absent key as 0,
+  so 0 means "absent"); ``put_if`` returns the transaction's revision;
+* ``list`` is one range over the prefix, sorted by key. ``watch`` ranges the
+  prefix (a snapshot at revision R), yields its PUTs and SYNCED(R), then
+  watches the prefix from R + 1 with ``prev_kv``, so that every DELETE (also
+  the one etcd makes when a lease expires) carries the record as it was.
+
+Every call is bounded by ``timeout_s``. An unreachable etcd raises
+``StoreError`` (the aetcd/gRPC error chained) and ends watches with
+``StoreError``; the connection is dropped and the next call connects again,
+trying the endpoints in order, so callers just retry. ``start()`` raises
+``StoreError`` when no endpoint answers; ``ready()`` never raises.
+
+``expired_leases`` counts the distinct revisions (one per expired lease) of
+the DELETE events this instance's watches see that its own ``delete_if`` or
+``revoke_lease`` did not make. Approximate: another replica's deletes count
+too, and an expiry seen while one of our deletes is in flight does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from kvx.errors import ConfigError
+from kvx.metadata.store import WATCH_QUEUE_MAX, AgentRecord, Event, EventType, Store
+from kvx.metadata.store import StoreError, WatchLagError
+
+logger = logging.getLogger(__name__)
+
+# A watch without events checks this often that etcd still answers.
+WATCH_IDLE_CHECK_S = 10.0
+# gRPC codes after which the connection is dropped and the next call reconnects.
+_TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL", "ABORTED"}
+
+
+def parse_etcd_url(url: str) -> list[tuple[str, int]]:
+    """``etcd://host:port[,host:port...]`` -> ``[(host, port), ...]``."""
+    if not isinstance(url, str) or not url.startswith("etcd://"):
+        raise ConfigError(f"etcd URL {url!r} must look like etcd://host:port[,host:port...]")
+    endpoints = []
+    for part in url.removeprefix("etcd://").rstrip("/").split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:2379
+        if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"bad etcd endpoint {part!r} in {url!r}: expected host:port, port in 1..65535")
+        endpoints.append((host, int(port)))
+    return endpoints
+
+
+class EtcdStore(Store):
+    """Agent records in etcd, shared by every metadata-service replica."""
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        endpoints: list[tuple[str, int]] | str,
+        *,
+        prefix: str = "/kvx/agents/",
+        timeout_s: float = 5.0,
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = parse_etcd_url(endpoints)
+        self._endpoints = [(str(host), int(port)) for host, port in endpoints]
+        if not self._endpoints:
+            raise ConfigError("EtcdStore needs at least one etcd endpoint")
+        if not prefix:
+            raise ConfigError("the etcd key prefix must not be empty")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, not {timeout_s!r}")
+        self._prefix = prefix.encode()
+        self._range_end = _prefix_end(self._prefix)
+        self._timeout_s = float(timeout_s)
+        self._channel_options = {
+            "grpc.max_receive_message_length": 256 << 20,  # list() and snapshots are one range
+            "grpc.initial_reconnect_backoff_ms": 200,
+            "grpc.max_reconnect_backoff_ms": 2000,
+        }
+        self._aetcd = None  # the module, imported by start()
+        self._client = None
+        self._connect_lock = asyncio.Lock()
+        self._watches: set[asyncio.Queue] = set()
+        self._closing: set[asyncio.Future] = set()
+        self._own_deletes: collections.deque[int] = collections.deque(maxlen=4096)
+        self._deleting = 0  # our delete_if/revoke_lease calls in flight
+        self._counted: collections.deque[int] = collections.deque(maxlen=4096)
+        self.expired_leases = 0  # approximate, see the module docstring
+
+    async def start(self) -> None:
+        try:
+            import aetcd
+        except ImportError as e:
+            raise ConfigError("the etcd metadata store needs aetcd: pip install kvx[etcd]") from e
+        self._aetcd = aetcd
+        await self._call("connect", lambda client, rpc: asyncio.sleep(0))
+
+    async def close(self) -> None:
+        for queue in list(self._watches):
+            _cut_off(queue, StoreError("the metadata store is closing"))
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_quietly(client)
+
+    async def ready(self) -> bool:
+        # Two tries in one timeout: the second connects afresh if the first dropped a dead connection.
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                for attempt in (1, 2):
+                    try:
+                        return await self._call("status", lambda c, rpc: _status(c, rpc))
+                    except StoreError:
+                        if attempt == 2:
+                            raise
+        except Exception:  # noqa: BLE001 - ready() reports, it never raises
+            return False
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        response = await self._call(
+            "lease grant", lambda c, rpc: c.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=int(ttl_s)))
+        )
+        if response.error:
+            raise StoreError(f"etcd refused a lease of {ttl_s} s: {response.error}")
+        return response.ID
+
+    async def keep_alive(self, lease_id: int) -> int:
+        async def refresh(client, rpc):
+            call = client.leasestub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]))
+            try:
+                async for reply in call:
+                    return max(int(reply.TTL), 0)
+                return 0
+            finally:
+                call.cancel()
+
+        return await self._call("lease keep-alive", refresh)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        self._deleting += 1
+        try:
+            response = await self._call(
+                "lease revoke", lambda c, rpc: c.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id))
+            )
+        except StoreError as e:
+            if _code(e.__cause__) == "NOT_FOUND":
+                return  # unknown or already expired
+            raise
+        finally:
+            self._deleting -= 1
+        self._own_deletes.append(response.header.revision)
+
+    async def get(self, name: str) -> AgentRecord | None:
+        key = self._key(name)
+        response = await self._call("get", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(key=key)))
+        return self._decode(response.kvs[0]) if response.kvs else None
+
+    async def list(self) -> list[AgentRecord]:
+        kvs, _ = await self._snapshot()
+        return [record for record in map(self._decode, kvs) if record is not None]
+
+    async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
+        if lease_id <= 0:
+            raise StoreError(f"lease {lease_id:#x} does not exist")
+        stored = AgentRecord()
+        stored.CopyFrom(record)
+        stored.lease_id = lease_id
+        stored.ClearField("revision")
+        value = stored.SerializeToString()
+        try:
+            response = await self._txn(
+                "put", record.name, expect_revision, lambda rpc, key: rpc.RequestOp(
+                    request_put=rpc.PutRequest(key=key, value=value, lease=lease_id))
+            )  # fmt: skip
+        except StoreError as e:
+            if _code(e.__cause__) == "NOT_FOUND":
+                raise StoreError(f"lease {lease_id:#x} does not exist (expired?)") from e.__cause__
+            raise
+        return response.header.revision if response.succeeded else None
+
+    async def delete_if(self, name: str, expect_revision: int) -> bool:
+        if expect_revision <= 0:
+            return False  # an absent record cannot be deleted
+        self._deleting += 1
+        try:
+            response = await self._txn(
+                "delete", name, expect_revision,
+                lambda rpc, key: rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)),
+            )  # fmt: skip
+        finally:
+            self._deleting -= 1
+        if not response.succeeded or not response.responses[0].response_delete_range.deleted:
+            return False
+        self._own_deletes.append(response.header.revision)
+        return True
+
+    async def watch(self) -> AsyncIterator[Event]:
+        kvs, revision = await self._snapshot()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_MAX)
+        self._watches.add(queue)
+        call = task = None
+        try:
+            call = await self._call("watch", lambda c, rpc: self._open_watch(c, rpc, revision + 1))
+            task = asyncio.create_task(self._read_watch(call, queue), name="kvx-etcd-watch")
+            for kv in kvs:
+                if (record := self._decode(kv)) is not None:
+                    yield Event(EventType.PUT, record, kv.mod_revision)
+            yield Event(EventType.SYNCED, None, revision)
+            while True:
+                try:
+                    response = await asyncio.wait_for(queue.get(), WATCH_IDLE_CHECK_S)
+                except TimeoutError:  # a quiet watch: is etcd still there, or hung?
+                    if not await self.ready():
+                        raise StoreError("etcd stopped answering") from None
+                    continue
+                if isinstance(response, Exception):
+                    raise response
+                for event in response.events:
+                    if (out := self._event(event)) is not None:
+                        yield out
+        finally:
+            self._watches.discard(queue)
+            if task is not None:
+                task.cancel()
+            if call is not None:
+                call.cancel()
+
+    # Internals.
+
+    async def _call(self, what: str, fn):
+        """``await fn(client, rpc)`` within timeout_s, connecting first if need be;
+        aetcd/gRPC errors and timeouts become StoreError."""
+        if self._aetcd is None:
+            raise StoreError("the etcd store is not started")
+        client = None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                client = await self._connect()
+                return await fn(client, self._aetcd.rpc)
+        except TimeoutError as e:
+            error: BaseException = e
+            message = f"etcd did not answer ({what}) within {self._timeout_s:g} s"
+        except (self._aetcd.ClientError, grpc.RpcError) as e:
+            error = e.__cause__ if isinstance(e, self._aetcd.ClientError) and e.__cause__ else e
+            message = f"etcd {what} failed: {_details(error)}"
+            if _code(error) not in _TRANSIENT:
+                raise StoreError(message) from error
+        if client is not None and client is self._client:
+            self._client = None  # the next call connects again, maybe to another endpoint
+            task = asyncio.ensure_future(_close_quietly(client))  # this ends its watches
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        raise StoreError(message) from error
+
+    async def _connect(self):
+        async with self._connect_lock:
+            if self._client is not None:
+                return self._client
+            errors, last = [], None
+            for host, port in self._endpoints:
+                client = self._aetcd.Client(host, port, options=self._channel_options)
+                try:
+                    await client.connect()  # only makes the channel: ask for the status to know
+                    async with asyncio.timeout(self._timeout_s / len(self._endpoints)):
+                        await _status(client, self._aetcd.rpc)
+                except (TimeoutError, self._aetcd.ClientError, grpc.RpcError) as e:
+                    errors.append(f"{host}:{port}: {_details(e)}")
+                    last = e
+                    await _close_quietly(client)
+                    continue
+                self._client = client
+                return client
+            raise StoreError("no etcd endpoint answers: " + "; ".join(errors)) from last
+
+    async def _txn(self, what: str, name: str, expect_revision: int, op):
+        key = self._key(name)
+
+        def txn(client, rpc):
+            compare = rpc.Compare(
+                key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=expect_revision
+            )
+            return client.kvstub.Txn(rpc.TxnRequest(compare=[compare], success=[op(rpc, key)]))
+
+        return await self._call(what, txn)
+
+    async def _open_watch(self, client, rpc, start_revision: int):
+        create = rpc.WatchCreateRequest(
+            key=self._prefix, range_end=self._range_end, start_revision=start_revision, prev_kv=True
+        )
+
+        async def requests():
+            yield rpc.WatchRequest(create_request=create)
+            await asyncio.Event().wait()  # keep our side of the stream open
+
+        # hasleader: etcd ends the watch if its member loses the cluster leader.
+        call = rpc.WatchStub(client.channel).Watch(requests(), metadata=(("hasleader", "true"),))
+        created = await call.read()
+        if created is grpc.aio.EOF or not created.created or created.canceled:
+            call.cancel()
+            raise StoreError(f"etcd refused the watch: {getattr(created, 'cancel_reason', '') or 'ended'}")
+        return call
+
+    async def _read_watch(self, call, queue: asyncio.Queue) -> None:
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                if response.compact_revision:
+                    raise WatchLagError(f"etcd compacted its history past {response.compact_revision}")
+                if response.canceled:
+                    raise StoreError(f"etcd cancelled the watch: {response.cancel_reason or 'no reason'}")
+                await queue.put(response)
+            error: Exception = StoreError("etcd ended the watch")
+        except StoreError as e:
+            error = e
+        except (asyncio.CancelledError, Exception) as e:  # noqa: BLE001 - CancelledError: channel closed
+            error = StoreError(f"the etcd watch failed: {_details(e)}")
+            error.__cause__ = e
+        if queue in self._watches:
+            _cut_off(queue, error)
+
+    async def _snapshot(self):
+        response = await self._call(
+            "range", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
+                key=self._prefix, range_end=self._range_end,
+                sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY))
+        )  # fmt: skip
+        return list(response.kvs), response.header.revision
+
+    def _event(self, event) -> Event | None:
+        if event.type == 0:  # PUT
+            record = self._decode(event.kv)
+            return None if record is None else Event(EventType.PUT, record, event.kv.mod_revision)
+        revision = event.kv.mod_revision
+        record = self._decode(event.prev_kv) if event.prev_kv.key else None
+        if record is None:  # no previous value (compacted): the name is all there is
+            record = AgentRecord(name=event.kv.key.removeprefix(self._prefix).decode(errors="replace"))
+        if revision not in self._own_deletes and revision not in self._counted and not self._deleting:
+            self._counted.append(revision)
+            self.expired_leases += 1
+        return Event(EventType.DELETE, record, revision)
+
+    def _key(self, name: str) -> bytes:
+        return self._prefix + name.encode()
+
+    def _decode(self, kv) -> AgentRecord | None:
+        record = AgentRecord()
+        try:
+            record.ParseFromString(kv.value)
+        except Exception:  # noqa: BLE001 - a foreign value under our prefix
+            logger.warning("ignoring etcd key %r: its value is not an AgentRecord", kv.key)
+            return None
+        record.revision = kv.mod_revision
+        record.lease_id = kv.lease
+        return record
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix``."""
+    end = bytearray(prefix.rstrip(b"\xff"))
+    if not end:
+        return b"\0"
+    end[-1] += 1
+    return bytes(end)
+
+
+async def _status(client, rpc) -> bool:
+    await client.maintenancestub.Status(rpc.StatusRequest())
+    return True
+
+
+def _cut_off(queue: asyncio.Queue, error: Exception) -> None:
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(error)
+
+
+def _code(error) -> str | None:
+    return error.code().name if isinstance(error, grpc.aio.AioRpcError) else None
+
+
+def _details(error) -> str:
+    return error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error) or type(error).__name__
+
+
+async def _close_quietly(client) -> None:
+    try:
+        async with asyncio.timeout(2):
+            await client.close()
+    except Exception:  # noqa: BLE001
+        logger.debug("closing an etcd client failed", exc_info=True)

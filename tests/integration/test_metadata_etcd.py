@@ -1,0 +1,104 @@
+"""The metadata service on a real etcd: nothing lost on restart, not-ready
+while etcd is down, several replicas serving one cluster."""
+
+import time
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvx
+from kvx.metadata.client import MetadataClient, Watcher
+from kvx.metadata.etcd import EtcdStore
+from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.v1 import metadata_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def _until(predicate, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except (kvx.ConnectError, grpc.RpcError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def _serving(address):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    return health.Check(health_pb2.HealthCheckRequest(service="kvx.v1.MetadataService"), timeout=2).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
+def test_service_restart_loses_nothing_with_etcd(etcd_server):
+    server = ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url)))
+    address = server.address
+    opts = kvx.MetadataOptions(lease_ttl_s=4)
+    with kvx.Agent("prefill-e", metadata=address, role="prefill", metadata_options=opts) as agent:
+        agent.register(np.zeros(4096, np.uint8))
+        before = MetadataClient(address).get("prefill-e")
+        server.stop()
+        server = ThreadedServer(MetadataServer(address, EtcdStore(etcd_server.url)))
+        try:
+            after = MetadataClient(address).get("prefill-e")  # served at once: the record lived in etcd
+            assert after is not None and after.epoch == before.epoch and len(after.metadata.regions) == 1
+            time.sleep(5)  # past the lease TTL: the agent's keep-alives reached the new service
+            assert MetadataClient(address).get("prefill-e") is not None
+        finally:
+            agent.close()
+            server.stop()
+
+
+def test_etcd_outage_makes_the_service_not_ready_until_it_returns(etcd_server):
+    with ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, timeout_s=1.0),
+                                       admin_listen="127.0.0.1:0")) as srv:
+        admin = f"http://{srv.server.admin_address}"
+        assert _serving(srv.address) and httpx.get(f"{admin}/readyz", timeout=5).status_code == 200
+        MetadataClient(srv.address).register(_record("kept"), ttl_s=60)
+        etcd_server.stop()
+        assert _until(lambda: not _serving(srv.address), 10)
+        assert httpx.get(f"{admin}/readyz", timeout=5).status_code == 503
+        with pytest.raises(kvx.ConnectError, match="unavailable"):
+            MetadataClient(srv.address, kvx.MetadataOptions(timeout_s=3)).get("kept")
+        etcd_server.start()
+        assert _until(lambda: _serving(srv.address), 15)
+        assert httpx.get(f"{admin}/readyz", timeout=5).status_code == 200
+        assert MetadataClient(srv.address).get("kept") is not None
+
+
+def test_service_starts_not_ready_when_etcd_is_down(etcd_server):
+    etcd_server.stop()
+    with ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, timeout_s=1.0))) as srv:
+        assert not _serving(srv.address)
+        etcd_server.start()
+        assert _until(lambda: _serving(srv.address), 15)
+
+
+def test_two_replicas_on_one_etcd(etcd_server):
+    with ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as a, \
+            ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as b:
+        events = []
+        watcher = Watcher(MetadataClient(b.address), events.append)
+        assert watcher.synced.wait(10)
+        with kvx.Agent("via-a", metadata=a.address, role="decode") as agent, \
+                kvx.Agent("reader", metadata=b.address) as reader:
+            record = MetadataClient(b.address).get("via-a")
+            assert record is not None and record.epoch == agent.epoch
+            assert _until(lambda: any(e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.
+                                      EVENT_TYPE_PUT for e in events), 5)
+            assert reader.connect("via-a").epoch == agent.epoch  # found through the other replica
+        assert _until(lambda: any(e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.
+                                  EVENT_TYPE_DELETE for e in events), 5)
+        watcher.stop()
+
+
+def _record(name):
+    rec = metadata_pb2.AgentRecord(name=name, epoch=5, role=metadata_pb2.ROLE_OTHER, started_unix_ms=1)
+    rec.metadata.name, rec.metadata.epoch = name, 5
+    return rec

@@ -1,0 +1,441 @@
+"""The metadata ``Store`` contract, run against MemoryStore and a real etcd.
+
+Plain sync tests that drive the asyncio stores with ``asyncio.run``; every
+test body runs under a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import time
+
+import pytest
+
+from kvx.errors import ConfigError
+from kvx.metadata import etcd as etcd_module
+from kvx.metadata.etcd import EtcdStore, parse_etcd_url
+from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError
+
+TEST_DEADLINE_S = 40.0
+# etcd raises shorter leases to its minimum (about 2 s with default timing).
+SHORT_TTL_S = 2
+_prefixes = itertools.count()
+
+
+def run(body, deadline_s: float = TEST_DEADLINE_S):
+    return asyncio.run(asyncio.wait_for(body, deadline_s))
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def open_store(request):
+    """An async context manager factory giving a started store of each kind."""
+    if request.param == "etcd":
+        server = request.getfixturevalue("etcd_server")
+
+        def make(prefix: str | None = None, timeout_s: float = 3.0):
+            prefix = prefix or f"/kvx-test/{next(_prefixes)}/"
+            return EtcdStore(server.url, prefix=prefix, timeout_s=timeout_s)
+    else:
+
+        def make(prefix: str | None = None, timeout_s: float = 3.0):
+            return MemoryStore(expiry_interval_s=0.05)
+
+    @contextlib.asynccontextmanager
+    async def open_(**kwargs):
+        store = make(**kwargs)
+        await store.start()
+        try:
+            yield store
+        finally:
+            await store.close()
+
+    open_.kind = request.param
+    return open_
+
+
+def record(name: str, **labels: str) -> AgentRecord:
+    rec = AgentRecord(name=name, epoch=0x1234, registered_unix_ms=1_700_000_000_000)
+    rec.labels.update(labels)
+    rec.engine_info["url"] = f"http://{name}:8000"
+    return rec
+
+
+async def next_event(events, timeout_s: float = 10.0):
+    return await asyncio.wait_for(anext(events), timeout_s)
+
+
+async def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# The contract, for every store.
+
+
+def test_lease_grant_keep_alive_revoke(open_store):
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(10)
+            assert lease > 0
+            assert 0 < await store.keep_alive(lease) <= 10
+            await store.revoke_lease(lease)
+            assert await store.keep_alive(lease) == 0
+            await store.revoke_lease(lease)  # unknown ids are ignored
+            assert await store.keep_alive(0x7777_0000_0001) == 0
+            assert await store.ready()
+
+    run(body())
+
+
+def test_put_if_create_conflict_and_get(open_store):
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            assert await store.get("a") is None
+            rev1 = await store.put_if(record("a", zone="z1"), lease, 0)
+            assert isinstance(rev1, int) and rev1 > 0
+            assert await store.put_if(record("a"), lease, 0) is None  # exists already
+
+            got = await store.get("a")
+            assert got.name == "a" and got.revision == rev1 and got.lease_id == lease
+            assert got.labels["zone"] == "z1" and got.engine_info["url"] == "http://a:8000"
+            assert got.epoch == 0x1234
+
+            rev2 = await store.put_if(record("a", zone="z2"), lease, rev1)
+            assert rev2 > rev1
+            assert await store.put_if(record("a", zone="z3"), lease, rev1) is None  # stale
+            assert await store.put_if(record("a", zone="z3"), lease, rev2 + 100) is None
+            got = await store.get("a")
+            assert got.revision == rev2 and got.labels["zone"] == "z2"
+
+    run(body())
+
+
+def test_put_if_unknown_lease_raises(open_store):
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            await store.revoke_lease(lease)
+            with pytest.raises(StoreError):
+                await store.put_if(record("a"), lease, 0)
+            assert await store.get("a") is None
+
+    run(body())
+
+
+def test_list_sorted_by_name(open_store):
+    async def body():
+        async with open_store() as store:
+            assert await store.list() == []
+            lease = await store.grant_lease(30)
+            revisions = {}
+            for name in ["node-b", "node-a", "node-c", "a"]:
+                revisions[name] = await store.put_if(record(name), lease, 0)
+            listed = await store.list()
+            assert [r.name for r in listed] == ["a", "node-a", "node-b", "node-c"]
+            assert {r.name: r.revision for r in listed} == revisions
+            assert all(r.lease_id == lease for r in listed)
+
+    run(body())
+
+
+def test_delete_if(open_store):
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            rev = await store.put_if(record("a"), lease, 0)
+            assert not await store.delete_if("a", rev + 1)
+            assert not await store.delete_if("a", 0)
+            assert await store.get("a") is not None
+            assert await store.delete_if("a", rev)
+            assert await store.get("a") is None
+            assert not await store.delete_if("a", rev)
+            assert not await store.delete_if("never-there", 0)
+            # The name can be created again.
+            assert await store.put_if(record("a"), lease, 0) > rev
+
+    run(body())
+
+
+def test_revoke_deletes_the_lease_records(open_store):
+    async def body():
+        async with open_store() as store:
+            short, other = await store.grant_lease(30), await store.grant_lease(30)
+            await store.put_if(record("x"), short, 0)
+            await store.put_if(record("y"), short, 0)
+            await store.put_if(record("z"), other, 0)
+            await store.revoke_lease(short)
+            assert [r.name for r in await store.list()] == ["z"]
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_lease_expiry_deletes_records(open_store):
+    async def body():
+        async with open_store() as store:
+            kept, expiring = await store.grant_lease(30), await store.grant_lease(SHORT_TTL_S)
+            await store.put_if(record("kept"), kept, 0)
+            await store.put_if(record("gone"), expiring, 0)
+            started = time.monotonic()
+
+            async def gone():
+                await store.keep_alive(kept)
+                return await store.get("gone") is None
+
+            await wait_until(gone, SHORT_TTL_S + 8, "the expired lease's record to go")
+            assert time.monotonic() - started >= SHORT_TTL_S - 0.5
+            assert await store.keep_alive(expiring) == 0
+            assert [r.name for r in await store.list()] == ["kept"]
+
+    run(body())
+
+
+def test_watch_snapshot_synced_then_changes(open_store):
+    async def body():
+        async with open_store() as store:
+            lease, other = await store.grant_lease(30), await store.grant_lease(30)
+            rev_b = await store.put_if(record("b"), lease, 0)
+            rev_a = await store.put_if(record("a"), lease, 0)
+
+            events = store.watch()
+            try:
+                first, second, synced = [await next_event(events) for _ in range(3)]
+                assert (first.type, first.record.name, first.revision) == (EventType.PUT, "a", rev_a)
+                assert (second.type, second.record.name, second.revision) == (EventType.PUT, "b", rev_b)
+                assert first.record.revision == rev_a
+                assert synced.type is EventType.SYNCED and synced.record is None
+                assert synced.revision >= max(rev_a, rev_b)
+
+                rev_c = await store.put_if(record("c", v="1"), other, 0)
+                rev_a2 = await store.put_if(record("a", v="2"), lease, rev_a)
+                assert await store.delete_if("b", rev_b)
+                await store.revoke_lease(other)
+
+                put_c, put_a, del_b, del_c = [await next_event(events) for _ in range(4)]
+                assert (put_c.type, put_c.record.name, put_c.revision) == (EventType.PUT, "c", rev_c)
+                assert put_c.record.labels["v"] == "1" and put_c.record.lease_id == other
+                assert (put_a.type, put_a.record.name, put_a.revision) == (EventType.PUT, "a", rev_a2)
+                assert put_a.record.revision == rev_a2
+                assert (del_b.type, del_b.record.name) == (EventType.DELETE, "b")
+                assert del_b.record.revision == rev_b and del_b.revision > rev_a2
+                assert del_b.record.engine_info["url"] == "http://b:8000"
+                assert (del_c.type, del_c.record.name) == (EventType.DELETE, "c")
+                assert del_c.record.labels["v"] == "1" and del_c.revision > del_b.revision
+                assert synced.revision < rev_c < rev_a2
+            finally:
+                await events.aclose()
+
+    run(body())
+
+
+def test_watch_of_an_empty_store(open_store):
+    async def body():
+        async with open_store() as store:
+            events = store.watch()
+            try:
+                synced = await next_event(events)
+                assert synced.type is EventType.SYNCED
+                lease = await store.grant_lease(30)
+                rev = await store.put_if(record("a"), lease, 0)
+                put = await next_event(events)
+                assert (put.type, put.record.name, put.revision) == (EventType.PUT, "a", rev)
+            finally:
+                await events.aclose()
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_watch_delete_from_lease_expiry_carries_the_record(open_store):
+    async def body():
+        async with open_store() as store:
+            events = store.watch()
+            try:
+                assert (await next_event(events)).type is EventType.SYNCED
+                lease = await store.grant_lease(SHORT_TTL_S)
+                rev = await store.put_if(record("short", role="prefill"), lease, 0)
+                put = await next_event(events)
+                assert (put.type, put.revision) == (EventType.PUT, rev)
+                expired = await next_event(events, SHORT_TTL_S + 8)
+                assert expired.type is EventType.DELETE and expired.revision > rev
+                assert expired.record.name == "short" and expired.record.revision == rev
+                assert expired.record.labels["role"] == "prefill" and expired.record.lease_id == lease
+                assert store.expired_leases == 1
+            finally:
+                await events.aclose()
+
+    run(body())
+
+
+# etcd only.
+
+
+def test_parse_etcd_url():
+    assert parse_etcd_url("etcd://127.0.0.1:2379") == [("127.0.0.1", 2379)]
+    assert parse_etcd_url("etcd://a:1,b.example:2379/") == [("a", 1), ("b.example", 2379)]
+    assert parse_etcd_url("etcd://[::1]:2379") == [("::1", 2379)]
+    for bad in ["", "127.0.0.1:2379", "http://a:2379", "etcd://", "etcd://a", "etcd://a:0",
+                "etcd://a:99999", "etcd://:2379", "etcd://a:2379,", "etcd://a:x", "etcd://a:1/path"]:  # fmt: skip
+        with pytest.raises(ConfigError):
+            parse_etcd_url(bad)
+    with pytest.raises(ConfigError, match="etcd://host:port"):
+        EtcdStore("http://127.0.0.1:2379")
+
+
+def test_etcd_not_started_and_unreachable():
+    async def body():
+        store = EtcdStore([("127.0.0.1", _closed_port())], timeout_s=1.0)
+        assert not await store.ready()
+        with pytest.raises(StoreError):
+            await store.get("a")  # not started
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="127.0.0.1"):
+            await store.start()
+        assert time.monotonic() - started < 3
+        assert not await store.ready()
+        await store.close()
+
+    run(body())
+
+
+def test_etcd_tries_endpoints_in_order(etcd_server):
+    async def body():
+        store = EtcdStore([("127.0.0.1", _closed_port()), *etcd_server.endpoints], prefix="/multi/")
+        await store.start()
+        try:
+            lease = await store.grant_lease(30)
+            assert await store.put_if(record("a"), lease, 0)
+            assert await store.ready()
+        finally:
+            await store.close()
+
+    run(body())
+
+
+def test_etcd_instances_share_state(etcd_server):
+    async def body():
+        one = EtcdStore(etcd_server.url, prefix="/shared/", timeout_s=3)
+        two = EtcdStore(etcd_server.endpoints, prefix="/shared/", timeout_s=3)
+        elsewhere = EtcdStore(etcd_server.url, prefix="/other/", timeout_s=3)
+        for store in (one, two, elsewhere):
+            await store.start()
+        events = two.watch()
+        try:
+            assert (await next_event(events)).type is EventType.SYNCED
+            lease = await one.grant_lease(30)
+            rev = await one.put_if(record("a"), lease, 0)
+            put = await next_event(events)
+            assert (put.type, put.record.name, put.revision) == (EventType.PUT, "a", rev)
+            got = await two.get("a")
+            assert got.revision == rev and got.lease_id == lease
+            assert await two.put_if(record("a"), lease, 0) is None  # one's write is seen
+            assert await two.keep_alive(lease) > 0  # leases are shared too
+            assert await elsewhere.list() == []  # another prefix is another namespace
+
+            assert await two.delete_if("a", rev)
+            delete = await next_event(events)
+            assert (delete.type, delete.record.name) == (EventType.DELETE, "a")
+            assert await one.get("a") is None
+            assert two.expired_leases == 0  # its own delete
+        finally:
+            await events.aclose()
+            for store in (one, two, elsewhere):
+                await store.close()
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_etcd_down_then_back(etcd_server):
+    timeout_s = 2.0
+
+    async def body():
+        store = EtcdStore(etcd_server.url, prefix="/restart/", timeout_s=timeout_s)
+        await store.start()
+        try:
+            lease = await store.grant_lease(60)
+            rev = await store.put_if(record("survivor", zone="z"), lease, 0)
+            events = store.watch()
+            assert (await next_event(events)).type is EventType.PUT
+            assert (await next_event(events)).type is EventType.SYNCED
+            pending = asyncio.ensure_future(next_event(events, 30))
+
+            await asyncio.to_thread(etcd_server.stop)
+            with pytest.raises(StoreError):
+                await asyncio.wait_for(pending, timeout_s + 5)  # the watch ends
+            await events.aclose()
+            for call in (store.ready, lambda: store.get("survivor"), store.list,
+                         lambda: store.put_if(record("new"), lease, 0),
+                         lambda: store.keep_alive(lease), lambda: store.grant_lease(10)):  # fmt: skip
+                started = time.monotonic()
+                if call == store.ready:
+                    assert await call() is False
+                else:
+                    with pytest.raises(StoreError) as caught:
+                        await call()
+                    assert caught.value.__cause__ is not None
+                assert time.monotonic() - started < 2 * timeout_s + 1
+            events = store.watch()
+            with pytest.raises(StoreError):
+                await next_event(events, 2 * timeout_s + 1)
+
+            await asyncio.to_thread(etcd_server.start)
+            await wait_until(store.ready, 20, "ready() after etcd restarted")
+            got = await store.get("survivor")
+            assert got is not None and got.revision == rev and got.labels["zone"] == "z"
+            assert await store.keep_alive(lease) > 0
+            events = store.watch()
+            try:
+                put = await next_event(events)
+                assert (put.type, put.record.name, put.revision) == (EventType.PUT, "survivor", rev)
+                assert (await next_event(events)).type is EventType.SYNCED
+            finally:
+                await events.aclose()
+        finally:
+            await store.close()
+
+    run(body(), 60)
+
+
+@pytest.mark.slow
+def test_etcd_hung(etcd_server, monkeypatch):
+    monkeypatch.setattr(etcd_module, "WATCH_IDLE_CHECK_S", 1.0)
+    timeout_s = 1.0
+
+    async def body():
+        store = EtcdStore(etcd_server.url, prefix="/hung/", timeout_s=timeout_s)
+        await store.start()
+        events = store.watch()
+        try:
+            assert (await next_event(events)).type is EventType.SYNCED
+            etcd_server.pause()
+            started = time.monotonic()
+            with pytest.raises(StoreError):
+                await next_event(events, 1.0 + 2 * timeout_s + 2)  # the quiet watch notices
+            assert not await store.ready()
+            with pytest.raises(StoreError, match="did not answer"):
+                await store.get("a")
+            assert time.monotonic() - started < 10
+            etcd_server.resume()
+            await wait_until(store.ready, 10, "ready() after etcd resumed")
+            assert await store.list() == []
+        finally:
+            etcd_server.resume()
+            await events.aclose()
+            await store.close()
+
+    run(body())
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
