@@ -6,7 +6,8 @@
 Starts `kvx metadata` in its own process, registers --agents records (each
 with a few regions, like a real agent), then runs, for --duration-s seconds,
 two load processes side by side:
-  - keep-alive: every lease renewed once per --keepalive-s, over 100 streams;
+  - keep-alive: every lease renewed once per --keepalive-s, over 100 streams,
+    spread evenly over the period (agents renew independently);
   - lookups: GetAgent of random names at a fixed rate (open loop: a request
     is sent on schedule whether or not the last one has answered), each
     latency measured from its scheduled time.
@@ -70,42 +71,45 @@ def _keepalive_proc(address: str, leases: list[int], period_s: float, duration_s
 
     from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
-    async def stream(stub, mine: list[int], stats: dict) -> None:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield metadata_pb2.KeepAliveRequest(lease_id=item)
-
-        call = stub.KeepAlive(requests())
-        end = time.monotonic() + duration_s
-        offset = random.random() * period_s
-        next_round = time.monotonic() + offset
-        while time.monotonic() < end:
-            await asyncio.sleep(max(0.0, next_round - time.monotonic()))
-            next_round += period_s
-            for lease in mine:
-                queue.put_nowait(lease)
-            for _ in mine:
-                reply = await call.read()
-                stats["sent"] += 1
-                if reply.ttl_s == 0:
-                    stats["lost"] += 1
-        queue.put_nowait(None)
-        call.cancel()
+    tick_s = 0.01  # renewals due in a tick go out together: the even spread, at 100 wake-ups a second
 
     async def main() -> dict:
         stats = {"sent": 0, "lost": 0}
         async with grpc.aio.insecure_channel(address) as channel:
             stub = metadata_pb2_grpc.MetadataServiceStub(channel)
-            per = -(-len(leases) // STREAMS)
-            await asyncio.gather(*(stream(stub, leases[k:k + per], stats) for k in range(0, len(leases), per)))
+            queues = [asyncio.Queue() for _ in range(STREAMS)]
+
+            async def requests(queue):
+                while (item := await queue.get()) is not None:
+                    yield metadata_pb2.KeepAliveRequest(lease_id=item)
+
+            async def replies(call):
+                async for reply in call:
+                    stats["sent"] += 1
+                    stats["lost"] += reply.ttl_s == 0
+
+            calls = [stub.KeepAlive(requests(q)) for q in queues]
+            readers = [asyncio.create_task(replies(c)) for c in calls]
+            per_tick = len(leases) * tick_s / period_s
+            start = time.monotonic()
+            due = 0.0
+            k = 0
+            while time.monotonic() - start < duration_s:
+                due += per_tick
+                while k < int(due):
+                    queues[k % STREAMS].put_nowait(leases[k % len(leases)])
+                    k += 1
+                await asyncio.sleep(max(0.0, start + (k / per_tick) * tick_s - time.monotonic()) or tick_s)
+            for q in queues:
+                q.put_nowait(None)
+            await asyncio.wait(readers, timeout=10)
+            for c in calls:
+                c.cancel()
         return stats
 
-    out.put(asyncio.run(main()))
+    result = asyncio.run(main())
+    result["cpu_s"] = time.process_time()
+    out.put(result)
 
 
 def _lookup_proc(address: str, agents: int, rate: float, duration_s: float, out) -> None:
@@ -143,7 +147,9 @@ def _lookup_proc(address: str, agents: int, rate: float, duration_s: float, out)
                 "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
                 "max_ms": float(arr.max())}
 
-    out.put(asyncio.run(main()))
+    result = asyncio.run(main())
+    result["cpu_s"] = time.process_time()
+    out.put(result)
 
 
 def _cpu_s(pid: int) -> float:
@@ -163,6 +169,7 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--lookups-per-s", type=float, default=1000)
     parser.add_argument("--keepalive-s", type=float, default=5.0)
+    parser.add_argument("--no-keepalive", action="store_true", help="lookups only (isolates the lookup path)")
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--store", default="memory")
     parser.add_argument("--profile", action="store_true", help="sample the server with py-spy")
@@ -188,9 +195,11 @@ def main() -> int:
 
         ctx = mp.get_context("spawn")
         out_k, out_l = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=_keepalive_proc, args=(address, leases, args.keepalive_s, args.duration_s, out_k)),
-                 ctx.Process(target=_lookup_proc, args=(address, args.agents, args.lookups_per_s, args.duration_s,
+        procs = [ctx.Process(target=_lookup_proc, args=(address, args.agents, args.lookups_per_s, args.duration_s,
                                                         out_l))]
+        if not args.no_keepalive:
+            procs.append(ctx.Process(target=_keepalive_proc,
+                                     args=(address, leases, args.keepalive_s, args.duration_s, out_k)))
         cpu0, wall0 = _cpu_s(server.pid), time.monotonic()
         for p in procs:
             p.start()
@@ -201,9 +210,11 @@ def main() -> int:
                                   str(int(args.duration_s) - 4), "--format", "raw", "--output", "/dev/stdout",
                                   "--nonblocking"], capture_output=True, text=True).stdout
             profile = _top_self(raw)
-        keep = out_k.get(timeout=args.duration_s + 120)
         look = out_l.get(timeout=args.duration_s + 120)
-        cpu = (_cpu_s(server.pid) - cpu0) / (time.monotonic() - wall0)
+        keep = {"sent": 0, "lost": 0, "cpu_s": 0.0} if args.no_keepalive else out_k.get(timeout=args.duration_s + 120)
+        elapsed = time.monotonic() - wall0
+        cpu = (_cpu_s(server.pid) - cpu0) / elapsed
+        load_cpu = (look["cpu_s"] + keep["cpu_s"]) / elapsed  # including their start-up
         for p in procs:
             p.join(10)
     finally:
@@ -215,9 +226,10 @@ def main() -> int:
         "lookups_per_s_target": args.lookups_per_s, "lookups_per_s": round(look["rate"], 1),
         "lookup_p50_ms": round(look["p50_ms"], 3), "lookup_p99_ms": round(look["p99_ms"], 3),
         "lookup_max_ms": round(look["max_ms"], 3), "lookup_errors": look["errors"],
-        "keepalives_per_s_target": round(args.agents / args.keepalive_s, 1),
+        "keepalives_per_s_target": 0 if args.no_keepalive else round(args.agents / args.keepalive_s, 1),
         "keepalives_per_s": round(keep["sent"] / args.duration_s, 1), "leases_lost": keep["lost"],
         "server_cpu_cores": round(cpu, 2),
+        "load_generators_cpu_cores": round(load_cpu, 2),
     }
     print(json.dumps(result))
     if profile:
