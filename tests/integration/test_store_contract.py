@@ -94,6 +94,22 @@ def test_lease_grant_keep_alive_revoke(open_store):
     run(body())
 
 
+def test_concurrent_renewals_each_get_their_own_answer(open_store):
+    async def body():
+        async with open_store() as store:
+            leases = [await store.grant_lease(10 + i % 3) for i in range(60)]
+            gone = leases[7]
+            await store.revoke_lease(gone)
+            for _ in range(3):  # repeated rounds reuse the shared renewal stream
+                ttls = await asyncio.gather(*(store.keep_alive(lease) for lease in leases))
+                assert ttls[7] == 0
+                assert all(0 < ttl <= 12 for i, ttl in enumerate(ttls) if i != 7)
+                assert [ttl for i, ttl in enumerate(ttls) if i % 3 == 2 and i != 7] == \
+                    [12] * len([i for i in range(60) if i % 3 == 2 and i != 7])
+
+    run(body())
+
+
 def test_put_if_create_conflict_and_get(open_store):
     async def body():
         async with open_store() as store:
