@@ -19,6 +19,15 @@ def check_name(name: str) -> str:
     return name
 
 
+def read_file(path: str) -> bytes:
+    """A configuration file's bytes (certificates, keys), or a ConfigError that names it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB

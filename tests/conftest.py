@@ -77,3 +77,19 @@ def fd_targets() -> list[str]:
         except OSError:
             pass
     return sorted(out)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, tolerate: tuple = ()) -> bool:
+    """Poll ``predicate`` until it is true (True) or the time is up (False);
+    exceptions in ``tolerate`` count as "not yet"."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except tolerate:
+            pass
+        time.sleep(0.05)
+    return False

@@ -74,7 +74,7 @@ def target_main(conn, opts: dict) -> None:
         pool = alloc_pool()
         fill_pattern(pool)
         addr = pool.ctypes.data
-        reg = agent.register_memory([(addr, POOL_BYTES, 0, "")], "DRAM")
+        _registration = agent.register_memory([(addr, POOL_BYTES, 0, "")], "DRAM")  # held while serving
         conn.send({"meta": agent.get_agent_metadata(), "addr": addr})
         spins = 0
         while True:

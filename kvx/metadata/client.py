@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from kvx.errors import ConfigError, ConnectError, MetadataError
+from kvx.config import read_file
+from kvx.errors import ConnectError, MetadataError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,13 +55,6 @@ class MetadataOptions:
     timeout_s: float = 5.0
 
 
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-
 
 def translate(exc: grpc.RpcError, target: str) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
@@ -77,9 +71,9 @@ class MetadataClient:
         opts = self.options
         if opts.tls_ca or opts.tls_cert:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(opts.tls_ca) if opts.tls_ca else None,
-                private_key=_read(opts.tls_key) if opts.tls_key else None,
-                certificate_chain=_read(opts.tls_cert) if opts.tls_cert else None)
+                root_certificates=read_file(opts.tls_ca) if opts.tls_ca else None,
+                private_key=read_file(opts.tls_key) if opts.tls_key else None,
+                certificate_chain=read_file(opts.tls_cert) if opts.tls_cert else None)
             self._channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)

@@ -28,7 +28,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvx.config import check_name
+from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.store import MemoryStore, Store, StoreError, WatchLagError
@@ -63,13 +63,6 @@ class TlsConfig:
     key: str
     client_ca: str | None = None
 
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
 
 
 class _Refused(Exception):
@@ -300,8 +293,8 @@ class MetadataServer:
             port = self._server.add_insecure_port(self.listen)
         else:
             creds = grpc.ssl_server_credentials(
-                [(_read(self.tls.key), _read(self.tls.cert))],
-                root_certificates=_read(self.tls.client_ca) if self.tls.client_ca else None,
+                [(read_file(self.tls.key), read_file(self.tls.cert))],
+                root_certificates=read_file(self.tls.client_ca) if self.tls.client_ca else None,
                 require_client_auth=self.tls.client_ca is not None)
             port = self._server.add_secure_port(self.listen, creds)
         if not port:

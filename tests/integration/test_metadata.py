@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
+from tests.conftest import wait_until
 from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer, TlsConfig
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
@@ -41,15 +42,7 @@ def _code(call):
 
 
 def _until(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except kvx.ConnectError:  # a service that is (re)starting
-            pass
-        time.sleep(0.05)
-    return False
+    return wait_until(predicate, timeout_s, (kvx.ConnectError,))
 
 
 def test_bad_registrations_get_clear_codes_and_change_nothing(service):

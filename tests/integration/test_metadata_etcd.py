@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
+from tests.conftest import wait_until
 from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.etcd import EtcdStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
@@ -18,16 +19,8 @@ from kvx.v1 import metadata_pb2
 pytestmark = pytest.mark.slow
 
 
-def _until(predicate, timeout_s=15.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except (kvx.ConnectError, grpc.RpcError):
-            pass
-        time.sleep(0.1)
-    return False
+def _until(predicate, timeout_s=10.0):
+    return wait_until(predicate, timeout_s, (kvx.ConnectError, grpc.RpcError))
 
 
 def _serving(address):
