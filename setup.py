@@ -1,4 +1,4 @@
-"""Builds the optional C extension kvx._native (csrc/).
+"""Builds the optional C extensions kvx._native and kvx._cma (csrc/).
 
 KVX_ASAN=1 builds it with AddressSanitizer (run with LD_PRELOAD of libasan).
 Without a working C compiler the build goes on without the extension, and
@@ -18,11 +18,12 @@ if os.environ.get("KVX_ASAN") == "1":
 setup(
     ext_modules=[
         Extension(
-            "kvx._native",
-            sources=["csrc/kvx_io.c"],
+            name,
+            sources=[source],
             extra_compile_args=cflags,
             extra_link_args=ldflags,
             optional=os.environ.get("KVX_NATIVE") != "1",
         )
+        for name, source in (("kvx._native", "csrc/kvx_io.c"), ("kvx._cma", "csrc/kvx_cma.c"))
     ]
 )

@@ -1,4 +1,6 @@
-"""Selects the implementation of the native byte path.
+"""Selects the implementation of the native byte path: socket scatter-gather
+(sendv, recvv) and cross-memory attach to same-host processes (vm_readv,
+vm_writev).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -10,29 +12,29 @@ from __future__ import annotations
 import logging
 import os
 
-from kvx import _io_py
+from kvx import _cma_py, _io_py
 from kvx.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
-def _select(choice: str):  # -> (module, name)
+def _select(choice: str):  # -> ((socket I/O module, cross-memory module), name)
     choice = choice.strip()
     if choice not in ("", "0", "1"):
         raise ConfigError(f"KVX_NATIVE must be 0, 1 or unset, not {choice!r}")
     if choice == "0":
-        return _io_py, "python"
+        return (_io_py, _cma_py), "python"
     try:
-        from kvx import _native
+        from kvx import _cma, _native
     except ImportError as exc:
         if choice == "1":
             raise ConfigError(
-                "KVX_NATIVE=1 but the C extension kvx._native is not built "
+                "KVX_NATIVE=1 but the C extensions kvx._native/kvx._cma are not built "
                 f"({exc}); reinstall kvx with a C compiler present"
             ) from exc
         logger.warning("kvx._native is not built (%s); using the pure-Python twin", exc)
-        return _io_py, "python"
-    return _native, "native"
+        return (_io_py, _cma_py), "python"
+    return (_native, _cma), "native"
 
 
 def use(choice: str) -> str:
@@ -41,9 +43,10 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv
-    impl, IMPL = _select(choice)
-    sendv, recvv = impl.sendv, impl.recvv
+    global IMPL, sendv, recvv, vm_readv, vm_writev
+    (io, cma), IMPL = _select(choice)
+    sendv, recvv = io.sendv, io.recvv
+    vm_readv, vm_writev = cma.vm_readv, cma.vm_writev
     return IMPL
 
 

@@ -27,15 +27,18 @@ def test_native_data_path_under_asan(tmp_path):
                    capture_output=True)
     site = tmp_path / "site"
     shutil.copytree(ROOT / "kvx", site / "kvx", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    (so,) = (build / "lib" / "kvx").glob("_native*.so")
-    shutil.copy(so, site / "kvx" / so.name)
+    built = sorted((build / "lib" / "kvx").glob("_*.so"))
+    assert {so.name.split(".")[0] for so in built} == {"_native", "_cma"}
+    for so in built:
+        shutil.copy(so, site / "kvx" / so.name)
     env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", LD_PRELOAD=libasan,
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
-    check = subprocess.run([sys.executable, "-c", "import kvx, kvx._native as n; print(n.__file__)"],
+    check = subprocess.run([sys.executable, "-c", "import kvx, kvx._native as n, kvx._cma; print(n.__file__)"],
                            env=env, capture_output=True, text=True, cwd=tmp_path)
     assert check.stdout.strip().startswith(str(site)), check.stderr
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-         str(ROOT / "tests/unit/test_io.py"), str(ROOT / "tests/integration/test_transfer.py")],
+         str(ROOT / "tests/unit/test_io.py"), str(ROOT / "tests/unit/test_cma.py"),
+         str(ROOT / "tests/integration/test_transfer.py")],
         env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert result.returncode == 0 and "AddressSanitizer" not in result.stderr, result.stdout[-3000:] + result.stderr[-3000:]

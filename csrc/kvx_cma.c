@@ -1,0 +1,179 @@
+/*
+ * kvx._cma: cross-memory attach for same-host peers (the shm backend).
+ *
+ * Byte work only: the caller has validated every range against the peer's
+ * registered regions and checked that the peer process is the one it
+ * authenticated. Moves bytes between this process and another with
+ * process_vm_readv/process_vm_writev, both iovec lists batched by IOV_MAX,
+ * partial transfers resumed, with the GIL released.
+ *
+ *   vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
+ *   vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
+ *
+ * The four arguments are C-contiguous uint64 buffers; the local and remote
+ * lists may be cut differently but must cover the same number of bytes.
+ * Errors raise OSError with errno (EPERM: not allowed to access that
+ * process; ESRCH: no such process; EFAULT: a range is not mapped there).
+ *
+ * The pure-Python twin is kvx/_cma_py.py; tests run both.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+struct cursor {
+    const uint64_t *addr;
+    const uint64_t *len;
+    size_t count;
+    size_t at;     /* current entry */
+    size_t offset; /* bytes of it already moved */
+};
+
+/* Fill up to IOV_MAX iovecs from the cursor, without consuming them. */
+static size_t fill(const struct cursor *c, struct iovec *iov)
+{
+    size_t n = 0;
+    for (size_t i = c->at; i < c->count && n < IOV_MAX; i++) {
+        size_t skip = (i == c->at) ? c->offset : 0;
+        if (c->len[i] - skip == 0)
+            continue;
+        iov[n].iov_base = (void *)(uintptr_t)(c->addr[i] + skip);
+        iov[n].iov_len = (size_t)(c->len[i] - skip);
+        n++;
+    }
+    return n;
+}
+
+static void advance(struct cursor *c, size_t bytes)
+{
+    while (bytes > 0 && c->at < c->count) {
+        size_t left = (size_t)c->len[c->at] - c->offset;
+        if (bytes < left) {
+            c->offset += bytes;
+            return;
+        }
+        bytes -= left;
+        c->at++;
+        c->offset = 0;
+    }
+    while (c->at < c->count && c->len[c->at] == c->offset) {
+        c->at++;
+        c->offset = 0;
+    }
+}
+
+static int total(const uint64_t *len, size_t count, uint64_t *out)
+{
+    uint64_t sum = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (len[i] > UINT64_MAX - sum)
+            return -1;
+        sum += len[i];
+    }
+    *out = sum;
+    return 0;
+}
+
+static PyObject *cma(PyObject *args, int writing)
+{
+    int pid;
+    Py_buffer la, ll, ra, rl;
+    if (!PyArg_ParseTuple(args, writing ? "iy*y*y*y*:vm_writev" : "iy*y*y*y*:vm_readv", &pid, &la, &ll,
+                          &ra, &rl))
+        return NULL;
+    PyObject *result = NULL;
+    struct iovec *liov = NULL, *riov = NULL;
+    if (la.len % 8 || ll.len != la.len || ra.len % 8 || rl.len != ra.len) {
+        PyErr_SetString(PyExc_ValueError, "addresses and lengths must be uint64 buffers of equal length");
+        goto out;
+    }
+    struct cursor local = {la.buf, ll.buf, (size_t)la.len / 8, 0, 0};
+    struct cursor remote = {ra.buf, rl.buf, (size_t)ra.len / 8, 0, 0};
+    uint64_t lt, rt;
+    if (total(local.len, local.count, &lt) || total(remote.len, remote.count, &rt) || lt != rt) {
+        PyErr_SetString(PyExc_ValueError, "local and remote ranges must cover the same number of bytes");
+        goto out;
+    }
+    liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    if (liov == NULL || riov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t moved = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (moved < lt) {
+        size_t ln = fill(&local, liov), rn = fill(&remote, riov);
+        ssize_t n = writing ? process_vm_writev(pid, liov, ln, riov, rn, 0)
+                            : process_vm_readv(pid, liov, ln, riov, rn, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (n == 0) { /* no progress: the next range is not accessible */
+            err = EFAULT;
+            break;
+        }
+        moved += (uint64_t)n;
+        advance(&local, (size_t)n);
+        advance(&remote, (size_t)n);
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyMem_RawFree(liov);
+    PyMem_RawFree(riov);
+    PyBuffer_Release(&la);
+    PyBuffer_Release(&ll);
+    PyBuffer_Release(&ra);
+    PyBuffer_Release(&rl);
+    return result;
+}
+
+static PyObject *kvx_vm_readv(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return cma(args, 0);
+}
+
+static PyObject *kvx_vm_writev(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return cma(args, 1);
+}
+
+static PyMethodDef methods[] = {
+    {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
+    {"vm_writev", kvx_vm_writev, METH_VARARGS,
+     "vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvx._cma", "Cross-memory attach for same-host kvx peers.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cma(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,75 @@
+"""Pure-Python twin of kvx._cma (csrc/kvx_cma.c), through ctypes.
+
+Same functions, same errors; one Python object per range. Tests run both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from kvx._io_py import IOV_MAX
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+for _name in ("process_vm_readv", "process_vm_writev"):
+    _fn = getattr(_libc, _name)
+    _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                    ctypes.c_ulong, ctypes.c_ulong]
+    _fn.restype = ctypes.c_ssize_t
+
+
+def _pairs(addrs, lens) -> list[list[int]]:
+    a, b = memoryview(addrs), memoryview(lens)
+    if a.itemsize != 8 or b.itemsize != 8 or a.nbytes != b.nbytes:
+        raise ValueError("addresses and lengths must be uint64 buffers of equal length")
+    return [[x, n] for x, n in zip(a.cast("B").cast("Q").tolist(), b.cast("B").cast("Q").tolist()) if n]
+
+
+def _batch(ranges: list[list[int]]):
+    n = min(len(ranges), IOV_MAX)
+    return (_Iovec * n)(*[(x, n_) for x, n_ in ranges[:n]]), n
+
+
+def _advance(ranges: list[list[int]], moved: int) -> None:
+    while moved and ranges:
+        if moved < ranges[0][1]:
+            ranges[0][0] += moved
+            ranges[0][1] -= moved
+            return
+        moved -= ranges.pop(0)[1]
+
+
+def _move(fn, pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> None:
+    local, remote = _pairs(local_addrs, local_lens), _pairs(remote_addrs, remote_lens)
+    if sum(n for _, n in local) != sum(n for _, n in remote):
+        raise ValueError("local and remote ranges must cover the same number of bytes")
+    while local:
+        liov, ln = _batch(local)
+        riov, rn = _batch(remote)
+        n = fn(pid, liov, ln, riov, rn, 0)
+        if n < 0:
+            err = ctypes.get_errno()
+            if err == 4:  # EINTR
+                continue
+            raise OSError(err, os.strerror(err))
+        if n == 0:
+            raise OSError(14, os.strerror(14))  # EFAULT: no progress
+        _advance(local, n)
+        _advance(remote, n)
+
+
+def vm_readv(pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> None:
+    """Copy the remote ranges of process ``pid`` into the local ranges."""
+    _move(_libc.process_vm_readv, pid, local_addrs, local_lens, remote_addrs, remote_lens)
+
+
+def vm_writev(pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> None:
+    """Copy the local ranges into the remote ranges of process ``pid``."""
+    _move(_libc.process_vm_writev, pid, local_addrs, local_lens, remote_addrs, remote_lens)
