@@ -26,7 +26,7 @@ from kvx.backends.base import Channel
 from kvx.backends.tcp import TcpBackend
 from kvx.config import Limits, Timeouts, check_name
 from kvx.descs import Descs
-from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
+from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError, MetadataError,
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
@@ -185,7 +185,11 @@ class Agent:
         self._check_open()
         region = self._regions.add(obj, remote_access=remote_access)
         if self._directory is not None and remote_access:
-            self._directory.regions_changed()
+            try:
+                self._directory.regions_changed()
+            except MetadataError:
+                self._regions.remove(region, 0)  # refused (say, too many regions): not registered
+                raise
         return region
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import grpc
 
 from kvx.config import read_file
-from kvx.errors import ConnectError, MetadataError
+from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class MetadataClient:
         self.target = target
         self.options = options or MetadataOptions()
         opts = self.options
+        if bool(opts.tls_cert) != bool(opts.tls_key):
+            raise ConfigError("MetadataOptions: tls_cert and tls_key go together")
         if opts.tls_ca or opts.tls_cert:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=read_file(opts.tls_ca) if opts.tls_ca else None,
@@ -137,7 +139,12 @@ class Registration:
         self._thread.start()
 
     def update(self) -> None:
-        """Publish the record again now (regions changed). Failures are retried in the background."""
+        """Publish the record again now (regions changed). Raises MetadataError
+        when the service refuses the record; while the service is unreachable
+        the background thread publishes it once it is back, without blocking here."""
+        if self.lease_id is None:  # unreachable, or re-registering already: the thread will publish
+            self._restart_stream()
+            return
         try:
             self._register()
         except ConnectError as exc:

@@ -39,6 +39,7 @@ class Directory:
         self.registration = Registration(self.client, self.record)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
+        self._seen_revision: dict[str, int] = {}  # name -> store revision of its newest event
         self._stale: set[str] = set()
         self._watcher: Watcher | None = None
 
@@ -64,14 +65,19 @@ class Directory:
             fresh = name not in self._stale and (cached is None or self._known.get(name, cached.epoch) == cached.epoch)
         if cached is not None and cached.alive and fresh:
             return cached
-        record = self.client.get(name)
-        if record is None:
-            raise ConnectError(f"no agent named {name!r} is registered with the metadata service "
-                               f"at {self.client.target}")
-        with self._lock:
-            self._stale.discard(name)
-            self._known[name] = record.epoch
-        return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
+        for _ in range(5):
+            record = self.client.get(name)
+            if record is None:
+                raise ConnectError(f"no agent named {name!r} is registered with the metadata service "
+                                   f"at {self.client.target}")
+            with self._lock:
+                # A watch event newer than this answer means the answer is already old: ask again.
+                if self._seen_revision.get(name, 0) > record.revision:
+                    continue
+                self._stale.discard(name)
+                self._known[name] = record.epoch
+            return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
+        raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
     def _ensure_watch(self) -> None:
         with self._lock:
@@ -88,6 +94,7 @@ class Directory:
         name, epoch = event.record.name, event.record.epoch
         with self._lock:
             self._stale.add(name)  # regions may have changed, or the agent is gone
+            self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             if event.type == _PUT:
                 self._known[name] = epoch
         if event.type == _PUT:

@@ -432,12 +432,15 @@ class _Renewals:
     async def _read(self, call, queue: asyncio.Queue) -> None:
         try:
             async for reply in call:
-                waiters = self._waiters.get(int(reply.ID))
+                lease_id = int(reply.ID)
+                waiters = self._waiters.get(lease_id)
                 while waiters:
                     future = waiters.popleft()
                     if not future.done():  # a renewal that timed out was cancelled
                         future.set_result(max(int(reply.TTL), 0))
                         break
+                if waiters is not None and not waiters:
+                    del self._waiters[lease_id]
             error: BaseException = StoreError("etcd ended the lease keep-alive stream")
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter
             error = exc

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hmac
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
-from kvx.metadata.store import MemoryStore, Store, StoreError, WatchLagError
+from kvx.metadata.store import EventType, MemoryStore, Store, StoreError, WatchLagError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self.limits = limits
         self.metrics = metrics
         self._token = token
+        self._background: set[asyncio.Future] = set()
 
     # Plumbing: auth, timing, error translation.
 
@@ -103,7 +105,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         if self._token is None:
             return
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if sent != f"Bearer {self._token}":
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
                            "missing or wrong token: send 'authorization: Bearer <token>' metadata")
 
@@ -136,12 +138,30 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 await self.store.revoke_lease(lease_id)
                 continue
             if current is not None and current.lease_id and current.lease_id != lease_id:
-                await self.store.revoke_lease(current.lease_id)  # holds no record any more
+                # The old lease holds no record any more; revoking it tells a replaced
+                # instance (its keep-alives get ttl 0). Retried until it goes through.
+                self._revoke_later(current.lease_id)
             self.metrics.registrations.inc()
             logger.info("registered %s epoch %#x role %s lease %#x", record.name, record.epoch,
                         metadata_pb2.Role.Name(record.role), lease_id)
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise _Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
+
+    def _revoke_later(self, lease_id: int) -> None:
+        async def revoke() -> None:
+            for attempt in range(120):
+                try:
+                    await self.store.revoke_lease(lease_id)
+                    return
+                except StoreError as exc:
+                    if attempt == 0:
+                        logger.warning("could not revoke replaced lease %#x yet: %s", lease_id, exc)
+                    await asyncio.sleep(1.0)
+            logger.error("gave up revoking replaced lease %#x; it expires unless renewed", lease_id)
+
+        task = asyncio.ensure_future(revoke())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _validate(self, record: metadata_pb2.AgentRecord) -> None:
         bad = lambda msg: _Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
@@ -232,13 +252,20 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             self._authorize(context)
         except _Refused as refused:
             await context.abort(refused.code, str(refused))
-        types = {"put": Event.EVENT_TYPE_PUT, "delete": Event.EVENT_TYPE_DELETE,
-                 "synced": Event.EVENT_TYPE_SYNCED}
+        sent: set[str] = set()  # names this stream has shown as present
         try:
             async for event in self.store.watch():
-                if event.record is not None and not _matches(event.record, request.role, request.labels):
+                if event.type is EventType.SYNCED:
+                    yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision)
                     continue
-                yield Event(type=types[event.type.value], record=event.record, revision=event.revision)
+                name = event.record.name
+                if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
+                    sent.add(name)
+                    yield Event(type=Event.EVENT_TYPE_PUT, record=event.record, revision=event.revision)
+                elif name in sent:
+                    # Gone, or no longer matching the filter: either way it leaves this view.
+                    sent.discard(name)
+                    yield Event(type=Event.EVENT_TYPE_DELETE, record=event.record, revision=event.revision)
         except WatchLagError as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"{exc}; watch again")
         except StoreError as exc:

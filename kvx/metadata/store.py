@@ -16,8 +16,8 @@ import abc
 import asyncio
 import dataclasses
 import enum
-import itertools
 import logging
+import secrets
 import time
 from typing import AsyncIterator
 
@@ -101,8 +101,11 @@ class Store(abc.ABC):
     def watch(self) -> AsyncIterator[Event]:
         """A PUT per current record, one SYNCED, then every change in order.
 
-        Raises WatchLagError if the consumer falls too far behind, StoreError
-        if the store goes away; the caller watches again to resynchronise.
+        Raises StoreError if the store goes away, or WatchLagError if the
+        store cannot keep a slow consumer's place (the memory store cuts off
+        a watcher WATCH_QUEUE_MAX events behind; etcd slows the stream down
+        instead, and only fails after a compaction); the caller watches again
+        to resynchronise. Revisions only grow: compare them, do not count them.
         """
 
 
@@ -125,7 +128,6 @@ class MemoryStore(Store):
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
         self._records: dict[str, AgentRecord] = {}
         self._leases: dict[int, _Lease] = {}
-        self._lease_ids = itertools.count(0x6B7600000001)
         self._revision = 0
         self._watchers: set[asyncio.Queue] = set()
         self._expiry_interval_s = expiry_interval_s
@@ -149,7 +151,10 @@ class MemoryStore(Store):
         return True
 
     async def grant_lease(self, ttl_s: int) -> int:
-        lease_id = next(self._lease_ids)
+        # Random, not counted: after a restart no old lease id names a new lease.
+        lease_id = secrets.randbits(62) | 1
+        while lease_id in self._leases:
+            lease_id = secrets.randbits(62) | 1
         self._leases[lease_id] = _Lease(ttl_s, time.monotonic() + ttl_s)
         return lease_id
 

@@ -287,3 +287,69 @@ def test_service_limits_are_configurable():
             rec.metadata.regions.add(id=i + 1, size_bytes=1)
         code, _ = _code(lambda: _stub(srv.address).RegisterAgent(metadata_pb2.RegisterAgentRequest(record=rec)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# Regressions from review.
+
+def test_filtered_watch_sees_a_record_leave_its_view(service):
+    stub = _stub(service.address)
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=1, started=1, model="x")))
+    stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(labels={"model": "x"}), timeout=10)
+    assert [next(stream).type, next(stream).type] == [Event.EVENT_TYPE_PUT, Event.EVENT_TYPE_SYNCED]
+    # "a" restarts with another model: for this watcher it is gone.
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=2, started=2, model="y")))
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("b", epoch=1, started=1, model="x")))
+    event = next(stream)
+    assert (event.type, event.record.name) == (Event.EVENT_TYPE_DELETE, "a")
+    event = next(stream)
+    assert (event.type, event.record.name) == (Event.EVENT_TYPE_PUT, "b")
+    stream.cancel()
+
+
+def test_lease_ids_are_not_reused_after_a_restart():
+    server = ThreadedServer(MetadataServer("127.0.0.1:0"))
+    address = server.address
+    old = MetadataClient(address).register(_record("x"), ttl_s=30).lease_id
+    server.stop()
+    server = ThreadedServer(MetadataServer(address))
+    try:
+        MetadataClient(address).register(_record("y"), ttl_s=30)
+        reply = next(_stub(address).KeepAlive(iter([metadata_pb2.KeepAliveRequest(lease_id=old)]), timeout=5))
+        assert reply.ttl_s == 0  # the old id names nothing on the new service
+    finally:
+        server.stop()
+
+
+def test_a_registration_the_service_refuses_is_rolled_back():
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=ServiceLimits(max_regions=1))) as srv:
+        with kvx.Agent("small", metadata=srv.address) as agent:
+            agent.register(np.zeros(64, np.uint8))
+            with pytest.raises(kvx.MetadataError, match="at most 1"):
+                agent.register(np.zeros(64, np.uint8))
+            assert len(agent.regions) == 1
+            assert len(MetadataClient(srv.address).get("small").metadata.regions) == 1
+
+
+def test_registering_memory_does_not_block_while_the_service_is_down():
+    server = ThreadedServer(MetadataServer("127.0.0.1:0"))
+    address = server.address
+    with kvx.Agent("patient", metadata=address, metadata_options=kvx.MetadataOptions(lease_ttl_s=3)) as agent:
+        server.stop()
+        assert _until(lambda: agent._directory.registration.lease_id is None, 10)
+        start = time.monotonic()
+        agent.register(np.zeros(64, np.uint8))
+        assert time.monotonic() - start < 0.5
+        server = ThreadedServer(MetadataServer(address))
+        try:
+            def published():
+                record = MetadataClient(address).get("patient")
+                return record is not None and len(record.metadata.regions) == 1
+
+            assert _until(published, 10)
+        finally:
+            server.stop()
+
+
+def test_tls_key_without_certificate_is_a_config_error():
+    with pytest.raises(kvx.ConfigError, match="go together"):
+        MetadataClient("127.0.0.1:1", kvx.MetadataOptions(tls_key="/tmp/key.pem"))
