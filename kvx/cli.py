@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="move KV blocks between a prefill and a decode agent and verify them",
-                          description="Starts a prefill agent (child process) and a decode agent (this "
-                          "process), fills prefill's KV pool with known bytes, READs a request's blocks "
-                          "with a notification, WRITEs a few back, and verifies every byte.")
+                          description="Starts a metadata service (in-process, memory store), a prefill "
+                          "agent (child process) and a decode agent (this process); both register, decode "
+                          "finds prefill by name, READs a request's blocks from prefill's KV pool (filled "
+                          "with known bytes) with a notification, WRITEs a few back, and verifies every byte.")
     demo.add_argument("--layers", type=_positive, default=8, help="KV layers (default: 8)")
     demo.add_argument("--num-blocks", type=_positive, default=256, help="blocks per layer and pool (default: 256)")
     demo.add_argument("--block-size", type=_size, default=_size("16KiB"), help="bytes per block (default: 16KiB)")

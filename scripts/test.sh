@@ -7,10 +7,19 @@ cd "$(dirname "$0")/.."
 # The etcd metadata-store tests need a real etcd (Debian package etcd-server: /usr/bin/etcd).
 if ! command -v etcd >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq </dev/null
-    apt-get install -y -qq --no-install-recommends etcd-server </dev/null
+    if [ "$(id -u)" -eq 0 ]; then
+        as_root=()
+    elif sudo -n true 2>/dev/null; then
+        as_root=(sudo -n)
+    else
+        echo "scripts/test.sh: the tests need etcd (Debian package etcd-server) and this user cannot" \
+             "install it; run: apt-get install etcd-server (as root), then this script again" >&2
+        exit 1
+    fi
+    "${as_root[@]}" apt-get update -qq </dev/null
+    "${as_root[@]}" apt-get install -y -qq --no-install-recommends etcd-server </dev/null
     # The package may start a system etcd on the default ports; the tests start their own.
-    systemctl disable --now etcd >/dev/null 2>&1 || true
+    "${as_root[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]' </dev/null
 export PYTHONUNBUFFERED=1
