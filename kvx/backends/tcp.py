@@ -270,15 +270,18 @@ class _Part:
 
     __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error")
 
-    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int,
-                 sends_data: bool = False) -> None:
+    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int) -> None:
         self.transfer = transfer
         self.op = op
         self.addrs = addrs  # READ: where the response lands; WRITE: what is sent
         self.lens = lens
         self.nbytes = nbytes
-        self.holds = 2 if sends_data else 1
+        self.holds = 2 if self.sends_data else 1
         self.error: KvxError | None = None
+
+    @property
+    def sends_data(self) -> bool:
+        return self.op == MsgType.WRITE_REQ
 
 
 def _translate(exc: BaseException, peer: str, io_s: float) -> KvxError:
@@ -337,7 +340,6 @@ class _Connection:
 
     def submit(self, part: _Part, prefix: bytes, request_id: int) -> None:
         """Send one request now if the socket is free, else queue it."""
-        sends_data = part.holds == 2
         with self.lock:
             if self.error is not None:
                 error = self.error
@@ -345,7 +347,7 @@ class _Connection:
                 error = None
                 self.pending[request_id] = part
                 self.last_progress = time.monotonic()
-                inline = (not self.queue and not (sends_data and part.nbytes > INLINE_SEND_BYTES)
+                inline = (not self.queue and not (part.sends_data and part.nbytes > INLINE_SEND_BYTES)
                           and self.send_lock.acquire(blocking=False))
                 if not inline:
                     self.queue.append((part, prefix))
@@ -363,7 +365,7 @@ class _Connection:
 
     def _send_locked(self, part: _Part, prefix: bytes) -> None:
         """Send with send_lock held (released here); then release the send hold."""
-        sends_data = part.holds == 2 and part.op == MsgType.WRITE_REQ
+        sends_data = part.sends_data
         error = None
         try:
             try:
@@ -414,7 +416,7 @@ class _Connection:
         for part in failed:
             self._release(part, _again(error))
         for part, _ in queued:
-            if part.holds == 2 and part.op == MsgType.WRITE_REQ:
+            if part.sends_data:
                 self._release(part, _again(error))  # its data was never sent
         if self.on_break is not None:
             self.on_break(error)
@@ -581,8 +583,7 @@ class TcpChannel(Channel):
                 extra = notify if attach_notify else b""
                 prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
                                     aux=len(extra), data_len=nbytes) + payload + extra
-                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, sends_data=True),
-                            prefix, request_id)
+                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes), prefix, request_id)
 
 
 def plan_cuts(remote: np.ndarray, total: int, max_bytes: int, max_descs: int, streams: int) -> np.ndarray:

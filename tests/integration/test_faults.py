@@ -506,3 +506,20 @@ def test_zero_byte_transfers_are_refused(make_worker, make_agent):
     peer = agent.add_peer(worker.metadata)
     with pytest.raises(kvx.ConfigError, match="0 bytes"):
         peer.read(region.descs([0, 1], 0), peer.regions[0].descs([0, 1], 0))
+
+
+def test_queued_writes_fail_when_the_peer_dies(make_worker, make_agent):
+    # Large writes queue behind each other for the sender thread; a peer that
+    # dies must fail the queued ones too, not leave them pending.
+    size = 8 << 20
+    worker = make_worker(pool_bytes=size)
+    agent = make_agent(timeouts=kvx.Timeouts(io_s=5))
+    region = agent.register(np.zeros(size, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    worker.freeze()
+    writes = [peer.write(region.descs(0, size), peer.regions[0].descs(0, size)) for _ in range(4)]
+    time.sleep(0.2)
+    worker.kill()
+    for t in writes:
+        with pytest.raises(kvx.PeerLostError):
+            t.wait(5)
