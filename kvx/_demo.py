@@ -1,4 +1,4 @@
-"""``kvx demo``: a prefill and a decode agent in two processes, one real transfer."""
+"""``kvx demo``: a metadata service, a prefill and a decode agent (two processes), one real transfer."""
 
 from __future__ import annotations
 

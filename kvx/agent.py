@@ -25,7 +25,7 @@ from kvx.backends._sock import is_loopback, parse_address
 from kvx.backends.base import Channel
 from kvx.backends.tcp import TcpBackend
 from kvx.config import Limits, Timeouts, check_name
-from kvx.descs import Descs
+from kvx.descs import Descs, total_bytes
 from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError, MetadataError,
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
 from kvx.metadata.client import MetadataOptions
@@ -207,6 +207,10 @@ class Agent:
 
     def metadata(self) -> bytes:
         """This agent's metadata (kvx.v1.AgentMetadata) for its peers."""
+        return self.metadata_message().SerializeToString()
+
+    def metadata_message(self) -> agent_pb2.AgentMetadata:
+        """The same, as the protobuf message (for embedding in other messages)."""
         md = agent_pb2.AgentMetadata(
             protocol_version=_wire.PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
             host_name=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
@@ -217,7 +221,7 @@ class Agent:
                 md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
                                device=r.device, address=r.address, remote_read=r.remote_read,
                                remote_write=r.remote_write)
-        return md.SerializeToString()
+        return md
 
     def add_peer(self, metadata: bytes, *, streams: int | None = None) -> Peer:
         """Connect to the agent that ``metadata`` describes.
@@ -322,12 +326,6 @@ class Agent:
             self._notifications.append(note)
             self._notify_cv.notify_all()
             return True
-
-
-def _total(descs: np.ndarray) -> int:
-    if len(descs) <= 16:
-        return sum(descs["length"].tolist())
-    return int(descs["length"].sum(dtype=np.uint64))
 
 
 def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
@@ -444,7 +442,7 @@ class Peer:
         addrs, lens, total, token = self.agent._regions.resolve(
             local_a, LOCAL_WRITE if op is Op.READ else 0, "local destination" if op is Op.READ else "local source")
         try:
-            remote_total = _total(remote_a)
+            remote_total = total_bytes(remote_a)
             if remote_total != total:
                 raise ConfigError(f"local descriptors cover {total} bytes, remote ones {remote_total}")
             if total == 0:

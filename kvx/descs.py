@@ -20,6 +20,14 @@ from kvx.errors import ConfigError
 DESC_DTYPE = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")], align=True)
 
 
+def total_bytes(descs: np.ndarray) -> int:
+    """Bytes a descriptor array covers. Short lists (the latency path) are
+    summed in Python: a numpy reduction costs more than the few additions."""
+    if len(descs) <= 16:
+        return sum(descs["length"].tolist())
+    return int(descs["length"].sum(dtype=np.uint64))
+
+
 def _region_id(region: Any) -> Any:
     """Accept an int id, anything with an ``id`` (Region, RemoteRegion), or an id array."""
     rid = getattr(region, "id", region)
@@ -125,7 +133,7 @@ class Descs:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.array["length"].sum(dtype=np.uint64))
+        return total_bytes(self.array)
 
     def __len__(self) -> int:
         return len(self.array)

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Generator
 
-from kvx.errors import KvxError, TimeoutError
+from kvx.errors import TimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +142,6 @@ class Transfer:
         if hook is not None:
             hook(self)  # posts one more part, which calls _part_finished once
             return
-        self._finish()
-
-    def _fail_now(self, error: KvxError) -> None:
-        """Fail a transfer whose parts were never posted."""
-        with self._lock:
-            self._error = error
-            self._parts_left = 0
         self._finish()
 
     def _finish(self) -> None:

@@ -35,20 +35,16 @@ def is_loopback(host: str) -> bool:
 
 
 def tune(sock: socket.socket, timeout_s: float) -> None:
+    # A Python timeout makes the descriptor non-blocking; the C data path
+    # then waits in poll() on EAGAIN. Measured: blocking sockets with
+    # SO_RCVTIMEO/SO_SNDTIMEO moved bulk transfers at 0.75-0.82 of the raw
+    # socket limit against 0.91-1.0 in this mode (benchmarks/RESULTS.md).
     sock.settimeout(timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-
-
-def set_timeout(sock: socket.socket, timeout_s: float) -> None:
-    # Non-blocking descriptor, Python keeps the timeout; the C data path
-    # waits in poll() on EAGAIN. Measured: blocking sockets with
-    # SO_RCVTIMEO/SO_SNDTIMEO moved bulk transfers at 0.75-0.82 of the raw
-    # socket limit against 0.91-1.0 in this mode (benchmarks/RESULTS.md).
-    sock.settimeout(timeout_s)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:

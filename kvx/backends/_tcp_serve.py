@@ -24,8 +24,8 @@ import numpy as np
 
 from kvx import _io, _wire
 from kvx._wire import ErrorCode, MsgType
-from kvx.backends._sock import check_header, drain, recv_exact, recv_header, set_timeout
-from kvx.descs import DESC_DTYPE
+from kvx.backends._sock import check_header, drain, recv_exact, recv_header
+from kvx.descs import DESC_DTYPE, total_bytes
 from kvx.config import check_name
 from kvx.errors import (AccessError, ConfigError, AuthError, EpochError, KvxError, LimitError, PeerLostError,
                         ProtocolError, TimeoutError, VersionError)
@@ -172,7 +172,7 @@ class InboundConnection:
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
         self.peer_name = hello.name
         self.authenticated = True
-        set_timeout(self.sock, agent.timeouts.io_s)
+        self.sock.settimeout(agent.timeouts.io_s)
         logger.debug("peer %s (epoch %#x) connected from %s", hello.name, hello.epoch, self.address)
 
     # Requests.
@@ -244,7 +244,7 @@ class InboundConnection:
         self._check_size(request_id, data_len)
         descs = self._recv_descs(request_id, payload_len - notify_len)
         notify = bytes(recv_exact(self.sock, notify_len)) if notify_len else None
-        total = int(descs["length"].sum(dtype=np.uint64))
+        total = total_bytes(descs)
         if total != data_len:
             raise _Fatal(ProtocolError(f"WRITE_REQ announces {data_len} bytes but its descriptors "
                                        f"cover {total}"), request_id)

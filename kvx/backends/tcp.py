@@ -33,7 +33,7 @@ import numpy as np
 from kvx import _io, _wire
 from kvx._wire import ErrorCode, MsgType
 from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, recv_header,
-                                set_timeout, tune)
+                                tune)
 from kvx.backends._tcp_serve import InboundConnection
 from kvx.backends.base import Backend, Channel
 from kvx.descs import DESC_DTYPE, Descs
@@ -92,7 +92,6 @@ class TcpBackend(Backend):
         self._endpoint = format_address(advertise_host or host, bound_port)
         self._lock = threading.Lock()
         self._inbound: set[InboundConnection] = set()
-        self._channels: set[TcpChannel] = set()
         self._conns: set[_Connection] = set()  # initiator connections until their reader ends
         self._closed = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{agent.name}",
@@ -154,15 +153,10 @@ class TcpBackend(Backend):
             raise
         channel = TcpChannel(self, target_name, conns, *limits)
         with self._lock:
-            self._channels.add(channel)
             self._conns.update(conns)
         for conn in conns:
             conn.start()
         return channel
-
-    def _channel_closed(self, channel: TcpChannel) -> None:
-        with self._lock:
-            self._channels.discard(channel)
 
     def _connection_closed(self, conn: _Connection) -> None:
         with self._lock:
@@ -171,14 +165,12 @@ class TcpBackend(Backend):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            inbound, channels, conns = list(self._inbound), list(self._channels), list(self._conns)
+            inbound, conns = list(self._inbound), list(self._conns)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._listener.close()
-        for channel in channels:
-            channel.close()
         for conn in inbound:
             conn.shutdown()
         deadline = time.monotonic() + self.agent.timeouts.close_s
@@ -231,7 +223,7 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         _handshake_reply(sock, MsgType.AUTH_OK, target_name, deadline)
         if reply.max_message_bytes <= 0 or reply.max_descs_per_message <= 0:
             raise ProtocolError(f"peer {target_name!r} announced invalid limits")
-        set_timeout(sock, agent.timeouts.io_s)
+        sock.settimeout(agent.timeouts.io_s)
         return sock, (reply.max_message_bytes, reply.max_descs_per_message)
     except KvxError:
         sock.close()
@@ -526,7 +518,6 @@ class TcpChannel(Channel):
         self._error = error
         for conn in self.conns:
             conn.shutdown(error)
-        self.backend._channel_closed(self)
 
     def close(self) -> None:
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))

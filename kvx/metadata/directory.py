@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvx.errors import ConfigError, ConnectError
 from kvx.metadata.client import ROLES, MetadataClient, MetadataOptions, Registration, Watcher
-from kvx.v1 import agent_pb2, metadata_pb2
+from kvx.v1 import metadata_pb2
 
 if TYPE_CHECKING:
     from kvx.agent import Agent, Peer
@@ -51,9 +51,9 @@ class Directory:
             raise
 
     def record(self) -> metadata_pb2.AgentRecord:
-        md = agent_pb2.AgentMetadata.FromString(self.agent.metadata())
         return metadata_pb2.AgentRecord(name=self.agent.name, epoch=self.agent.epoch, role=self.role,
-                                        labels=self.labels, metadata=md, engine_info=self.engine_info,
+                                        labels=self.labels, metadata=self.agent.metadata_message(),
+                                        engine_info=self.engine_info,
                                         started_unix_ms=self.started_unix_ms)
 
     def regions_changed(self) -> None:
