@@ -199,6 +199,12 @@ class Agent:
         if self._directory is not None:
             self._directory.regions_changed()
 
+    def update_engine_info(self, info: dict[str, str]) -> None:
+        """Add to the engine facts published in the metadata service (no-op without one)."""
+        if self._directory is not None:
+            self._directory.engine_info.update(info)
+            self._directory.regions_changed()
+
     @property
     def regions(self) -> list[Region]:
         return self._regions.regions()

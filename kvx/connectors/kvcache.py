@@ -1,0 +1,188 @@
+"""Paged KV caches as kvx sees them: block geometry and tensor-parallel plans.
+
+An engine rank holds, per attention layer, a paged cache of ``num_blocks``
+blocks. kvx describes one block of one layer as ``planes x heads`` *units*
+(planes: K and V, or 1 for MLA; heads: this rank's KV heads), each unit
+``unit_bytes`` long at a fixed offset from the block's start. With a
+head-major block interior (vLLM's ``LBHNC``/HND) a unit is one head's tokens
+of one plane, so a decode rank whose tensor-parallel size differs from
+prefill's reads exactly its own heads from the prefill rank that holds them.
+
+Everything here is plain numbers and numpy: the connectors fill it in from
+their engine's tensors, and the tests check the plans byte for byte with
+agents standing in for ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvx.descs import DESC_DTYPE, Descs
+from kvx.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGeometry:
+    """Where one layer's blocks live inside a registered region."""
+
+    region: int                     # region id (the owner's)
+    base_offset: int                # bytes from the region start to block 0
+    block_stride: int               # bytes from one block to the next
+    unit_offsets: tuple[int, ...]   # bytes from a block's start to each unit, plane-major
+    unit_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"unit_offsets": list(self.unit_offsets)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LayerGeometry:
+        try:
+            return cls(int(d["region"]), int(d["base_offset"]), int(d["block_stride"]),
+                       tuple(int(x) for x in d["unit_offsets"]), int(d["unit_bytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed layer geometry {d!r}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCache:
+    """One rank's whole cache: its layers (in model order), heads and planes."""
+
+    layers: tuple[LayerGeometry, ...]
+    num_blocks: int
+    num_heads: int     # KV heads on this rank
+    planes: int        # 2 (K and V) or 1 (MLA)
+
+    def __post_init__(self) -> None:
+        for layer in self.layers:
+            if len(layer.unit_offsets) != self.planes * self.num_heads:
+                raise ConfigError(f"a layer has {len(layer.unit_offsets)} units, expected "
+                                  f"{self.planes} planes x {self.num_heads} heads")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": [g.to_json() for g in self.layers], "num_blocks": self.num_blocks,
+                "num_heads": self.num_heads, "planes": self.planes}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankCache:
+        try:
+            return cls(tuple(LayerGeometry.from_json(g) for g in d["layers"]), int(d["num_blocks"]),
+                       int(d["num_heads"]), int(d["planes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed cache description: {exc}") from None
+
+
+def contiguous_runs(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
+    """(offset, length) runs, in elements and memory order, that cover a strided view."""
+    dims = sorted(((s, st) for s, st in zip(shape, strides) if s != 1), key=lambda d: -d[1])
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    if not dims:
+        return [(0, run)]
+    outer = [range(0, s * st, st) for s, st in dims]
+    return sorted((sum(offs), run) for offs in itertools.product(*outer))
+
+
+def layer_geometry(shape: Sequence[int], strides: Sequence[int], elem_bytes: int, offset_bytes: int,
+                   region: int, num_blocks: int, num_heads: int, unit_elems: int) -> LayerGeometry:
+    """The geometry of one layer tensor (shape and strides in elements).
+
+    The block dimension is the one of size ``num_blocks`` with the largest
+    stride; the rest of the tensor, one block's worth, is cut into units of
+    ``unit_elems`` elements (block_size x head_size) in memory order.
+    """
+    candidates = [i for i, s in enumerate(shape) if s == num_blocks]
+    if not candidates:
+        raise ConfigError(f"no dimension of the KV cache {tuple(shape)} has num_blocks={num_blocks} entries")
+    bdim = max(candidates, key=lambda i: strides[i])
+    rest_shape = [s for i, s in enumerate(shape) if i != bdim]
+    rest_strides = [st for i, st in enumerate(strides) if i != bdim]
+    runs = contiguous_runs(rest_shape, rest_strides)
+    units: list[int] = []
+    for off, length in runs:
+        if length % unit_elems:
+            raise ConfigError(f"KV cache {tuple(shape)} strides {tuple(strides)}: a contiguous run of "
+                              f"{length} elements is not a whole number of {unit_elems}-element units")
+        units.extend(off + k * unit_elems for k in range(length // unit_elems))
+    if len(units) % num_heads:
+        raise ConfigError(f"KV cache {tuple(shape)}: {len(units)} units per block do not split "
+                          f"into {num_heads} heads")
+    return LayerGeometry(region, offset_bytes, strides[bdim] * elem_bytes,
+                         tuple(u * elem_bytes for u in units), unit_elems * elem_bytes)
+
+
+def head_owner(global_head: int, tp_size: int, total_heads: int) -> tuple[int, int]:
+    """(rank, local head index) of the first rank holding ``global_head``.
+
+    vLLM shards KV heads evenly; with more ranks than heads each head is
+    replicated over ``tp_size // total_heads`` consecutive ranks.
+    """
+    if tp_size <= total_heads:
+        per_rank = total_heads // tp_size
+        return global_head // per_rank, global_head % per_rank
+    return global_head * (tp_size // total_heads), 0
+
+
+def rank_heads(rank: int, tp_size: int, total_heads: int) -> list[int]:
+    """The global KV heads rank ``rank`` holds."""
+    if tp_size <= total_heads:
+        per_rank = total_heads // tp_size
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [rank * total_heads // tp_size]
+
+
+def plan_read(local: RankCache, local_rank: int, local_tp: int, remote: RankCache, remote_tp: int,
+              total_heads: int, local_blocks: Sequence[int], remote_blocks: Sequence[int],
+              *, replicated: bool = False) -> dict[int, tuple[Descs, Descs]]:
+    """Descriptor pairs, per remote rank, that fill ``local_blocks`` of this
+    rank from ``remote_blocks`` of the remote ranks.
+
+    ``replicated`` caches (MLA) hold the same bytes on every rank: read the
+    whole blocks from one remote rank (spread over ranks by ``local_rank``).
+    """
+    if len(local_blocks) != len(remote_blocks):
+        raise ConfigError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote blocks")
+    if len(local.layers) != len(remote.layers) or local.planes != remote.planes:
+        raise ConfigError(f"caches differ: {len(local.layers)} layers x {local.planes} planes here, "
+                          f"{len(remote.layers)} x {remote.planes} remote")
+    if local.layers and remote.layers and local.layers[0].unit_bytes != remote.layers[0].unit_bytes:
+        raise ConfigError(f"cache units differ: {local.layers[0].unit_bytes} bytes here, "
+                          f"{remote.layers[0].unit_bytes} remote (block size or head size differ)")
+    lb = np.asarray(local_blocks, dtype=np.uint64)
+    rb = np.asarray(remote_blocks, dtype=np.uint64)
+    # (remote rank) -> list of (local unit index, remote unit index)
+    pairs: dict[int, list[tuple[int, int]]] = {}
+    if replicated:
+        units = local.planes * local.num_heads
+        pairs[local_rank % remote_tp] = [(u, u) for u in range(units)]
+    else:
+        for local_head, g in enumerate(rank_heads(local_rank, local_tp, total_heads)):
+            rank, remote_head = head_owner(g, remote_tp, total_heads)
+            for p in range(local.planes):
+                pairs.setdefault(rank, []).append(
+                    (p * local.num_heads + local_head, p * remote.num_heads + remote_head))
+    out: dict[int, tuple[Descs, Descs]] = {}
+    for rank, units in sorted(pairs.items()):
+        out[rank] = (_descs(local, lb, [u for u, _ in units]), _descs(remote, rb, [u for _, u in units]))
+    return out
+
+
+def _descs(cache: RankCache, blocks: np.ndarray, units: list[int]) -> Descs:
+    """Descriptors ordered (layer, unit, block); both sides use the same order."""
+    n = len(cache.layers) * len(units) * blocks.size
+    out = np.zeros(n, dtype=DESC_DTYPE)
+    if n == 0:
+        return Descs(out)
+    per_layer = len(units) * blocks.size
+    for i, g in enumerate(cache.layers):
+        unit_off = np.asarray([g.unit_offsets[u] for u in units], dtype=np.uint64)
+        block_off = blocks * np.uint64(g.block_stride) + np.uint64(g.base_offset)
+        sl = slice(i * per_layer, (i + 1) * per_layer)
+        out["offset"][sl] = (unit_off[:, None] + block_off[None, :]).reshape(-1)
+        out["region"][sl] = g.region
+        out["length"][sl] = g.unit_bytes
+    return Descs(out)

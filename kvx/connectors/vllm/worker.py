@@ -1,0 +1,395 @@
+"""KvxConnector, worker side: one kvx agent per rank moves the blocks.
+
+Decode reads a request's blocks from the prefill ranks that hold its heads,
+in one transfer per prefill rank, with a "done" notification on each; a
+failure (side channel, handshake, epoch, compatibility, transfer) makes the
+request a failed receive and its blocks load errors, so vLLM's
+``kv_load_failure_policy`` decides. Prefill holds a finished request's
+blocks until every decode rank said "done" (or "release"), or the lease,
+renewed by decode while it waits, runs out.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvx.agent import Agent, Peer
+from kvx.config import Timeouts
+from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
+from kvx.connectors.vllm import side_channel
+from kvx.connectors.vllm.config import KvxConnectorConfig
+from kvx.connectors.vllm.meta import (KvxConnectorMetadata, KvxHandshakeMetadata, RecvRequest, check_compat,
+                                      compat_fields, digest, note, parse_note)
+from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError
+from kvx.metadata.client import MetadataOptions
+from kvx.transfer import Transfer
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_EARLY_NOTES = 65536
+
+
+@dataclasses.dataclass
+class _Held:
+    deadline: float
+    done: int = 0        # "done" notes received
+    expected: int = 1    # decode ranks that will send one (decode's tp size)
+    released: bool = False
+
+
+@dataclasses.dataclass
+class _RemoteEngine:
+    engine_id: str
+    tp_size: int
+    cache: RankCache
+    peers: dict[int, Peer]
+
+
+class KvxWorker:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: KvxConnectorConfig,
+                 engine_id: str, layout: str | None) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        kv = vllm_config.kv_transfer_config
+        self.role = "prefill" if kv.is_kv_producer and not kv.is_kv_consumer else (
+            "decode" if kv.is_kv_consumer and not kv.is_kv_producer else "both")
+        self.compat = compat_fields(vllm_config, layout)
+        self.use_mla = bool(vllm_config.model_config.use_mla)
+        self.total_heads = self.compat["num_kv_heads"]
+        self.agent: Agent | None = None
+        self.cache: RankCache | None = None
+        self._lock = threading.Lock()
+        self._done_recv: set[str] = set()
+        self._failed_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._done_send: set[str] = set()
+        self._held: dict[str, _Held] = {}
+        # Notes that came before the scheduler told us of the hold: request -> (notes so far, expiry).
+        self._early: dict[str, tuple[_Held, float]] = {}
+        self._metadata_client: Any = None
+        self._engines: dict[tuple[str, tuple[str, ...]], _RemoteEngine] = {}
+        self._engine_locks: dict[str, threading.Lock] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvx-recv")
+
+    # Registration.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self.cfg
+        port = cfg.agent_port + self.tp_rank if cfg.agent_port else 0
+        io_s = min(10.0, cfg.transfer_timeout_s)
+        self.agent = Agent(
+            f"vllm-{self.engine_id}-tp{self.tp_rank}", listen=f"{cfg.host}:{port}",
+            auth_secret=cfg.auth_secret(), allow_insecure=cfg.allow_insecure, streams=cfg.streams,
+            timeouts=Timeouts(connect_s=cfg.connect_timeout_s, io_s=io_s, transfer_s=cfg.transfer_timeout_s),
+            on_notify=self._on_note, metadata=cfg.metadata, role=self.role,
+            labels={"engine_id": self.engine_id, "tp_rank": str(self.tp_rank)},
+            engine_info={"engine": "vllm", "engine_id": self.engine_id, "tp_size": str(self.tp_size),
+                         **({"api_url": cfg.api_url} if cfg.api_url else {})},
+            metadata_options=MetadataOptions(token_file=cfg.metadata_token_file) if cfg.metadata else None)
+        self.cache = self._describe(kv_caches)
+        if cfg.metadata:
+            import json
+            self.agent.update_engine_info({"tp_rank": str(self.tp_rank), "kvx_cache": json.dumps(self.cache.to_json()),
+                                           "kvx_compat": json.dumps(self.compat)})
+        logger.info("kvx agent %s: %d layers x %d blocks registered (%d heads, %d planes)", self.agent.name,
+                    len(self.cache.layers), self.cache.num_blocks, self.cache.num_heads, self.cache.planes)
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> RankCache:
+        assert self.agent is not None
+        groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config is not None else []
+        if len(groups) != 1:
+            raise ConfigError(f"KvxConnector supports one KV-cache group, this model has {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        names = [n for n in groups[0].layer_names if n in kv_caches]
+        num_blocks = self.kv_cache_config.num_blocks
+        heads = 1 if self.use_mla else int(spec.num_kv_heads)
+        unit_elems = int(spec.block_size) * int(spec.head_size)
+        regions: dict[int, int] = {}   # storage address -> region id
+        layers = []
+        for name in names:
+            t = kv_caches[name]
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            if base not in regions:
+                regions[base] = self.agent.register((base, storage.nbytes())).id
+            layers.append(layer_geometry(t.shape, t.stride(), t.element_size(), t.data_ptr() - base,
+                                         regions[base], num_blocks, heads, unit_elems))
+        planes = len(layers[0].unit_offsets) // heads
+        return RankCache(tuple(layers), num_blocks, heads, planes)
+
+    def handshake_metadata(self) -> KvxHandshakeMetadata | None:
+        if self.agent is None or self.cache is None:
+            return None
+        return KvxHandshakeMetadata(self.tp_rank, self.agent.name, self.agent.epoch, self.agent.metadata(),
+                                    self.cache.to_json())
+
+    # Each step.
+
+    def start_step(self, meta: KvxConnectorMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, lease_s in meta.hold.items():
+                early = self._early.pop(req_id, None)
+                held = early[0] if early is not None else _Held(0.0)
+                held.deadline = now + lease_s
+                self._held[req_id] = held
+                self._check_done(req_id)
+        for req in meta.recv:
+            logger.debug("request %s: %s %d blocks from engine %s", req.request_id,
+                         "release" if req.release_only else "read", len(req.local_block_ids),
+                         req.params.get("remote_engine_id"))
+            self._pool.submit(self._receive, req)
+        if meta.renew:
+            self._pool.submit(self._renew, meta.renew)
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, held in list(self._held.items()):
+                if now >= held.deadline:
+                    logger.warning("request %s: decode did not read its blocks within the lease; freeing them",
+                                   req_id)
+                    del self._held[req_id]
+                    self._done_send.add(req_id)
+            for req_id, (_, expiry) in list(self._early.items()):
+                if now >= expiry:
+                    del self._early[req_id]
+            sending, recving, failed = self._done_send, self._done_recv, self._failed_recv
+            self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+        if sending or recving or failed:
+            logger.debug("finished sending %s, receiving %s, failed %s", sorted(sending), sorted(recving),
+                         sorted(failed))
+        return sending, recving | failed, failed
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # Prefill: notifications from decode ranks.
+
+    def _on_note(self, notification: Any) -> None:
+        try:
+            op, req_id, n = parse_note(notification.data)
+        except ConfigError as exc:
+            logger.warning("ignoring a notification from %s: %s", notification.peer, exc)
+            return
+        logger.debug("note %s for request %s from %s", op, req_id, notification.peer)
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None:
+                early = self._early.get(req_id)
+                if early is None:
+                    if op == "renew" or len(self._early) >= MAX_EARLY_NOTES:
+                        return
+                    early = (_Held(0.0), time.monotonic() + 2 * self.cfg.lease_s)
+                    self._early[req_id] = early
+                held = early[0]
+            if op == "renew":
+                held.deadline = max(held.deadline, time.monotonic() + self.cfg.lease_s)
+            elif op == "release":
+                held.released = True
+            else:
+                held.done += 1
+                held.expected = n
+            if req_id in self._held:
+                self._check_done(req_id)
+
+    def _check_done(self, req_id: str) -> None:
+        held = self._held[req_id]
+        if held.released or held.done >= held.expected:
+            del self._held[req_id]
+            self._done_send.add(req_id)
+
+    # Decode: reading a request's blocks.
+
+    def _receive(self, req: RecvRequest) -> None:
+        params = req.params
+        try:
+            engine = self._remote_engine(params)
+            remote_id = str(params["remote_request_id"])
+            if req.release_only:
+                self._notify_all(engine, note("release", remote_id, self.tp_size))
+                return
+            self._read(req, engine, remote_id)
+        except Exception as exc:  # every failure becomes a failed receive, never a stuck request
+            self._fail(req, exc)
+
+    def _read(self, req: RecvRequest, engine: _RemoteEngine, remote_id: str) -> None:
+        assert self.cache is not None
+        remote_blocks = _group0(req.params["remote_block_ids"])
+        local_blocks = list(req.local_block_ids)
+        if len(local_blocks) < len(remote_blocks):
+            # Part of the prompt hit the local prefix cache: read only the tail.
+            remote_blocks = remote_blocks[len(remote_blocks) - len(local_blocks):]
+        elif len(local_blocks) > len(remote_blocks):
+            raise ConfigError(f"decode allocated {len(local_blocks)} blocks but prefill holds "
+                              f"{len(remote_blocks)}")
+        if not local_blocks:
+            self._notify_all(engine, note("done", remote_id, self.tp_size))
+            self._succeed(req)
+            return
+        plans = plan_read(self.cache, self.tp_rank, self.tp_size, engine.cache, engine.tp_size,
+                          self.total_heads, local_blocks, remote_blocks, replicated=self.use_mla)
+        done_note = note("done", remote_id, self.tp_size)
+        transfers: list[Transfer] = []
+        for rank, (local, remote) in plans.items():
+            transfers.append(engine.peers[rank].read(local, remote, notify=done_note))
+        for rank, peer in engine.peers.items():
+            if rank not in plans:
+                peer.notify(done_note)
+        pending = [len(transfers)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def finished(t: Transfer) -> None:
+            with lock:
+                if t.error is not None:
+                    errors.append(t.error)
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                if errors:
+                    self._fail(req, errors[0])
+                else:
+                    self._succeed(req)
+
+        for t in transfers:
+            t.add_done_callback(finished)
+
+    def _succeed(self, req: RecvRequest) -> None:
+        logger.debug("request %s: KV loaded", req.request_id)
+        with self._lock:
+            self._done_recv.add(req.request_id)
+
+    def _fail(self, req: RecvRequest, exc: BaseException) -> None:
+        logger.error("request %s: KV load from engine %s failed: %s", req.request_id,
+                     req.params.get("remote_engine_id"), exc)
+        if req.release_only:
+            return
+        with self._lock:
+            self._failed_recv.add(req.request_id)
+            self._load_errors.update(int(b) for b in req.local_block_ids)
+        # Let prefill free the blocks now rather than at the lease's end (best effort).
+        try:
+            engine = self._engines_for(req.params)
+            if engine is not None:
+                self._notify_all(engine, note("release", str(req.params["remote_request_id"]), self.tp_size))
+        except Exception:
+            pass
+
+    def _renew(self, waiting: list[dict[str, Any]]) -> None:
+        for params in waiting:
+            try:
+                engine = self._remote_engine(params)
+                self._notify_all(engine, note("renew", str(params["remote_request_id"]), self.tp_size))
+            except Exception as exc:
+                logger.debug("lease renewal for %s failed: %s", params.get("remote_request_id"), exc)
+
+    def _notify_all(self, engine: _RemoteEngine, data: bytes) -> None:
+        for peer in engine.peers.values():
+            peer.notify(data).wait()
+
+    # Decode: finding and checking a prefill engine.
+
+    def _engines_for(self, params: dict[str, Any]) -> _RemoteEngine | None:
+        key = (str(params["remote_engine_id"]), tuple(params["kvx"]["epochs"]))
+        return self._engines.get(key)
+
+    def _remote_engine(self, params: dict[str, Any]) -> _RemoteEngine:
+        engine_id = str(params["remote_engine_id"])
+        kvx = params["kvx"]
+        key = (engine_id, tuple(str(e) for e in kvx["epochs"]))
+        engine = self._engines.get(key)
+        if engine is not None and all(p.alive for p in engine.peers.values()):
+            return engine
+        with self._engine_locks.setdefault(engine_id, threading.Lock()):
+            engine = self._engines.get(key)
+            if engine is not None and all(p.alive for p in engine.peers.values()):
+                return engine
+            engine = self._connect(params)
+            # A restarted prefill engine has new epochs: forget the old one.
+            for old in [k for k in self._engines if k[0] == engine_id]:
+                del self._engines[old]
+            self._engines[key] = engine
+            return engine
+
+    def _engine_doc(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Prefill's ranks, from the metadata service when one is configured, else its side channel."""
+        if not self.cfg.metadata:
+            return side_channel.fetch(str(params["remote_host"]), int(params["remote_port"]),
+                                      self.cfg.connect_timeout_s)
+        import json
+
+        from kvx.metadata.client import MetadataClient
+
+        if self._metadata_client is None:
+            self._metadata_client = MetadataClient(
+                self.cfg.metadata, MetadataOptions(token_file=self.cfg.metadata_token_file))
+        ranks, info = [], {}
+        for name in params["kvx"]["agents"]:
+            record = self._metadata_client.get(str(name))
+            if record is None:
+                raise PeerLostError(f"prefill agent {name!r} is not registered in the metadata service "
+                                    f"{self.cfg.metadata} (it stopped or its lease ran out)")
+            info = dict(record.engine_info)
+            ranks.append({"tp_rank": int(info.get("tp_rank", len(ranks))), "agent_epoch": record.epoch,
+                          "agent_metadata": base64.b64encode(record.metadata.SerializeToString()).decode(),
+                          "cache": json.loads(info.get("kvx_cache", "null"))})
+        return {"engine_id": info.get("engine_id"), "tp_size": int(info.get("tp_size", len(ranks))),
+                "compat": json.loads(info.get("kvx_compat", "null")), "ranks": ranks}
+
+    def _connect(self, params: dict[str, Any]) -> _RemoteEngine:
+        assert self.agent is not None
+        kvx = params["kvx"]
+        engine_id = str(params["remote_engine_id"])
+        doc = self._engine_doc(params)
+        if doc.get("engine_id") != engine_id:
+            raise EpochError(f"prefill engine {engine_id} is gone: its address now serves engine "
+                             f"{doc.get('engine_id')!r}")
+        check_compat(self.compat, doc.get("compat") or {}, f"prefill engine {engine_id}")
+        if kvx.get("digest") != digest(self.compat):
+            raise ConfigError(f"kv_transfer_params digest {kvx.get('digest')!r} does not match this engine's "
+                              f"{digest(self.compat)!r}")
+        ranks = sorted(doc["ranks"], key=lambda r: int(r["tp_rank"]))
+        epochs = [f"{int(r['agent_epoch']):#x}" for r in ranks]
+        if epochs != [str(e) for e in kvx["epochs"]]:
+            raise EpochError(f"prefill engine {engine_id} restarted (agent epochs {kvx['epochs']} -> {epochs}); "
+                             "the request's blocks are gone")
+        tp_size = int(doc["tp_size"])
+        if [int(r["tp_rank"]) for r in ranks] != list(range(tp_size)):
+            raise ConfigError(f"prefill engine {engine_id} announces tp_size {tp_size} but ranks "
+                              f"{[r['tp_rank'] for r in ranks]}")
+        peers = {int(r["tp_rank"]): self.agent.add_peer(base64.b64decode(r["agent_metadata"])) for r in ranks}
+        return _RemoteEngine(engine_id, tp_size, RankCache.from_json(ranks[0]["cache"]), peers)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.agent is not None:
+            try:
+                self.agent.close()
+            except KvxError as exc:
+                logger.warning("closing kvx agent: %s", exc)
+
+
+def _group0(block_ids: Any) -> list[int]:
+    """Block ids of the first KV-cache group, from a flat or per-group list."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return [int(b) for b in block_ids[0]]
+    return [int(b) for b in block_ids]
