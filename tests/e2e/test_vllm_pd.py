@@ -1,0 +1,235 @@
+"""Disaggregated prefill/decode with real vLLM engines and KvxConnector.
+
+A prefill engine, two decode engines (kv_load_failure_policy "fail" and
+"recompute") and ``kvx proxy`` in front, all real processes on loopback. The
+model is a tiny Llama with seeded random weights, so the decode output
+depends on the KV cache it received: token equality with a single engine
+means the KV arrived intact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ENGINE_START_S, Engine, Proc, free_port
+
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+LEASE_S = 10.0
+MAX_TOKENS = 8
+_rng = random.Random(7)
+# Lengths around and across the block size (128 on vLLM's CPU backend), none a multiple of it.
+PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 129, 200, 300, 383)]
+# The oracle's self-check: same last token, different context.
+ORACLE_PAIR = [list(range(5, 74)) + [74], [7] * 69 + [74]]
+
+
+def kvx_config(role: str, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KvxConnector", "kv_role": role, "kv_connector_extra_config": extra}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("pd")
+    engines = {
+        "prefill": Engine("prefill", tiny_model, tmp, kvx_config("kv_producer", lease_s=LEASE_S)),
+        "decode": Engine("decode", tiny_model, tmp, kvx_config("kv_consumer", transfer_timeout_s=10)),
+        # Loaded by module path rather than by the name the plugin registers: both ways work.
+        "decode_recompute": Engine("decode_recompute", tiny_model, tmp,
+                                   dict(kvx_config("kv_consumer", transfer_timeout_s=10),
+                                        kv_connector_module_path="kvx.connectors.vllm",
+                                        kv_load_failure_policy="recompute")),
+    }
+    procs: list[Proc] = list(engines.values())
+    try:
+        deadline = time.monotonic() + ENGINE_START_S
+        for engine in engines.values():
+            engine.wait_ready(deadline)
+        proxy_port = free_port()
+        proxy = Proc("proxy", [sys.executable, "-m", "kvx", "proxy", "--listen", f"127.0.0.1:{proxy_port}",
+                               "--prefill", engines["prefill"].url, "--decode", engines["decode"].url,
+                               "--timeout-s", "120"], dict(__import__("os").environ), tmp / "proxy.log")
+        procs.append(proxy)
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        _wait_http(proxy_url + "/healthz", proxy)
+        yield {**engines, "proxy": proxy_url, "tmp": tmp}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _wait_http(url: str, proc: Proc, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready:\n{proc.tail()}")
+
+
+def complete(url: str, prompt: list[int], *, kv: dict[str, Any] | None = None, max_tokens: int = MAX_TOKENS,
+             timeout_s: float = 120, **extra: Any) -> httpx.Response:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return httpx.post(url + "/v1/completions", json=_with_model(url, body), timeout=timeout_s)
+
+
+_models: dict[str, str] = {}
+
+
+def _with_model(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    if url not in _models:
+        _models[url] = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return dict(body, model=_models[url])
+
+
+def token_ids(resp: httpx.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def prefill_leg(cluster: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    resp = complete(cluster["prefill"].url, prompt, max_tokens=1, kv={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    assert resp.status_code == 200, resp.text
+    params = resp.json()["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] and params["kvx"]["agents"], params
+    return params
+
+
+def wait_until(fn, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if fn():
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s}s: {what}")
+
+
+def prefill_blocks_in_use(cluster: dict[str, Any]) -> float:
+    return cluster["prefill"].metric("vllm:kv_cache_usage_perc")
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: dict[str, Any]) -> dict[int, list[int]]:
+    """Greedy outputs of one engine alone (prefill's engine, no transfer involved)."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS + ORACLE_PAIR):
+        out[i] = token_ids(complete(cluster["prefill"].url, prompt))
+    return out
+
+
+def test_the_oracle_can_fail(reference: dict[int, list[int]]) -> None:
+    n = len(PROMPTS)
+    assert reference[n] != reference[n + 1], "the model ignores the context: token equality would prove nothing"
+
+
+def test_pd_through_proxy_equals_single_engine(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+    decode = cluster["decode"]
+    before = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: token_ids(complete(cluster["proxy"], p)), PROMPTS))
+    assert got == [reference[i] for i in range(len(PROMPTS))]
+    after = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert after - before == sum(len(p) for p in PROMPTS), "the prompt KV did not come through the connector"
+    # Decode's "done" notifications free prefill's blocks, well before the lease would.
+    took = wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S / 2, "prefill freed the blocks")
+    assert took < LEASE_S / 2
+
+
+def test_streaming_through_proxy(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+    body = _with_model(cluster["proxy"], {"model": "m", "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS,
+                                          "temperature": 0, "return_token_ids": True, "stream": True})
+    tokens: list[int] = []
+    with httpx.stream("POST", cluster["proxy"] + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    tokens.extend(choice.get("token_ids") or [])
+    assert tokens == reference[3]
+
+
+def test_same_request_id_on_both_legs(cluster: dict[str, Any]) -> None:
+    resp = httpx.post(
+        cluster["proxy"] + "/v1/completions", headers={"X-Request-Id": "kvx-e2e-rid-1"},
+        json=_with_model(cluster["proxy"], {"model": "m", "prompt": PROMPTS[1], "max_tokens": 2,
+                                            "temperature": 0}), timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers.get("x-request-id") == "kvx-e2e-rid-1"
+    for name in ("prefill", "decode"):
+        assert "kvx-e2e-rid-1" in cluster[name].log.read_text(errors="replace"), name
+
+
+def test_unread_blocks_are_freed_when_the_lease_ends(cluster: dict[str, Any]) -> None:
+    wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 5, "prefill idle")
+    prefill_leg(cluster, PROMPTS[4])  # decode never comes
+    held_at = time.monotonic()
+    assert prefill_blocks_in_use(cluster) > 0, "prefill did not hold the blocks for decode"
+    wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 10, "the lease freed the blocks")
+    assert time.monotonic() - held_at >= LEASE_S * 0.8, "freed before the lease ended"
+
+
+def test_a_full_prefix_hit_on_decode_still_releases_prefill(cluster: dict[str, Any],
+                                                             reference: dict[int, list[int]]) -> None:
+    prompt = PROMPTS[5]
+    # Decode computes the prompt itself first, so its prefix cache holds all of it...
+    assert token_ids(complete(cluster["decode"].url, prompt)) == reference[5]
+    params = prefill_leg(cluster, prompt)
+    assert token_ids(complete(cluster["decode"].url, prompt, kv=params)) == reference[5]
+    # ...and prefill's blocks are still released at once, not at the lease's end.
+    took = wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S / 2, "prefill freed the blocks")
+    assert took < LEASE_S / 2
+
+
+def test_abort_on_decode_releases_prefill(cluster: dict[str, Any]) -> None:
+    params = prefill_leg(cluster, PROMPTS[2])
+    with pytest.raises(httpx.TimeoutException):
+        complete(cluster["decode"].url, PROMPTS[2], kv=params, max_tokens=200, timeout_s=0.05)
+    wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 10, "prefill freed the blocks")
+    # Decode is healthy afterwards.
+    assert complete(cluster["decode"].url, PROMPTS[0]).status_code == 200
+
+
+def test_prefill_killed_mid_transfer(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+    """Runs last: it kills the prefill engine."""
+    fail_params = prefill_leg(cluster, PROMPTS[4])
+    recompute_params = prefill_leg(cluster, PROMPTS[5])
+    prefill = cluster["prefill"]
+    prefill.signal(signal.SIGSTOP)  # frozen: decode's reads hang on it...
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fail = pool.submit(complete, cluster["decode"].url, PROMPTS[4], kv=fail_params)
+        recompute = pool.submit(complete, cluster["decode_recompute"].url, PROMPTS[5], kv=recompute_params)
+        time.sleep(1.5)
+        killed_at = time.monotonic()
+        prefill.signal(signal.SIGKILL)  # ...until it dies
+        fail_resp = fail.result(60)
+        fail_s = time.monotonic() - killed_at
+        recompute_resp = recompute.result(60)
+        recompute_s = time.monotonic() - killed_at
+    assert fail_resp.status_code >= 500, fail_resp.text   # kv_load_failure_policy "fail"
+    assert token_ids(recompute_resp) == reference[5]      # "recompute": computed locally instead
+    assert fail_s < 15 and recompute_s < 20, (fail_s, recompute_s)
+    # Both decode engines keep serving.
+    for name in ("decode", "decode_recompute"):
+        assert token_ids(complete(cluster[name].url, PROMPTS[1])) == reference[1]
