@@ -27,6 +27,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvx import __version__
 
@@ -34,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvx", description="KV-cache transfer for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvx {__version__}")
     parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level (default: INFO for the metadata service, WARNING otherwise)")
+                        help="log level (default: INFO for the metadata service and the proxy, "
+                        "WARNING otherwise)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="move KV blocks between a prefill and a decode agent and verify them",
@@ -79,6 +90,41 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it")
     meta.add_argument("--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none "
                       "(default: 10)")
+
+    proxy = sub.add_parser(
+        "proxy", help="OpenAI-compatible router: prefill on one vLLM instance, decode on another",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serves /v1/completions and /v1/chat/completions (streamed or not),\n"
+        "/v1/models and /healthz. Each completion goes first to a prefill instance with\n"
+        "max_tokens=1 and kv_transfer_params.do_remote_decode, then, with the\n"
+        "kv_transfer_params that returns, to a decode instance, which pulls the KV cache\n"
+        "and answers the client. The instance with the fewest requests in flight gets\n"
+        "each leg; one that cannot be reached is skipped for --cooldown-s.",
+        epilog="vLLM instances need a KV connector, e.g.\n"
+        "  vllm serve MODEL --port 8100 --kv-transfer-config "
+        "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'\n"
+        "example:\n"
+        "  kvx proxy --listen 0.0.0.0:8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
+        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url")
+    proxy.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                       help="host:port to serve on; port 0 picks a free one (default: 127.0.0.1:8000)")
+    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
+                       help="a prefill instance's base URL, e.g. http://127.0.0.1:8100 (repeatable)")
+    proxy.add_argument("--decode", action="append", default=[], metavar="URL",
+                       help="a decode instance's base URL, e.g. http://127.0.0.1:8200 (repeatable)")
+    proxy.add_argument("--metadata", metavar="HOST:PORT",
+                       help="also use the instances registered at this kvx metadata service (agents of "
+                       "role prefill or decode whose engine_info has api_url)")
+    proxy.add_argument("--metadata-token-file", metavar="FILE",
+                       help="file holding the bearer token of the metadata service")
+    proxy.add_argument("--refresh-s", type=_seconds, metavar="SECONDS", default=2.0,
+                       help="how often to ask the metadata service for instances (default: 2)")
+    proxy.add_argument("--timeout-s", type=_seconds, metavar="SECONDS", default=300.0,
+                       help="longest wait for an instance to send the next bytes (default: 300)")
+    proxy.add_argument("--connect-timeout-s", type=_seconds, metavar="SECONDS", default=10.0,
+                       help="longest wait to connect to an instance (default: 10)")
+    proxy.add_argument("--cooldown-s", type=_seconds, metavar="SECONDS", default=5.0,
+                       help="how long an unreachable instance is skipped while others are up (default: 5)")
     return parser
 
 
@@ -123,9 +169,29 @@ def _run_metadata(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_proxy(args: argparse.Namespace) -> int:
+    from kvx.metadata.client import MetadataOptions
+    from kvx.proxy import ProxyConfig, serve
+
+    if not args.metadata and not (args.prefill and args.decode):
+        raise KvxError("give at least one --prefill URL and one --decode URL, or --metadata HOST:PORT "
+                       "to find them")
+    token = _read_token(args.metadata_token_file)
+    config = ProxyConfig(
+        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), metadata_target=args.metadata,
+        metadata_options=MetadataOptions(token=token) if token else None, listen=args.listen,
+        timeout_s=args.timeout_s, connect_timeout_s=args.connect_timeout_s, refresh_s=args.refresh_s,
+        cooldown_s=args.cooldown_s)
+    try:
+        serve(config)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = args.log_level or ("INFO" if args.command == "metadata" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("metadata", "proxy") else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "demo":
@@ -137,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo.run(args.layers, args.num_blocks, args.block_size, args.blocks)
         if args.command == "metadata":
             return _run_metadata(args)
+        if args.command == "proxy":
+            return _run_proxy(args)
         if args.command == "bench":
             from kvx import _bench
 

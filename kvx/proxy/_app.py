@@ -1,0 +1,364 @@
+"""The proxy's HTTP app: each completion is a prefill leg, then a decode leg.
+
+The prefill leg computes the prompt's KV cache and keeps it for a remote
+decode (``max_tokens=1``, ``do_remote_decode``); its answer carries the
+``kv_transfer_params`` that tell the decode instance where to pull the KV
+cache from. The decode leg gets the client's request unchanged but for those
+parameters, and its answer (JSON or a server-sent event stream) goes back to
+the client as it comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import kvx
+from kvx.errors import ConfigError
+from kvx.proxy._config import ProxyConfig
+from kvx.proxy._instances import Discovery, Instance, InstancePool
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+FAILED_LEG_HEADER = "X-Kvx-Failed-Leg"
+MAX_CONNECT_ATTEMPTS = 3  # instances tried for one leg while they cannot be reached
+CLOSE_TIMEOUT_S = 5.0  # closing an upstream stream
+# What vLLM's KV connectors read on the prefill leg: compute the KV cache and
+# hold it for a decode elsewhere, which fills in the remote_* fields it returns.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def require_httpx() -> Any:
+    try:
+        import httpx
+    except ImportError as exc:
+        raise ConfigError("kvx proxy needs httpx: pip install kvx[proxy]") from exc
+    return httpx
+
+
+def error_body(message: str, kind: str, leg: str | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": message, "type": kind}
+    if leg is not None:
+        error["leg"] = leg
+    return {"error": error}
+
+
+def _error(status: int, message: str, kind: str, leg: str | None = None) -> JSONResponse:
+    headers = {FAILED_LEG_HEADER: leg} if leg is not None else None
+    return JSONResponse(error_body(message, kind, leg), status_code=status, headers=headers)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's request: one token, not streamed, KV cache kept for a remote decode."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:  # chat: vLLM takes it over max_tokens
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)  # only valid with stream=True
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def _passthrough(response: Any, leg: str | None = None) -> Response:
+    """An upstream's whole answer (status, body, content type) for the client."""
+    headers = {FAILED_LEG_HEADER: leg} if leg is not None else {}
+    content_type = response.headers.get("content-type")
+    if content_type:
+        headers["content-type"] = content_type
+    return Response(response.content, status_code=response.status_code, headers=headers)
+
+
+class _LegFailed(Exception):
+    """Ends a request with ``response``, the error the client sees."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class _Stream(StreamingResponse):
+    """A relayed stream; ``on_close`` runs however it ends: done, failed, or the client gone."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class _Router:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.httpx = require_httpx()
+        self.pools = {role: InstancePool(role, urls, config.cooldown_s)
+                      for role, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls))}
+        self.discovery = (Discovery(config.metadata_target, config.metadata_options, self.pools, config.refresh_s)
+                          if config.metadata_target else None)
+        self.client: Any = None
+
+    async def start(self) -> None:
+        httpx = self.httpx
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=self.config.max_connections,
+                                max_keepalive_connections=self.config.max_connections),
+            # The instances are cluster-local: an HTTP(S)_PROXY meant for the internet must not apply.
+            trust_env=False)
+        if self.discovery is not None:
+            await self.discovery.start()
+        logger.info("kvx proxy: prefill %s; decode %s%s",
+                    ", ".join(i.url for i in self.pools["prefill"].instances()) or "none yet",
+                    ", ".join(i.url for i in self.pools["decode"].instances()) or "none yet",
+                    f"; discovering more at {self.config.metadata_target}" if self.discovery else "")
+
+    async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- the legs ---------------------------------------------------------
+
+    def _transport_error(self, exc: Exception, leg: str, url: str) -> JSONResponse:
+        name = type(exc).__name__
+        if isinstance(exc, self.httpx.TimeoutException):
+            limit_s = (self.config.connect_timeout_s if isinstance(exc, self.httpx.ConnectTimeout)
+                       else self.config.timeout_s)
+            return _error(504, f"the {leg} instance {url} did not answer within {limit_s} s ({name}); "
+                          "if it is only busy, raise --timeout-s", "upstream_timeout", leg)
+        return _error(502, f"the {leg} instance {url} is unavailable ({name}: {str(exc) or 'connection failed'})",
+                      "upstream_unavailable", leg)
+
+    async def send(self, leg: str, method: str, path: str, headers: dict[str, str], request_id: str,
+                   content: bytes | None = None, stream: bool = False) -> tuple[Instance, Any]:
+        """Send to the least loaded instance of ``leg``, moving on to another
+        while one cannot be reached. The instance comes back acquired: release it."""
+        pool = self.pools[leg]
+        tried: list[Instance] = []
+        failure: JSONResponse | None = None
+        while len(tried) < MAX_CONNECT_ATTEMPTS:
+            instance = pool.acquire(exclude=tried)
+            if instance is None:
+                break
+            request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
+            try:
+                return instance, await self.client.send(request, stream=stream)
+            except (self.httpx.ConnectError, self.httpx.ConnectTimeout) as exc:
+                # Nothing reached the instance, so another one may take the request.
+                pool.release(instance)
+                pool.cool_down(instance)
+                tried.append(instance)
+                failure = self._transport_error(exc, leg, instance.url)
+                logger.warning("request %s: cannot reach %s instance %s (%s); skipping it for %s s",
+                               request_id, leg, instance.url, exc, pool.cooldown_s)
+            except self.httpx.RequestError as exc:
+                pool.release(instance)
+                if not isinstance(exc, self.httpx.TimeoutException):
+                    pool.cool_down(instance)
+                logger.warning("request %s: %s instance %s failed: %r", request_id, leg, instance.url, exc)
+                raise _LegFailed(self._transport_error(exc, leg, instance.url)) from None
+            except BaseException:
+                pool.release(instance)
+                raise
+        raise _LegFailed(failure or self._no_instance(leg))
+
+    def _no_instance(self, leg: str) -> JSONResponse:
+        source = f" and none registered at {self.config.metadata_target}" if self.discovery else ""
+        return _error(503, f"no {leg} instance: none given (--{leg} URL){source}", "no_instance", leg)
+
+    async def _call(self, leg: str, method: str, path: str, headers: dict[str, str], request_id: str,
+                    content: bytes | None = None) -> tuple[str, Any]:
+        """One whole exchange; an HTTP error status from the instance becomes the client's answer."""
+        instance, response = await self.send(leg, method, path, headers, request_id, content)
+        self.pools[leg].release(instance)
+        if response.status_code >= 400:
+            logger.warning("request %s: %s instance %s answered %s", request_id, leg, instance.url,
+                           response.status_code)
+            raise _LegFailed(_passthrough(response, leg))
+        return instance.url, response
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                       request_id: str) -> dict[str, Any]:
+        content = json.dumps(prefill_body(body)).encode()
+        url, response = await self._call("prefill", "POST", path, headers, request_id, content)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise _LegFailed(_error(502, f"the prefill instance {url} answered with invalid JSON",
+                                    "bad_upstream_response", "prefill")) from None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise _LegFailed(_error(
+                502, f"the prefill instance {url} returned no kv_transfer_params: start it with a KV "
+                "connector that produces the KV cache (--kv-transfer-config with kv_role kv_producer "
+                "or kv_both)", "bad_upstream_response", "prefill"))
+        logger.debug("request %s: prefilled on %s", request_id, url)
+        return params
+
+    async def _decode_stream(self, path: str, content: bytes, headers: dict[str, str],
+                             request_id: str) -> Response:
+        instance, response = await self.send("decode", "POST", path, headers, request_id, content, stream=True)
+
+        async def close() -> None:
+            self.pools["decode"].release(instance)
+            with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await response.aclose()
+
+        try:
+            if response.status_code >= 400:
+                try:
+                    await response.aread()
+                except self.httpx.RequestError as exc:
+                    raise _LegFailed(self._transport_error(exc, "decode", instance.url)) from None
+                logger.warning("request %s: decode instance %s answered %s", request_id, instance.url,
+                               response.status_code)
+                raise _LegFailed(_passthrough(response, "decode"))
+        except BaseException:
+            await close()
+            raise
+        headers_out = {"content-type": response.headers.get("content-type", "text/event-stream")}
+        return _Stream(self._relay(response, instance.url, request_id), close,
+                       status_code=response.status_code, headers=headers_out)
+
+    async def _relay(self, response: Any, url: str, request_id: str) -> AsyncIterator[bytes]:
+        at_boundary = True
+        try:
+            async for chunk in response.aiter_bytes():
+                if chunk:
+                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+                    yield chunk
+        except self.httpx.RequestError as exc:
+            # The status line is gone already: the error travels as one last event,
+            # after a blank line that ends any event cut in half.
+            logger.warning("request %s: decode stream from %s broke: %r", request_id, url, exc)
+            failure = self._transport_error(exc, "decode", url)
+            yield (b"" if at_boundary else b"\n\n") + b"data: " + failure.body + b"\n\n"
+
+    # -- the routes -------------------------------------------------------
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        chunks, size = [], 0
+        try:
+            with anyio.fail_after(self.config.timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _LegFailed(_error(413, f"request body over {limit} bytes", "invalid_request_error"))
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _LegFailed(_error(408, f"request body not received within {self.config.timeout_s} s",
+                                    "invalid_request_error")) from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise _LegFailed(_error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")) \
+                from None
+        if not isinstance(body, dict):
+            raise _LegFailed(_error(400, "request body must be a JSON object", "invalid_request_error"))
+        return body
+
+    @staticmethod
+    def _headers(request: Request, request_id: str) -> dict[str, str]:
+        headers = {REQUEST_ID_HEADER: request_id}
+        authorization = request.headers.get("authorization")
+        if authorization:
+            headers["Authorization"] = authorization
+        return headers
+
+    async def handle(self, request: Request, work: Callable[[str], Awaitable[Response]]) -> Response:
+        """Runs ``work(request_id)``; every answer carries the request id."""
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            response = await work(request_id)
+        except _LegFailed as exc:
+            response = exc.response
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def complete(self, request: Request, path: str) -> Response:
+        async def work(request_id: str) -> Response:
+            body = await self._read_json(request)
+            for leg, pool in self.pools.items():  # before a prefill whose KV cache nobody would pull
+                if not len(pool):
+                    raise _LegFailed(self._no_instance(leg))
+            headers = {**self._headers(request, request_id), "Content-Type": "application/json"}
+            params = await self._prefill(path, body, headers, request_id)
+            content = json.dumps({**body, "kv_transfer_params": params}).encode()
+            if body.get("stream") is True:
+                return await self._decode_stream(path, content, headers, request_id)
+            _, response = await self._call("decode", "POST", path, headers, request_id, content)
+            return _passthrough(response)
+
+        return await self.handle(request, work)
+
+    async def models(self, request: Request) -> Response:
+        async def work(request_id: str) -> Response:
+            headers = self._headers(request, request_id)
+            _, response = await self._call("decode", "GET", "/v1/models", headers, request_id)
+            return _passthrough(response)
+
+        return await self.handle(request, work)
+
+    def health(self) -> JSONResponse:
+        missing = [role for role, pool in self.pools.items() if not len(pool)]
+        body: dict[str, Any] = {"status": "unavailable" if missing else "ok"}
+        if missing:
+            body["reason"] = " and ".join(f"no {role} instance" for role in missing)
+        body.update({role: pool.to_json() for role, pool in self.pools.items()})
+        body["metadata"] = self.discovery.to_json() if self.discovery else None
+        return JSONResponse(body, status_code=503 if missing else 200)
+
+
+def build_app(config: ProxyConfig) -> FastAPI:
+    """The proxy as an ASGI app; it needs its lifespan run (uvicorn does by default)."""
+    router = _Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvx proxy", version=kvx.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible router: prefill on one vLLM instance, decode on another.")
+    app.state.router = router
+
+    @app.post("/v1/completions", tags=["openai"], summary="Completion: prefill, then decode")
+    async def completions(request: Request) -> Response:
+        return await router.complete(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions", tags=["openai"], summary="Chat completion: prefill, then decode")
+    async def chat_completions(request: Request) -> Response:
+        return await router.complete(request, "/v1/chat/completions")
+
+    @app.get("/v1/models", tags=["openai"], summary="The models of a decode instance")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/healthz", tags=["health"], summary="The instances and their requests in flight",
+             responses={503: {"description": "No prefill or no decode instance"}})
+    async def healthz() -> JSONResponse:
+        return router.health()
+
+    app.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)
+    return app

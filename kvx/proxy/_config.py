@@ -1,0 +1,80 @@
+"""``ProxyConfig``: what ``kvx proxy`` routes to, and its limits."""
+
+from __future__ import annotations
+
+import dataclasses
+from urllib.parse import urlsplit
+
+from kvx.errors import ConfigError
+from kvx.metadata.client import MetadataOptions
+
+MiB = 1024 * 1024
+
+
+def normalize_url(url: str, what: str = "instance URL") -> str:
+    """``http://host:port`` without a trailing slash, or a ConfigError that says what is wrong."""
+    text = url.strip().rstrip("/")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{what} {url!r}: expected http://host:port (the vLLM server's base URL)")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{what} {url!r}: no query or fragment, only scheme, host, port (and a path prefix)")
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        raise ConfigError(f"{what} {url!r}: the port is not a number between 0 and 65535") from None
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    """How ``kvx proxy`` finds its vLLM instances and how long it waits for them.
+
+    prefill_urls, decode_urls: base URLs of vLLM's OpenAI servers
+                     (``http://host:port``), used as given.
+    metadata_target: ``host:port`` of the kvx metadata service; when set,
+                     instances are also discovered there from the records'
+                     ``engine_info["api_url"]``, every ``refresh_s``.
+    metadata_options: token, TLS and per-call timeout for the metadata service.
+    listen:          ``host:port`` the proxy serves on (``serve`` only).
+    timeout_s:       longest wait for one upstream read, write or free pooled
+                     connection; a stream may last longer as long as bytes keep coming.
+    connect_timeout_s: longest wait to open a connection to an upstream.
+    cooldown_s:      an instance that could not be reached is skipped this long
+                     while another one is available.
+    max_body_bytes:  largest request body accepted from a client.
+    max_connections: open upstream connections, all instances together.
+    """
+
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    metadata_target: str | None = None
+    metadata_options: MetadataOptions | None = None
+    listen: str = "127.0.0.1:8000"
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
+    refresh_s: float = 2.0
+    cooldown_s: float = 5.0
+    max_body_bytes: int = 64 * MiB
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        # Normalized, deduplicated, in the order given: the first ones win ties at start.
+        for field in ("prefill_urls", "decode_urls"):
+            urls = getattr(self, field)
+            if isinstance(urls, str):
+                raise ConfigError(f"ProxyConfig.{field}: a sequence of URLs, not one string")
+            normalized = tuple(dict.fromkeys(normalize_url(u) for u in urls))
+            object.__setattr__(self, field, normalized)
+        for field in ("timeout_s", "connect_timeout_s", "refresh_s"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"ProxyConfig.cooldown_s must not be negative, not {self.cooldown_s!r}")
+        if self.max_body_bytes <= 0 or self.max_connections <= 0:
+            raise ConfigError("ProxyConfig.max_body_bytes and max_connections must be positive")
+        if self.metadata_target is not None and ":" not in self.metadata_target:
+            raise ConfigError(f"metadata service {self.metadata_target!r}: expected host:port")
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"listen address {self.listen!r}: expected host:port")
