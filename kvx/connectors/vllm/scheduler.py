@@ -34,6 +34,7 @@ class KvxScheduler:
         kv = vllm_config.kv_transfer_config
         self.is_producer = bool(kv.is_kv_producer)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.compat = compat_fields(vllm_config, layout)
         self._recv: list[RecvRequest] = []
         self._hold: dict[str, float] = {}
@@ -125,13 +126,15 @@ class KvxScheduler:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(block_ids),
+            # Per KV-cache group (one group: the hybrid allocator is off for this connector).
+            "remote_block_ids": [list(block_ids)],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.cfg.host,
             "remote_port": self._server.port if self._server else None,
             "remote_num_tokens": request.num_computed_tokens,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "kvx": {
                 "agents": [r.agent_name for r in ranks],
                 "epochs": [f"{r.agent_epoch:#x}" for r in ranks],

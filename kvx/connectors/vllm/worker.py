@@ -227,6 +227,10 @@ class KvxWorker:
             if req.release_only:
                 self._notify_all(engine, note("release", remote_id, self.tp_size))
                 return
+            lease_s = float(params["kvx"].get("lease_s", 0))
+            if lease_s and lease_s < self.cfg.connect_timeout_s + self.cfg.transfer_timeout_s:
+                logger.warning("prefill's lease (%ss) is shorter than this engine's connect_timeout_s + "
+                               "transfer_timeout_s: a slow read could outlive it", lease_s)
             self._read(req, engine, remote_id)
         except Exception as exc:  # every failure becomes a failed receive, never a stuck request
             self._fail(req, exc)
@@ -248,8 +252,12 @@ class KvxWorker:
         plans = plan_read(self.cache, self.tp_rank, self.tp_size, engine.cache, engine.tp_size,
                           self.total_heads, local_blocks, remote_blocks, replicated=self.use_mla)
         done_note = note("done", remote_id, self.tp_size)
+        renew_note = note("renew", remote_id, self.tp_size)
         transfers: list[Transfer] = []
         for rank, (local, remote) in plans.items():
+            # Renew the lease just ahead of the read (on one stream, prefill handles it first), so
+            # the blocks cannot be freed under the read unless the read outlives a whole lease.
+            engine.peers[rank].notify(renew_note)
             transfers.append(engine.peers[rank].read(local, remote, notify=done_note))
         for rank, peer in engine.peers.items():
             if rank not in plans:
