@@ -78,6 +78,10 @@ class Engine(Proc):
                  extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if kv_config is not None and "api_url" in kv_config.get("kv_connector_extra_config", {}):
+            # Published in the metadata service, for `kvx proxy --metadata`.
+            kv_config = json.loads(json.dumps(kv_config))
+            kv_config["kv_connector_extra_config"]["api_url"] = self.url
         argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
                 "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--seed", "0"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import signal
 import sys
@@ -41,29 +42,42 @@ def kvx_config(role: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """prefill and decode find each other through a kvx metadata service; decode_recompute
+    uses prefill's side channel. ``proxy`` knows its instances from the command line,
+    ``proxy_discovering`` from the metadata service."""
     tmp = tmp_path_factory.mktemp("pd")
+    env = dict(os.environ)
+    md_port = free_port()
+    metadata = Proc("metadata", [sys.executable, "-m", "kvx", "metadata", "--listen", f"127.0.0.1:{md_port}",
+                                 "--admin-listen", "off"], env, tmp / "metadata.log")
+    procs: list[Proc] = [metadata]
+    md = f"127.0.0.1:{md_port}"
     engines = {
-        "prefill": Engine("prefill", tiny_model, tmp, kvx_config("kv_producer", lease_s=LEASE_S)),
-        "decode": Engine("decode", tiny_model, tmp, kvx_config("kv_consumer", transfer_timeout_s=10)),
+        "prefill": Engine("prefill", tiny_model, tmp,
+                          kvx_config("kv_producer", lease_s=LEASE_S, metadata=md, api_url="")),
+        "decode": Engine("decode", tiny_model, tmp,
+                         kvx_config("kv_consumer", transfer_timeout_s=10, metadata=md, api_url="")),
         # Loaded by module path rather than by the name the plugin registers: both ways work.
         "decode_recompute": Engine("decode_recompute", tiny_model, tmp,
                                    dict(kvx_config("kv_consumer", transfer_timeout_s=10),
                                         kv_connector_module_path="kvx.connectors.vllm",
                                         kv_load_failure_policy="recompute")),
     }
-    procs: list[Proc] = list(engines.values())
+    procs += engines.values()
     try:
         deadline = time.monotonic() + ENGINE_START_S
         for engine in engines.values():
             engine.wait_ready(deadline)
-        proxy_port = free_port()
-        proxy = Proc("proxy", [sys.executable, "-m", "kvx", "proxy", "--listen", f"127.0.0.1:{proxy_port}",
-                               "--prefill", engines["prefill"].url, "--decode", engines["decode"].url,
-                               "--timeout-s", "120"], dict(__import__("os").environ), tmp / "proxy.log")
-        procs.append(proxy)
-        proxy_url = f"http://127.0.0.1:{proxy_port}"
-        _wait_http(proxy_url + "/healthz", proxy)
-        yield {**engines, "proxy": proxy_url, "tmp": tmp}
+        urls = {}
+        for name, args in (("proxy", ["--prefill", engines["prefill"].url, "--decode", engines["decode"].url]),
+                           ("proxy_discovering", ["--metadata", md])):
+            port = free_port()
+            proxy = Proc(name, [sys.executable, "-m", "kvx", "proxy", "--listen", f"127.0.0.1:{port}",
+                                "--timeout-s", "120", *args], env, tmp / f"{name}.log")
+            procs.append(proxy)
+            urls[name] = f"http://127.0.0.1:{port}"
+            _wait_http(urls[name] + "/healthz", proxy)
+        yield {**engines, **urls, "tmp": tmp}
     finally:
         for proc in procs:
             proc.stop()
@@ -154,6 +168,17 @@ def test_pd_through_proxy_equals_single_engine(cluster: dict[str, Any], referenc
     # Decode's "done" notifications free prefill's blocks, well before the lease would.
     took = wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S / 2, "prefill freed the blocks")
     assert took < LEASE_S / 2
+
+
+def test_side_channel_path_and_discovering_proxy(cluster: dict[str, Any],
+                                                  reference: dict[int, list[int]]) -> None:
+    # decode_recompute has no metadata service: it finds prefill through prefill's side channel.
+    params = prefill_leg(cluster, PROMPTS[2])
+    assert token_ids(complete(cluster["decode_recompute"].url, PROMPTS[2], kv=params)) == reference[2]
+    # The second proxy found both engines through the metadata service (their api_url).
+    health = httpx.get(cluster["proxy_discovering"] + "/healthz", timeout=10).json()
+    assert cluster["prefill"].url in json.dumps(health) and cluster["decode"].url in json.dumps(health)
+    assert token_ids(complete(cluster["proxy_discovering"], PROMPTS[0])) == reference[0]
 
 
 def test_streaming_through_proxy(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvx.agent import Agent, Peer
-from kvx.config import Timeouts
+from kvx.config import Timeouts, read_file
 from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
 from kvx.connectors.vllm import side_channel
 from kvx.connectors.vllm.config import KvxConnectorConfig
@@ -101,7 +101,7 @@ class KvxWorker:
             labels={"engine_id": self.engine_id, "tp_rank": str(self.tp_rank)},
             engine_info={"engine": "vllm", "engine_id": self.engine_id, "tp_size": str(self.tp_size),
                          **({"api_url": cfg.api_url} if cfg.api_url else {})},
-            metadata_options=MetadataOptions(token_file=cfg.metadata_token_file) if cfg.metadata else None)
+            metadata_options=self._metadata_options() if cfg.metadata else None)
         self.cache = self._describe(kv_caches)
         if cfg.metadata:
             import json
@@ -109,6 +109,12 @@ class KvxWorker:
                                            "kvx_compat": json.dumps(self.compat)})
         logger.info("kvx agent %s: %d layers x %d blocks registered (%d heads, %d planes)", self.agent.name,
                     len(self.cache.layers), self.cache.num_blocks, self.cache.num_heads, self.cache.planes)
+
+    def _metadata_options(self) -> MetadataOptions:
+        token = None
+        if self.cfg.metadata_token_file:
+            token = read_file(self.cfg.metadata_token_file).decode().strip()
+        return MetadataOptions(token=token)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> RankCache:
         assert self.agent is not None
@@ -349,7 +355,7 @@ class KvxWorker:
 
         if self._metadata_client is None:
             self._metadata_client = MetadataClient(
-                self.cfg.metadata, MetadataOptions(token_file=self.cfg.metadata_token_file))
+                self.cfg.metadata, self._metadata_options())
         ranks, info = [], {}
         for name in params["kvx"]["agents"]:
             record = self._metadata_client.get(str(name))
