@@ -35,6 +35,7 @@ class KvxScheduler:
         self.is_producer = bool(kv.is_kv_producer)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
         self.compat = compat_fields(vllm_config, layout)
         self._recv: list[RecvRequest] = []
         self._hold: dict[str, float] = {}
@@ -121,18 +122,22 @@ class KvxScheduler:
             logger.error("request %s: no kvx agent registered its KV cache; decode will compute it",
                          request.request_id)
             return False, None
+        # Only the prompt's blocks: decode computes from the prompt, and aligns prefill's blocks
+        # with its own from the end (prefill may have generated past the prompt).
+        num_prompt_tokens = len(request.prompt_token_ids or ())
+        block_ids = list(block_ids)[:-(-num_prompt_tokens // self.block_size)]
         self._hold[request.request_id] = self.cfg.lease_s
         ranks = [self._ranks[r] for r in sorted(self._ranks)]
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             # Per KV-cache group (one group: the hybrid allocator is off for this connector).
-            "remote_block_ids": [list(block_ids)],
+            "remote_block_ids": [block_ids],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.cfg.host,
             "remote_port": self._server.port if self._server else None,
-            "remote_num_tokens": request.num_computed_tokens,
+            "remote_num_tokens": num_prompt_tokens,
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "kvx": {
