@@ -27,7 +27,7 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvx.connectors.vllm import scheduler as kvx_scheduler  # noqa: E402
-from kvx.connectors.vllm import side_channel  # noqa: E402
+from kvx.connectors import side_channel  # noqa: E402
 from kvx.connectors.vllm.meta import KvxConnectorMetadata, remote_params_ok  # noqa: E402
 from tests.vllm_scheduler.conftest import (BLOCK_SIZE, LEASE_S, block_ids, fake_handshake,  # noqa: E402
                                            free_blocks, make_request, prompt, remote_params, step)

@@ -3,9 +3,10 @@
 Prefill (``do_remote_decode``): a finished request keeps its blocks (delayed
 free) under a lease, and its ``kv_transfer_params`` tell decode where to
 read them. Decode (``do_remote_prefill``): the request's prompt KV is
-external; once blocks are allocated the worker reads them, and a request
-that ends before that (abort, full local prefix hit) still releases
-prefill's blocks.
+external; once blocks are allocated the worker reads the ones decode lacks
+(a local prefix hit covers the rest, and vLLM always leaves at least the last
+block to load), and a request that ends before that (abort) or loads nothing
+(vLLM skips caches for it) still releases prefill's blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvx.connectors.vllm.config import KvxConnectorConfig
 from kvx.connectors.vllm.meta import (KvxConnectorMetadata, KvxHandshakeMetadata, RecvRequest, compat_fields,
                                       digest, remote_params_ok)
-from kvx.connectors.vllm.side_channel import SideChannelServer
+from kvx.connectors.side_channel import SideChannelServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,7 +81,8 @@ class KvxScheduler:
                 local = blocks.get_unhashed_block_ids()
                 self._recv.append(RecvRequest(request.request_id, local, params))
             else:
-                # A full local prefix hit: nothing to read, but prefill must free its blocks.
+                # No external tokens (vLLM skips caches for this request, e.g. prompt logprobs):
+                # nothing to read, but prefill must free its blocks.
                 self._recv.append(RecvRequest(request.request_id, [], params, release_only=True))
         else:
             logger.warning("request %s: incomplete kv_transfer_params %s; computing its prompt locally",
@@ -124,8 +126,8 @@ class KvxScheduler:
             return False, None
         # Only the prompt's blocks: decode computes from the prompt, and aligns prefill's blocks
         # with its own from the end (prefill may have generated past the prompt).
-        num_prompt_tokens = len(request.prompt_token_ids or ())
-        block_ids = list(block_ids)[:-(-num_prompt_tokens // self.block_size)]
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        block_ids = list(block_ids)[:-(-num_tokens // self.block_size)]
         self._hold[request.request_id] = self.cfg.lease_s
         ranks = [self._ranks[r] for r in sorted(self._ranks)]
         return True, {
@@ -137,7 +139,7 @@ class KvxScheduler:
             "remote_request_id": request.request_id,
             "remote_host": self.cfg.host,
             "remote_port": self._server.port if self._server else None,
-            "remote_num_tokens": num_prompt_tokens,
+            "remote_num_tokens": num_tokens,
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "kvx": {

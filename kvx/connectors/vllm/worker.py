@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 from kvx.agent import Agent, Peer
 from kvx.config import Timeouts, read_file
 from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
-from kvx.connectors.vllm import side_channel
+from kvx.connectors import side_channel
 from kvx.connectors.vllm.config import KvxConnectorConfig
 from kvx.connectors.vllm.meta import (KvxConnectorMetadata, KvxHandshakeMetadata, RecvRequest, check_compat,
                                       compat_fields, digest, note, parse_note)
-from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError
+from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError, ProtocolError
 from kvx.metadata.client import MetadataOptions
 from kvx.transfer import Transfer
 
@@ -381,6 +381,8 @@ class KvxWorker:
         if kvx.get("digest") != digest(self.compat):
             raise ConfigError(f"kv_transfer_params digest {kvx.get('digest')!r} does not match this engine's "
                               f"{digest(self.compat)!r}")
+        if not isinstance(doc.get("ranks"), list):
+            raise ProtocolError(f"prefill engine {engine_id} sent no rank list")
         ranks = sorted(doc["ranks"], key=lambda r: int(r["tp_rank"]))
         epochs = [f"{int(r['agent_epoch']):#x}" for r in ranks]
         if epochs != [str(e) for e in kvx["epochs"]]:

@@ -1,9 +1,10 @@
-"""The side channel: a prefill engine serves its agents' metadata over HTTP.
+"""The side channel: an engine process serves its agents' metadata over HTTP.
 
-Without a metadata service, a decode engine learns where prefill's agents
-listen and how their caches are laid out from ``GET /kvx/v1/engine`` on the
-``remote_host:remote_port`` named in ``kv_transfer_params``. The document
-holds no secret: reading or writing memory still needs the cluster secret.
+Without a metadata service, a peer learns where an engine's agents listen
+and how their memory is laid out from ``GET /kvx/v1/engine`` (vLLM: the
+``remote_host:remote_port`` in ``kv_transfer_params``; SGLang: the transfer
+session id). The document holds no secret: reading or writing memory still
+needs the cluster secret.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class SideChannelServer:
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvx-side-channel", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kvx-side-channel", daemon=True)
         self._thread.start()
 
     def publish(self, doc: dict[str, Any]) -> None:
@@ -64,19 +66,19 @@ class SideChannelServer:
 
 
 def fetch(host: str, port: int, timeout_s: float) -> dict[str, Any]:
-    """The document a prefill engine serves, or a ConnectError/ProtocolError."""
+    """The document an engine serves, or a ConnectError/ProtocolError."""
     url = f"http://{host}:{port}{PATH}" if ":" not in host else f"http://[{host}]:{port}{PATH}"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             body = resp.read(MAX_DOCUMENT_BYTES + 1)
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        raise ConnectError(f"prefill side channel {url} unreachable: {exc}") from exc
+        raise ConnectError(f"side channel {url} unreachable: {exc}") from exc
     if len(body) > MAX_DOCUMENT_BYTES:
-        raise ProtocolError(f"prefill side channel {url} sent more than {MAX_DOCUMENT_BYTES} bytes")
+        raise ProtocolError(f"side channel {url} sent more than {MAX_DOCUMENT_BYTES} bytes")
     try:
         doc = json.loads(body)
     except ValueError as exc:
-        raise ProtocolError(f"prefill side channel {url} sent invalid JSON: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("ranks"), list):
-        raise ProtocolError(f"prefill side channel {url} sent no rank list")
+        raise ProtocolError(f"side channel {url} sent invalid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"side channel {url} sent no JSON object")
     return doc
