@@ -52,10 +52,17 @@ if ! "$NEXT_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     rm -f "$overrides"
 fi
 python3 -m uv pip install --quiet --python "$NEXT_ENV/bin/python" -e . </dev/null
+# The SGLang end-to-end and plugin tests run SGLang 0.5.23 on CPU from .venv-sglang.
+eval "$(bash scripts/sglang_env.sh .venv-sglang </dev/null | grep -E '^[A-Z_]+=' | sed 's/^/SGL_/')"
+export KVX_SGLANG_PYTHON="$SGL_KVX_SGLANG_PYTHON"
 export PYTHONUNBUFFERED=1
-echo "== kvx tests: native data path (KVX_NATIVE=1), with the vLLM end-to-end tests"
-KVX_NATIVE=1 python3 -m pytest --ignore=tests/vllm_scheduler "$@" </dev/null
-echo "== kvx tests: pure-Python twin (KVX_NATIVE=0); the vLLM engines ran above"
-KVX_NATIVE=0 python3 -m pytest --ignore=tests/e2e --ignore=tests/vllm_scheduler "$@" </dev/null
+echo "== kvx tests: native data path (KVX_NATIVE=1), with the vLLM and SGLang end-to-end tests"
+KVX_NATIVE=1 python3 -m pytest --ignore=tests/vllm_scheduler --ignore=tests/sglang_contract "$@" </dev/null
+echo "== kvx tests: pure-Python twin (KVX_NATIVE=0); the engines ran above"
+KVX_NATIVE=0 python3 -m pytest --ignore=tests/e2e --ignore=tests/vllm_scheduler --ignore=tests/sglang_contract \
+    "$@" </dev/null
 echo "== KvxConnector against vLLM 0.33.0's scheduler ($NEXT_ENV)"
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$NEXT_ENV/bin/python" -m pytest tests/vllm_scheduler </dev/null
+echo "== kvx's SGLang plugin inside SGLang 0.5.23 (.venv-sglang)"
+SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="${SGL_PYTHONPATH:-}" LD_LIBRARY_PATH="${SGL_LD_LIBRARY_PATH:-}" \
+    "$KVX_SGLANG_PYTHON" -m pytest tests/sglang_contract </dev/null

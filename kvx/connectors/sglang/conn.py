@@ -1,0 +1,81 @@
+"""kvx as an SGLang disaggregation transfer backend (``--disaggregation-transfer-backend kvx``).
+
+SGLang's built-in backends share their control plane: the bootstrap server
+(prefill ranks ``PUT /route``, decode ``GET /route``), the ZMQ messages in
+which decode sends its destination KV indices and prefill reports status,
+heartbeats, aborts, chunked sends and the ``KVPoll`` state machine
+(``sglang/srt/disaggregation/common/conn.py``). The mooncake backend adds a
+transfer scheduler on top that turns each chunk into batches of
+(local address, peer address, length) written through an engine object.
+
+kvx keeps all of that SGLang behaviour (so SGLang's router, rank mapping
+for mismatched TP and failure handling work unchanged) and swaps the engine
+for ``KvxTransferEngine``: the bytes move as kvx WRITEs between kvx agents,
+checked against registered memory on both sides. The classes below are that
+swap; nothing of SGLang is patched.
+
+Settings come from the environment of the SGLang processes:
+``KVX_HOST`` (address the agent and its side channel bind and advertise;
+default 127.0.0.1), ``KVX_AUTH_SECRET`` or ``KVX_AUTH_SECRET_FILE`` (the
+cluster secret, needed for a non-loopback ``KVX_HOST``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from sglang.srt.disaggregation.mooncake.conn import (MooncakeKVBootstrapServer, MooncakeKVManager,
+                                                     MooncakeKVReceiver, MooncakeKVSender)
+
+from kvx.config import read_file
+from kvx.connectors.sglang.engine import KvxTransferEngine
+from kvx.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_engine: KvxTransferEngine | None = None
+_engine_lock = threading.Lock()
+
+
+def _secret() -> bytes | None:
+    path = os.environ.get("KVX_AUTH_SECRET_FILE")
+    if path:
+        return read_file(path).strip()
+    env = os.environ.get("KVX_AUTH_SECRET")
+    return env.encode() if env else None
+
+
+def shared_engine(name: str) -> KvxTransferEngine:
+    """The process's engine: one agent serves every manager in the process, as Mooncake's engine does."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            secret = _secret()
+            if secret is not None and len(secret) < 16:
+                raise ConfigError("the kvx auth secret must be at least 16 bytes")
+            _engine = KvxTransferEngine(name, os.environ.get("KVX_HOST", "127.0.0.1"), auth_secret=secret)
+        return _engine
+
+
+class KvxKVManager(MooncakeKVManager):
+    sender_trace_module = "kvx"
+
+    def init_engine(self) -> None:
+        mode = getattr(self.disaggregation_mode, "value", self.disaggregation_mode)
+        self.engine = shared_engine(f"sglang-{mode}-{os.getpid()}-r{self.kv_args.engine_rank}")
+
+
+class KvxKVSender(MooncakeKVSender):
+    # Mooncake's sender takes host-side index tensors, a path that pins memory and records a
+    # CUDA event; kvx's engine needs neither, and the path fails on CPU-only engines.
+    supports_host_tensor_indices = False
+
+
+class KvxKVReceiver(MooncakeKVReceiver):
+    pass
+
+
+class KvxKVBootstrapServer(MooncakeKVBootstrapServer):
+    pass

@@ -1,0 +1,70 @@
+"""kvx's SGLang plugin, inside SGLang 0.5.23 (run from .venv-sglang by scripts/test.sh).
+
+What the plugin leaves behind after SGLang's own ``load_plugins()``: the
+``kvx`` choice, a ``TransferBackend.KVX`` member, and a ``get_kv_class`` that
+answers for kvx and leaves every other backend as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+sglang = pytest.importorskip("sglang", reason="SGLang contract tests run in .venv-sglang (scripts/sglang_env.sh)")
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES  # noqa: E402
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class  # noqa: E402
+
+from kvx.connectors.sglang import plugin  # noqa: E402
+
+
+def test_the_flag_accepts_kvx_once() -> None:
+    assert DISAGG_TRANSFER_BACKEND_CHOICES.count("kvx") == 1
+    for builtin in ("mooncake", "nixl", "fake", "mooncake_tcp"):
+        assert builtin in DISAGG_TRANSFER_BACKEND_CHOICES
+    plugin.register()  # loaded again (another process, or twice): nothing doubles
+    assert DISAGG_TRANSFER_BACKEND_CHOICES.count("kvx") == 1
+
+
+def test_the_enum_has_a_kvx_member_and_keeps_the_others() -> None:
+    assert TransferBackend("kvx") is TransferBackend.KVX
+    assert TransferBackend.KVX.name == "KVX" and TransferBackend.KVX.value == "kvx"
+    assert isinstance(TransferBackend.KVX, TransferBackend)
+    assert TransferBackend("mooncake") is TransferBackend.MOONCAKE
+    assert [m.value for m in TransferBackend][:5] == ["mooncake", "mori", "nixl", "ascend", "fake"]
+    assert plugin.add_enum_member(TransferBackend, "KVX", "kvx") is TransferBackend.KVX
+
+
+def test_class_lookup_answers_for_kvx_and_passes_the_rest_through() -> None:
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.mooncake import MooncakeKVManager, MooncakeKVSender
+
+    from kvx.connectors.sglang import conn
+
+    kvx = TransferBackend.KVX
+    assert get_kv_class(kvx, KVClassType.MANAGER) is conn.KvxKVManager
+    assert get_kv_class(kvx, KVClassType.SENDER) is conn.KvxKVSender
+    assert get_kv_class(kvx, KVClassType.RECEIVER) is conn.KvxKVReceiver
+    assert get_kv_class(kvx, KVClassType.BOOTSTRAP_SERVER) is conn.KvxKVBootstrapServer
+    assert get_kv_class(kvx, KVClassType.KVARGS) is KVArgs
+    assert get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER) is MooncakeKVManager
+    assert get_kv_class(TransferBackend.MOONCAKE, KVClassType.SENDER) is MooncakeKVSender
+    # Modules that imported the function by name see the same lookup.
+    import sglang.srt.managers.disagg_service as disagg_service
+
+    assert disagg_service.get_kv_class(kvx, KVClassType.MANAGER) is conn.KvxKVManager
+    # kvx's sender never takes the pinned host-index path (it fails on CPU-only engines).
+    assert conn.KvxKVSender.supports_host_tensor_indices is False
+
+
+def test_an_unsupported_sglang_version_gets_a_clear_error(monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.23, not 0\.5\.22"):
+        plugin.check_version("0.5.22")
+    monkeypatch.setattr(plugin, "_version", lambda: "0.6.0")
+    with pytest.raises(RuntimeError, match="not 0.6.0"):
+        get_kv_class(TransferBackend.KVX, KVClassType.MANAGER)
+    # Other backends are unaffected by kvx's version check.
+    assert get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER) is not None
