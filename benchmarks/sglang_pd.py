@@ -105,7 +105,7 @@ def main() -> None:
                       f"{len(batch)} concurrent in {took:.1f} s", flush=True)
             finally:
                 if port is not None:  # the router's child leaves the launcher's process group
-                    subprocess.run(["pkill", "-f", f"--port {port}"], check=False)
+                    subprocess.run(["pkill", "-f", "--", f"--port {port}"], check=False)
                 for proc in procs:
                     proc.stop()
     summary = {b: {k: statistics.median(v) for k, v in m.items()} for b, m in results.items()}

@@ -54,6 +54,10 @@ fi
 python3 -m uv pip install --quiet --python "$NEXT_ENV/bin/python" -e . </dev/null
 # The SGLang end-to-end and plugin tests run SGLang 0.5.23 on CPU from .venv-sglang.
 eval "$(bash scripts/sglang_env.sh .venv-sglang </dev/null | grep -E '^[A-Z_]+=' | sed 's/^/SGL_/')"
+if [ -z "${SGL_KVX_SGLANG_PYTHON:-}" ]; then
+    echo "scripts/test.sh: scripts/sglang_env.sh did not build .venv-sglang (run it alone to see why)" >&2
+    exit 1
+fi
 export KVX_SGLANG_PYTHON="$SGL_KVX_SGLANG_PYTHON"
 export PYTHONUNBUFFERED=1
 echo "== kvx tests: native data path (KVX_NATIVE=1), with the vLLM and SGLang end-to-end tests"

@@ -193,7 +193,7 @@ def test_kvx_pair_through_sglang_router(kvx_pair, tmp: Path, reference: dict[int
     got = [output_ids(generate(url, ids)) for ids in PROMPTS]
     assert got == [reference[i] for i in range(len(PROMPTS))]
     # The router's own child process leaves the launcher's process group: end it by name.
-    subprocess.run(["pkill", "-f", f"--port {port}"], check=False)
+    subprocess.run(["pkill", "-f", "--", f"--port {port}"], check=False)
 
 
 def test_decode_that_never_sends_indices_times_out_on_prefill(kvx_pair) -> None:
