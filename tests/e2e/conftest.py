@@ -49,6 +49,22 @@ class Proc:
         self.popen = subprocess.Popen(argv, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def wait_ready(self, deadline: float) -> None:
+        """Until ``self.url + "/health"`` answers 200; a RuntimeError with the log's tail if the
+        process exits or the deadline passes."""
+        import httpx
+
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready:\n{self.tail()}")
+
     def tail(self, n: int = 60) -> str:
         lines = self.log.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
@@ -89,20 +105,6 @@ class Engine(Proc):
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ, **engine_env(), **(extra_env or {}))
         super().__init__(name, argv, env, tmp / f"{name}.log")
-
-    def wait_ready(self, deadline: float) -> None:
-        import httpx
-
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"engine {self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"engine {self.name} not ready after {ENGINE_START_S}s:\n{self.tail()}")
 
     def metric(self, name: str, **labels: str) -> float:
         import httpx

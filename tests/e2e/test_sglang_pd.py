@@ -69,18 +69,6 @@ class Server(Proc):
                 "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK), *args]
         super().__init__(name, argv, sglang_env(), tmp / f"{name}.log")
 
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.name} not ready:\n{self.tail()}")
-
 
 def pair(model: Path, tmp: Path, backend: str, tag: str):
     bootstrap = free_port()
