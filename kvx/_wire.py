@@ -17,7 +17,16 @@ Descriptor payloads are arrays of kvx.descs.DESC_DTYPE (24 bytes each).
 
 Protocol version history:
     1  first version: HELLO/HELLO_REPLY/AUTH handshake with HMAC-SHA256,
-       READ, WRITE, NOTIFY.
+       READ, WRITE, NOTIFY; SHM_PIN/SHM_PIN_OK/SHM_UNPIN for same-host
+       peers, sent only to an agent whose metadata offers shm.
+
+The shm backend uses the same authenticated connection for control only:
+SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
+transfer touches; the target checks that each exists and allows the access,
+pins them and answers SHM_PIN_OK with (uint64 base address, uint64 size) per
+region; the initiator checks every descriptor against those sizes, moves the
+bytes itself (process_vm_readv/writev) and sends SHM_UNPIN with the pin's
+request id (no answer). A connection that ends releases its pins.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ assert HEADER_SIZE == 32
 MAX_HANDSHAKE_BYTES = 4096
 MAX_ERROR_TEXT_BYTES = 4096
 NONCE_BYTES = 32
+# SHM_PIN_OK: 16 bytes per region; a transfer names a few.
+MAX_PIN_REPLY_BYTES = 16 * 65536
 
 
 class MsgType(enum.IntEnum):
@@ -51,6 +62,14 @@ class MsgType(enum.IntEnum):
     WRITE_RESP = 9
     NOTIFY = 10
     NOTIFY_ACK = 11
+    SHM_PIN = 12
+    SHM_PIN_OK = 13
+    SHM_UNPIN = 14
+
+
+# SHM_PIN aux values.
+PIN_READ = 1
+PIN_WRITE = 2
 
 
 class ErrorCode(enum.IntEnum):

@@ -40,6 +40,7 @@ class WorkerConfig:
     metadata: str | None = None  # "host:port" of a metadata service to register with
     role: str = "other"
     lease_ttl_s: int = 10
+    backend: str = "auto"
 
 
 def _main(conn: Any, config: WorkerConfig) -> None:
@@ -54,7 +55,8 @@ def _main(conn: Any, config: WorkerConfig) -> None:
     agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,
                       streams=config.streams, timeouts=kvx.Timeouts(**config.timeouts),
                       limits=kvx.Limits(**config.limits), metadata=config.metadata, role=config.role,
-                      metadata_options=kvx.MetadataOptions(lease_ttl_s=config.lease_ttl_s))
+                      metadata_options=kvx.MetadataOptions(lease_ttl_s=config.lease_ttl_s),
+                      backend=config.backend)
     regions = {0: agent.register(pool, remote_access=config.remote_access)}
     conn.send(("ready", agent.metadata(), os.getpid(), regions[0].id))
     while True:

@@ -21,10 +21,11 @@ from typing import Any, Callable
 import numpy as np
 
 from kvx import _wire
+from kvx.backends import shm
 from kvx.backends._sock import is_loopback, parse_address
 from kvx.backends.base import Channel
-from kvx.backends.tcp import TcpBackend
-from kvx.config import Limits, Timeouts, check_name
+from kvx.backends.tcp import TcpBackend, TcpChannel
+from kvx.config import Limits, Timeouts, check_backend, check_name
 from kvx.descs import Descs, total_bytes
 from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError, MetadataError,
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
@@ -71,6 +72,11 @@ class Agent:
                     the service restarts, and unregisters on close; peers
                     are then found by name with ``connect(name)``.
     metadata_options: token, TLS files and lease for that service.
+    backend:        "auto" (default): peers on the same host get ``shm`` when
+                    the kernel allows cross-memory attach, others ``tcp``;
+                    "tcp" or "shm" forces one (``shm`` then fails to connect
+                    to a peer it cannot use, saying why). ``peer.backend``
+                    and ``peer.backend_reason`` say what was chosen.
     """
 
     def __init__(
@@ -90,8 +96,10 @@ class Agent:
         labels: dict[str, str] | None = None,
         engine_info: dict[str, str] | None = None,
         metadata_options: MetadataOptions | None = None,
+        backend: str = "auto",
     ) -> None:
         self.name = check_name(name)
+        self.backend_setting = check_backend(backend)
         self.epoch = secrets.randbits(64) or 1
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
@@ -123,6 +131,9 @@ class Agent:
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Same-host peers read these 8 bytes (the epoch) to prove they may attach to this process.
+        self._shm_offered = self.backend_setting != "tcp"
+        self._shm_probe = shm.probe_buffer(self.epoch)
         self._backend = TcpBackend(self, host, port, advertise_host)
         logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
         self._directory: Directory | None = None
@@ -220,7 +231,8 @@ class Agent:
         md = agent_pb2.AgentMetadata(
             protocol_version=_wire.PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
             host_name=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
-            auth_required=self._secret is not None)
+            auth_required=self._secret is not None,
+            shm_probe_address=self._shm_probe.ctypes.data if self._shm_offered else 0)
         md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)
         for r in self._regions.regions():
             if r.remote_read or r.remote_write:
@@ -229,12 +241,13 @@ class Agent:
                                remote_write=r.remote_write)
         return md
 
-    def add_peer(self, metadata: bytes, *, streams: int | None = None) -> Peer:
+    def add_peer(self, metadata: bytes, *, streams: int | None = None, backend: str | None = None) -> Peer:
         """Connect to the agent that ``metadata`` describes.
 
         A peer of the same name is replaced when the epoch differs (it
         restarted); with the same epoch the live peer is returned, or a dead
-        one reconnected.
+        one reconnected. ``backend`` overrides the agent's setting for this
+        peer.
         """
         self._check_open()
         md = parse_metadata(metadata)
@@ -249,16 +262,47 @@ class Agent:
         tcp = [e.address for e in md.endpoints if e.backend == agent_pb2.BACKEND_TCP]
         if not tcp:
             raise ConnectError(f"peer {md.name!r} publishes no tcp endpoint")
-        channel = self._backend.connect(md.name, md.epoch, tcp[0], streams or self.streams)
-        peer = Peer(self, md, channel)
+        setting = check_backend(backend or self.backend_setting)
+        choice: list[tuple[str, str]] = []
+
+        def bind(*args: Any) -> Channel:
+            # After the handshake: the peer is who the metadata says (name, epoch, secret).
+            choice.append(self._choose_backend(md, setting))
+            return shm.ShmChannel(*args, pid=md.pid) if choice[0][0] == "shm" else TcpChannel(*args)
+
+        streams = streams or self.streams
+        if setting != "tcp" and md.shm_probe_address and shm.same_host(md, socket.gethostname(), _boot_id()):
+            streams = max(streams, shm.LANES)  # shm is likely: copy large transfers on several threads
+        channel = self._backend.connect(md.name, md.epoch, tcp[0], streams, bind)
+        chosen, reason = choice[0]
+        peer = Peer(self, md, channel, chosen, reason)
         with self._lock:
             if self._closed:
                 channel.close()
                 raise ClosedError(f"agent {self.name!r} is closed")
             self._peers[md.name] = peer
-        logger.info("agent %s: peer %s epoch %#x over tcp (%s), %d stream(s)", self.name, md.name,
-                    md.epoch, tcp[0], len(channel.conns))
+        logger.info("agent %s: peer %s epoch %#x over %s (%s), %d stream(s): %s", self.name, md.name,
+                    md.epoch, chosen, tcp[0], len(channel.conns), reason)
         return peer
+
+    def _choose_backend(self, md: agent_pb2.AgentMetadata, setting: str) -> tuple[str, str]:
+        """(backend, why) for a peer: shm between processes that share a kernel
+        and may attach to each other, tcp otherwise."""
+        if setting == "tcp":
+            return "tcp", "backend=tcp was configured"
+        if not shm.same_host(md, socket.gethostname(), _boot_id()):
+            why = f"peer {md.name!r} is on another host ({md.host_name or 'unknown'})"
+        else:
+            why = shm.probe(md)
+            if why is None:
+                return "shm", (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
+                               f"to pid {md.pid} permitted")
+        if setting == "shm":
+            raise ConnectError(f"backend=shm was configured, but shm cannot reach peer {md.name!r}: {why}")
+        if shm.same_host(md, socket.gethostname(), _boot_id()):
+            logger.warning("agent %s: peer %s is on this host but shm is not usable, falling back to tcp: %s",
+                           self.name, md.name, why)
+        return "tcp", why
 
     def connect(self, name: str, *, streams: int | None = None) -> Peer:
         """The peer named ``name``, resolved through the metadata service.
@@ -354,11 +398,13 @@ def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
 class Peer:
     """A connected remote agent."""
 
-    def __init__(self, agent: Agent, md: agent_pb2.AgentMetadata, channel: Channel) -> None:
+    def __init__(self, agent: Agent, md: agent_pb2.AgentMetadata, channel: Channel, backend: str = "tcp",
+                 backend_reason: str = "") -> None:
         self.agent = agent
         self.name = md.name
         self.epoch = md.epoch
-        self.backend = "tcp"
+        self.backend = backend  # the transport chosen for this peer: "tcp" or "shm"
+        self.backend_reason = backend_reason  # why, in words
         self.host_name = md.host_name
         self._channel = channel
         self._closed_error: Exception | None = None
@@ -392,6 +438,11 @@ class Peer:
     @property
     def alive(self) -> bool:
         return self._closed_error is None and self._channel.alive
+
+    @property
+    def streams(self) -> int:
+        """Connections to the peer (on shm, each copies a part of a large transfer)."""
+        return len(getattr(self._channel, "conns", ())) or 1
 
     def region(self, region_id: int) -> RemoteRegion:
         for r in self.regions:

@@ -58,17 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--block-size", type=_size, default=_size("16KiB"), help="bytes per block (default: 16KiB)")
     demo.add_argument("--blocks", type=_positive, default=100, help="blocks in the request (default: 100)")
 
-    bench = sub.add_parser("bench", help="transfer benchmark against the raw loopback socket",
+    bench = sub.add_parser("bench", help="transfer benchmark against the limit of its path",
                            description="Moves --blocks non-adjacent blocks per transfer between two "
-                           "processes and measures the raw loopback socket with the same bytes per "
-                           "request in the same run, alternating the two.")
+                           "processes and measures, in the same run and alternating with it, the limit "
+                           "of the path the backend takes: the raw loopback socket with the same bytes "
+                           "per request (tcp), or one process_vm_readv/writev of the same ranges (shm).")
     bench.add_argument("--op", choices=["read", "write"], default="read", help="operation (default: read)")
     bench.add_argument("--block-size", type=_size, default=_size("32KiB"), help="bytes per block (default: 32KiB)")
     bench.add_argument("--blocks", type=_positive, default=1000, help="blocks per transfer (default: 1000)")
     bench.add_argument("--iters", type=_positive, default=20, help="measured transfers (default: 20)")
     bench.add_argument("--warmup", type=int, default=3, help="unmeasured transfers first (default: 3)")
     bench.add_argument("--streams", type=_positive, default=1, help="connections per peer (default: 1)")
-    bench.add_argument("--backend", choices=["tcp"], default="tcp", help="transport (default: tcp)")
+    bench.add_argument("--backend", choices=["auto", "tcp", "shm"], default="auto",
+                       help="transport; auto picks as agents do: shm on one host when permitted "
+                       "(default: auto)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     meta = sub.add_parser("metadata", help="run the metadata service (gRPC registry, admin REST API)",
                           description="Agents register here under a lease and find each other by name. "
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvx import _bench
 
             result = _bench.run(args.op, args.block_size, args.blocks, args.iters, args.streams,
-                                max(0, args.warmup), progress=not args.json and sys.stderr.isatty())
+                                max(0, args.warmup), progress=not args.json and sys.stderr.isatty(),
+                                backend=args.backend)
             print(_bench.main_json(result) if args.json else _bench.render(result))
             return 0 if result["verified"] else 1
     except KvxError as exc:

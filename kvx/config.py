@@ -19,6 +19,16 @@ def check_name(name: str) -> str:
     return name
 
 
+# Agent(backend=...): "auto" picks per peer.
+BACKENDS = ("auto", "tcp", "shm")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    return backend
+
+
 def read_file(path: str) -> bytes:
     """A configuration file's bytes (certificates, keys), or a ConfigError that names it."""
     try:

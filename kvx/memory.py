@@ -219,6 +219,26 @@ class RegionTable:
             lens = np.ascontiguousarray(descs["length"])
             return addrs, lens, int(lens.sum(dtype=np.uint64)), self._pin()
 
+    def pin_regions(self, ids: np.ndarray, need: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
+        """Check that each region exists and carries the ``need`` flags, and pin
+        the table: (base addresses, sizes, token); ``release(token)`` after.
+
+        For a peer that moves the bytes itself (shm) and checks its
+        descriptors against these sizes: a region's size never changes while
+        its id lives, and ids are never reused within an epoch.
+        """
+        with self._lock:
+            if len(ids) and int(ids.max()) >= len(self._flags):
+                raise AccessError(f"{who}: unknown region {int(ids.max())}")
+            bad = (self._flags[ids] & (need | VALID)) != (need | VALID)
+            if bad.any():
+                rid = int(ids[int(np.argmax(bad))])
+                flags = int(self._flags[rid])
+                if not flags & VALID:
+                    raise AccessError(f"{who}: unknown region {rid}")
+                raise AccessError(f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})")
+            return self._base[ids].copy(), self._size[ids].copy(), self._pin()
+
     def _pin(self) -> int:
         token = next(self._tokens)
         self._active[token] = None

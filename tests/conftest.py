@@ -48,10 +48,14 @@ def make_worker():
 
 
 @pytest.fixture
-def make_agent():
+def make_agent(request):
+    # A module that defines a ``backend`` fixture runs its tests over each backend it lists.
+    backend = request.getfixturevalue("backend") if "backend" in request.fixturenames else None
     agents: list[kvx.Agent] = []
 
     def make(name: str = "initiator", **kwargs) -> kvx.Agent:
+        if backend is not None:
+            kwargs.setdefault("backend", backend)
         agent = kvx.Agent(name, **kwargs)
         agents.append(agent)
         return agent

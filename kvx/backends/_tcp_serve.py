@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DESC_SIZE = DESC_DTYPE.itemsize
+# SHM_PIN ranges one connection may hold at once (the initiator holds one per
+# request in flight, and Limits.max_inflight_per_peer bounds those).
+MAX_PINS = 4096
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
 _LINGER_BYTES = 1 << 20
@@ -80,6 +83,7 @@ class InboundConnection:
         self.authenticated = False
         self._deadline: float | None = None  # of the handshake
         self.closing = False
+        self._pins: dict[int, int] = {}  # SHM_PIN request id -> region table token
         self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
 
     def start(self) -> None:
@@ -107,6 +111,11 @@ class InboundConnection:
         except Exception:  # never let one peer's bug take the agent down
             logger.exception("internal error serving %s", self.peer_name)
         finally:
+            # The initiator cannot copy through a pin once its connection is gone
+            # (it keeps the connection up while it copies).
+            for token in self._pins.values():
+                self.agent._regions.release(token)
+            self._pins.clear()
             try:
                 self.sock.close()
             finally:
@@ -182,6 +191,8 @@ class InboundConnection:
             MsgType.READ_REQ: self._on_read,
             MsgType.WRITE_REQ: self._on_write,
             MsgType.NOTIFY: self._on_notify,
+            MsgType.SHM_PIN: self._on_pin,
+            MsgType.SHM_UNPIN: self._on_unpin,
         }
         while not self.closing:
             header = recv_header(self.sock, lambda: not self.closing)
@@ -277,6 +288,42 @@ class InboundConnection:
             self._send_error(request_id, self._queue_full())
             return
         self.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
+
+    def _on_pin(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4:
+            raise _Fatal(ProtocolError("SHM_PIN carries region ids, no data, and says read or write"), request_id)
+        if payload_len // 4 > self.agent.limits.max_descs_per_message:
+            raise _Fatal(LimitError(f"{payload_len // 4} regions in one SHM_PIN"), request_id)
+        if request_id in self._pins:
+            raise _Fatal(ProtocolError(f"SHM_PIN reuses request id {request_id}"), request_id)
+        if len(self._pins) >= MAX_PINS:
+            raise _Fatal(LimitError(f"{MAX_PINS} shm pins held by one connection; unpin first"), request_id)
+        ids = np.frombuffer(recv_exact(self.sock, payload_len), dtype="<u4").astype(np.intp)
+        if not self.agent._shm_offered:
+            self._send_error(request_id, AccessError(
+                f"agent {self.agent.name!r} does not offer shm (backend={self.agent.backend_setting!r})"))
+            return
+        writing = aux == _wire.PIN_WRITE
+        try:
+            bases, sizes, token = self.agent._regions.pin_regions(
+                ids, REMOTE_WRITE if writing else REMOTE_READ, "remote write" if writing else "remote read")
+        except AccessError as exc:
+            self._send_error(request_id, exc)
+            return
+        self._pins[request_id] = token
+        body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
+        try:
+            self.sock.sendall(_wire.pack(MsgType.SHM_PIN_OK, request_id, payload_len=len(body)) + body)
+        except OSError:
+            raise PeerLostError("connection lost while answering SHM_PIN") from None
+
+    def _on_unpin(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        if payload_len or aux or data_len:
+            raise _Fatal(ProtocolError("SHM_UNPIN carries nothing but the pin's request id"), request_id)
+        token = self._pins.pop(request_id, None)
+        if token is None:
+            raise _Fatal(ProtocolError(f"SHM_UNPIN of request {request_id}, which holds no pin"), request_id)
+        self.agent._regions.release(token)
 
     def _queue_full(self) -> LimitError:
         return LimitError(f"agent {self.agent.name!r} has "

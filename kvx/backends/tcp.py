@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -66,7 +66,7 @@ _ERRORS: dict[int, type[KvxError]] = {
 
 
 _RESPONSE = {MsgType.READ_REQ: MsgType.READ_RESP, MsgType.WRITE_REQ: MsgType.WRITE_RESP,
-             MsgType.NOTIFY: MsgType.NOTIFY_ACK}
+             MsgType.NOTIFY: MsgType.NOTIFY_ACK, MsgType.SHM_PIN: MsgType.SHM_PIN_OK}
 
 
 def _remote_error(code: int, text: str, peer: str) -> KvxError:
@@ -138,7 +138,8 @@ class TcpBackend(Backend):
         with self._lock:
             self._inbound.discard(conn)
 
-    def connect(self, target_name: str, target_epoch: int, address: str, streams: int) -> TcpChannel:
+    def connect(self, target_name: str, target_epoch: int, address: str, streams: int,
+                channel: Callable[..., TcpChannel] | None = None) -> TcpChannel:
         with self._lock:
             if self._closed:
                 raise ClosedError(f"agent {self.agent.name!r} is closed")
@@ -151,12 +152,17 @@ class TcpBackend(Backend):
             for conn in conns:
                 conn.shutdown(ClosedError("connect failed"))
             raise
-        channel = TcpChannel(self, target_name, conns, *limits)
+        try:
+            made = (channel or TcpChannel)(self, target_name, conns, *limits)
+        except BaseException:
+            for conn in conns:
+                conn.shutdown(ClosedError("connect failed"))
+            raise
         with self._lock:
             self._conns.update(conns)
         for conn in conns:
             conn.start()
-        return channel
+        return made
 
     def _connection_closed(self, conn: _Connection) -> None:
         with self._lock:
@@ -260,7 +266,7 @@ class _Part:
     response, the send and a connection failure come in.
     """
 
-    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error")
+    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy")
 
     def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int) -> None:
         self.transfer = transfer
@@ -270,6 +276,8 @@ class _Part:
         self.nbytes = nbytes
         self.holds = 2 if self.sends_data else 1
         self.error: KvxError | None = None
+        # SHM_PIN: fn((base, size) per pinned region) moves the bytes.
+        self.copy: Callable[[np.ndarray], None] | None = None
 
     @property
     def sends_data(self) -> bool:
@@ -308,6 +316,7 @@ class _Connection:
         self.lock = threading.Lock()
         self.pending: dict[int, _Part] = {}
         self.receiving: _Part | None = None  # the part the reader is moving bytes into
+        self.copying = False  # the reader is moving bytes of a pinned shm range: keep the pin
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
         self.closed = False
@@ -357,7 +366,7 @@ class _Connection:
 
     def _send_locked(self, part: _Part, prefix: bytes) -> None:
         """Send with send_lock held (released here); then release the send hold."""
-        sends_data = part.sends_data
+        sends_data = part is not None and part.sends_data
         error = None
         try:
             try:
@@ -401,14 +410,19 @@ class _Connection:
             self.pending = {i: p for i, p in self.pending.items() if p is self.receiving}
             queued, self.queue = list(self.queue), collections.deque()
             self.queue_cv.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            # While the reader copies a pinned shm range the socket stays up: its
+            # end would let the target unpin (and free) memory still being copied.
+            # The reader shuts it down when the copy returns.
+            copying = self.copying
+        if not copying:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for part in failed:
             self._release(part, _again(error))
         for part, _ in queued:
-            if part.sends_data:
+            if part is not None and part.sends_data:
                 self._release(part, _again(error))  # its data was never sent
         if self.on_break is not None:
             self.on_break(error)
@@ -428,7 +442,7 @@ class _Connection:
                         raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
                     self.receiving = part
                 try:
-                    result = self._read_response(part, msg_type, payload_len, aux, data_len)
+                    result = self._read_response(part, request_id, msg_type, payload_len, aux, data_len)
                 except BaseException as exc:
                     failure = _translate(exc, self.peer, self.io_s)
                     with self.lock:
@@ -441,6 +455,9 @@ class _Connection:
                     self.receiving = None
                     self.last_progress = time.monotonic()
                 self._release(part, result)
+                if msg_type == MsgType.SHM_PIN_OK:
+                    # Unpinned only now: finishing the transfer first takes the send off its critical path.
+                    self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
         except BaseException as exc:
             with self.lock:
                 error = self.error
@@ -455,15 +472,17 @@ class _Connection:
         with self.lock:
             return not self.pending or time.monotonic() - self.last_progress < self.io_s
 
-    def _read_response(self, part: _Part, msg_type: int, payload_len: int, aux: int,
+    def _read_response(self, part: _Part, request_id: int, msg_type: int, payload_len: int, aux: int,
                        data_len: int) -> KvxError | None:
         if msg_type == MsgType.ERROR:
             if payload_len > _wire.MAX_ERROR_TEXT_BYTES or data_len:
                 raise ProtocolError(f"peer {self.peer!r} sent a malformed ERROR")
             text = bytes(recv_exact(self.sock, payload_len)).decode(errors="replace")
             return _remote_error(aux, text, self.peer)
-        if msg_type != _RESPONSE[part.op] or payload_len:
+        if msg_type != _RESPONSE[part.op] or (payload_len and msg_type != MsgType.SHM_PIN_OK):
             raise ProtocolError(f"peer {self.peer!r} answered {part.op.name} with message type {msg_type}")
+        if msg_type == MsgType.SHM_PIN_OK:
+            return self._copy_pinned(part, request_id, payload_len, data_len)
         if msg_type == MsgType.READ_RESP:
             if data_len != part.nbytes:
                 raise ProtocolError(f"peer {self.peer!r} sent {data_len} bytes for a read of {part.nbytes}")
@@ -471,6 +490,46 @@ class _Connection:
         elif data_len:
             raise ProtocolError(f"peer {self.peer!r} sent data with {MsgType(msg_type).name}")
         return None
+
+    def _copy_pinned(self, part: _Part, request_id: int, payload_len: int, data_len: int) -> KvxError | None:
+        """SHM_PIN_OK: move the bytes of a pinned range, then unpin it."""
+        if data_len or payload_len % 16 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
+            raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_PIN_OK")
+        remote_addrs = np.frombuffer(recv_exact(self.sock, payload_len), dtype=np.uint64)
+        with self.lock:
+            if self.error is not None:
+                raise _again(self.error)
+            self.copying = True
+        try:
+            part.copy(remote_addrs)
+            result = None
+        except KvxError as exc:
+            result = exc
+        finally:
+            with self.lock:
+                self.copying = False
+                broken = self.error is not None
+            if broken:  # shutdown() came during the copy and left the socket to us
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return result
+
+    def send_oneway(self, prefix: bytes) -> None:
+        """Send a message that gets no answer: now if the socket is free, else queued."""
+        with self.lock:
+            if self.error is not None:
+                return
+            if self.queue or not self.send_lock.acquire(blocking=False):
+                self.queue.append((None, prefix))
+                if self.sender is None:
+                    self.sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                   name=f"kvx-send-{self.peer}")
+                    self.sender.start()
+                self.queue_cv.notify()
+                return
+        self._send_locked(None, prefix)
 
     def _close_socket(self) -> None:
         sender = self.sender
@@ -535,35 +594,12 @@ class TcpChannel(Channel):
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None) -> None:
-        streams = len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1
-        if streams == 1 and total <= self.max_message_bytes and len(remote) <= self.max_descs:
-            # One request: the common case, and the one latency depends on.
-            nparts, cuts = 1, (0, total)
-            remote_cut, remote_idx = remote, (0, len(remote))
-            local_cut, local_idx = None, (0, len(local_addrs))
-        else:
-            cuts = plan_cuts(remote, total, self.max_message_bytes, self.max_descs, streams)
-            nparts = len(cuts) - 1
-            remote_cut, remote_idx = Descs(remote).split_at(cuts)
-            remote_cut = remote_cut.array
-            local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
-            local["offset"] = local_addrs
-            local["length"] = local_lens
-            local_cut, local_idx = Descs(local).split_at(cuts)
-            local_cut = local_cut.array
-        attach_notify = notify is not None and nparts == 1 and op is Op.WRITE
+        parts = self.split(local_addrs, local_lens, total, remote, self.max_message_bytes)
+        attach_notify = notify is not None and len(parts) == 1 and op is Op.WRITE
         if notify is not None and not attach_notify:
             transfer._on_parts_done = lambda t: self.notify(t, notify)
-        transfer._parts_left = nparts
-        for k in range(nparts):
-            wire = remote_cut[remote_idx[k]:remote_idx[k + 1]]
-            if local_cut is None:
-                addrs, lens = local_addrs, local_lens
-            else:
-                mine = local_cut[local_idx[k]:local_idx[k + 1]]
-                addrs = np.ascontiguousarray(mine["offset"])
-                lens = np.ascontiguousarray(mine["length"])
-            nbytes = int(cuts[k + 1] - cuts[k])
+        transfer._parts_left = len(parts)
+        for wire, addrs, lens, nbytes in parts:
             conn = self._conn()
             request_id = next(conn.ids)
             payload = wire.tobytes()
@@ -575,6 +611,27 @@ class TcpChannel(Channel):
                 prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
                                     aux=len(extra), data_len=nbytes) + payload + extra
                 conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes), prefix, request_id)
+
+    def split(self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray,
+              max_bytes: int) -> list[tuple[np.ndarray, Any, Any, int]]:
+        """The requests of a transfer: (remote descriptors, local addresses,
+        local lengths, bytes) each, within the target's limits and spread over
+        the streams when it is large."""
+        streams = len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1
+        if streams == 1 and total <= max_bytes and len(remote) <= self.max_descs:
+            return [(remote, local_addrs, local_lens, total)]  # the common case, and the one latency depends on
+        cuts = plan_cuts(remote, total, max_bytes, self.max_descs, streams)
+        remote_cut, remote_idx = Descs(remote).split_at(cuts)
+        local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
+        local["offset"] = local_addrs
+        local["length"] = local_lens
+        local_cut, local_idx = Descs(local).split_at(cuts)
+        parts = []
+        for k in range(len(cuts) - 1):
+            mine = local_cut.array[local_idx[k]:local_idx[k + 1]]
+            parts.append((remote_cut.array[remote_idx[k]:remote_idx[k + 1]], np.ascontiguousarray(mine["offset"]),
+                          np.ascontiguousarray(mine["length"]), int(cuts[k + 1] - cuts[k])))
+        return parts
 
 
 def plan_cuts(remote: np.ndarray, total: int, max_bytes: int, max_descs: int, streams: int) -> np.ndarray:

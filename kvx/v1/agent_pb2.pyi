@@ -56,7 +56,7 @@ class Region(_message.Message):
     def __init__(self, id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device: _Optional[int] = ..., address: _Optional[int] = ..., remote_read: bool = ..., remote_write: bool = ...) -> None: ...
 
 class AgentMetadata(_message.Message):
-    __slots__ = ("protocol_version", "name", "epoch", "endpoints", "regions", "host_name", "boot_id", "pid", "auth_required")
+    __slots__ = ("protocol_version", "name", "epoch", "endpoints", "regions", "host_name", "boot_id", "pid", "auth_required", "shm_probe_address")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class AgentMetadata(_message.Message):
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     epoch: int
@@ -75,4 +76,5 @@ class AgentMetadata(_message.Message):
     boot_id: str
     pid: int
     auth_required: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., host_name: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., auth_required: bool = ...) -> None: ...
+    shm_probe_address: int
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., host_name: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., auth_required: bool = ..., shm_probe_address: _Optional[int] = ...) -> None: ...

@@ -28,6 +28,12 @@ BLOCKS = 512
 HALF = BLOCKS // 2
 
 
+
+@pytest.fixture(params=["tcp", "shm"], autouse=True)
+def backend(request):
+    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
+    return request.param
+
 def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, make_agent):
     threads_before = kvx_threads()
     worker = make_worker(pool_bytes=BLOCKS * BLOCK, timeouts={"io_s": 2.0})

@@ -38,10 +38,13 @@ def test_bench_json_has_the_promised_fields():
 
 
 @pytest.mark.slow
-def test_bench_write_text_output():
-    result = kvx("bench", "--op", "write", "--blocks", "16", "--iters", "2", "--warmup", "0")
+@pytest.mark.parametrize("backend, limit", [("tcp", "raw socket"), ("shm", "process_vm_readv"),
+                                            ("auto", "process_vm_readv")])
+def test_bench_write_text_output(backend, limit):
+    result = kvx("bench", "--op", "write", "--blocks", "16", "--iters", "2", "--warmup", "0", "--backend", backend)
     assert result.returncode == 0, result.stderr
-    assert "of the raw loopback limit" in result.stdout and "NOT VERIFIED" not in result.stdout
+    assert f"of the {limit} limit" in result.stdout and "NOT VERIFIED" not in result.stdout
+    assert f"backend:          {'shm' if backend == 'auto' else backend}:" in result.stdout
 
 
 def test_bad_arguments_are_clear_errors():

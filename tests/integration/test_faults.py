@@ -22,6 +22,12 @@ BLOCK = 4096
 POOL = 1 << 20
 
 
+
+@pytest.fixture(params=["tcp", "shm"], autouse=True)
+def backend(request):
+    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
+    return request.param
+
 def _tampered(metadata: bytes, edit) -> bytes:
     md = agent_pb2.AgentMetadata.FromString(metadata)
     edit(md)

@@ -13,17 +13,23 @@ from tests.conftest import SECRET
 BLOCK = 4096
 
 
+
+@pytest.fixture(params=["tcp", "shm"], autouse=True)
+def backend(request):
+    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
+    return request.param
+
 def _pool(agent, nbytes=1 << 20):
     pool = np.zeros(nbytes, np.uint8)
     return pool, agent.register(pool)
 
 
-def test_read_lands_exactly_the_requested_bytes(make_worker, make_agent):
+def test_read_lands_exactly_the_requested_bytes(make_worker, make_agent, backend):
     worker = make_worker(auth_secret=SECRET)
     agent = make_agent(auth_secret=SECRET)
     pool, region = _pool(agent)
     peer = agent.add_peer(worker.metadata)
-    assert peer.name == "target" and peer.backend == "tcp" and peer.alive
+    assert peer.name == "target" and peer.backend == backend and peer.alive
     remote_ids, local_ids = np.array([3, 7, 8, 100, 42]), np.array([0, 2, 4, 6, 8])
     t = peer.read(Descs.from_blocks(region, local_ids, BLOCK), Descs.from_blocks(peer.regions[0], remote_ids, BLOCK))
     t.wait(10)

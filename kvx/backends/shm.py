@@ -1,0 +1,193 @@
+"""The shm backend: same-host peers, host memory, no copy through a socket.
+
+The initiator moves the bytes itself with cross-memory attach
+(``process_vm_readv``/``process_vm_writev``, batched in C: kvx/_io.py), from
+or into the target process's registered memory. The tcp connection to the
+peer stays, for control only: it authenticates the peer (HMAC challenge,
+epoch), and before each copy the target checks the remote descriptors
+against its region table and pins them (``SHM_PIN``), exactly as it checks a
+tcp READ or WRITE, so that a peer still touches only what was registered, and
+``deregister`` waits until no copy can touch the region. See kvx/_wire.py.
+
+Whether cross-memory attach is allowed between two processes is the
+kernel's call (same user, Yama ``ptrace_scope``, capabilities, seccomp, pid
+namespaces). ``probe`` finds out before a peer is bound to this backend, by
+reading 8 bytes the target published for it, and says why not when not.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvx import _io, _wire
+from kvx._wire import MsgType
+from kvx.backends.tcp import TcpChannel, _Part
+from kvx.memory import VALID, check_descs
+from kvx.errors import AccessError, PeerLostError, ProtocolError, TransferError
+from kvx.transfer import Op, Transfer
+
+if TYPE_CHECKING:
+    from kvx.v1 import agent_pb2
+
+PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+# Connections (each with its reader thread, which copies) to a peer on shm: a
+# large transfer is copied in this many parts at once, so that one part's fixed
+# costs (the pin round trip, the Python around it) overlap another's copy.
+# Measured with `kvx bench` (benchmarks/RESULTS.md): 2 lanes reach the
+# process_vm_readv limit, 1 lane about 83% of it.
+LANES = 2
+# A transfer is cut into requests of at most this many bytes only to spread it
+# over several streams; the bytes themselves never pass through a message.
+_NO_BYTE_LIMIT = 1 << 62
+
+
+class ShmChannel(TcpChannel):
+    """Control over the tcp connections, bytes through cross-memory attach."""
+
+    def __init__(self, *args: Any, pid: int) -> None:
+        super().__init__(*args)
+        self.pid = pid
+
+    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
+             remote: np.ndarray, notify: bytes | None) -> None:
+        parts = self.split(local_addrs, local_lens, total, remote, _NO_BYTE_LIMIT)
+        if notify is not None:  # after every byte has landed, as over tcp
+            transfer._on_parts_done = lambda t: self.notify(t, notify)
+        transfer._parts_left = len(parts)
+        writing = op is Op.WRITE
+        move = _io.vm_writev if writing else _io.vm_readv
+        for wire, addrs, lens, nbytes in parts:
+            conn = self._conn()
+            request_id = next(conn.ids)
+            ids = wire["region"]
+            regions = (ids[:1] if (ids == ids[0]).all() else np.unique(ids)).astype("<u4")
+            payload = regions.tobytes()
+            part = _Part(transfer, MsgType.SHM_PIN, addrs, lens, nbytes)
+            part.copy = _Copy(move, self.pid, self.peer, addrs, lens, wire, regions)
+            prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload),
+                                aux=_wire.PIN_WRITE if writing else _wire.PIN_READ) + payload
+            conn.submit(part, prefix, request_id)
+
+
+class _Copy:
+    """Moves one part's bytes once the target has pinned its regions."""
+
+    __slots__ = ("move", "pid", "peer", "addrs", "lens", "remote", "regions")
+
+    def __init__(self, move: Any, pid: int, peer: str, addrs: Any, lens: Any, remote: np.ndarray,
+                 regions: np.ndarray) -> None:
+        self.move = move
+        self.pid = pid
+        self.peer = peer
+        self.addrs = addrs
+        self.lens = lens
+        self.remote = remote
+        self.regions = regions
+
+    def __call__(self, pinned: np.ndarray) -> None:
+        """``pinned``: (base address, size) per region, as the target sent them."""
+        if len(pinned) != 2 * len(self.regions):
+            raise ProtocolError(f"peer {self.peer!r} pinned {len(pinned) // 2} regions of {len(self.regions)}")
+        bases, sizes = pinned[0::2], pinned[1::2]
+        offsets, lengths = self.remote["offset"], self.remote["length"]
+        if len(self.regions) == 1:
+            base, size = bases[0], sizes[0]
+        else:
+            at = np.searchsorted(self.regions, self.remote["region"])
+            base, size = bases[at], sizes[at]
+        # The initiator checked against the sizes the peer published; these are the ones it pinned.
+        if not ((offsets <= size) & (lengths <= size - np.minimum(offsets, size))).all():
+            self._refuse(sizes)
+        try:
+            self.move(self.pid, self.addrs, self.lens, np.ascontiguousarray(offsets + base, np.uint64),
+                      np.ascontiguousarray(lengths))
+        except OSError as exc:
+            raise _copy_error(exc, self.pid, self.peer) from exc
+
+
+    def _refuse(self, sizes: np.ndarray) -> None:
+        """Raise the AccessError that names the first descriptor outside its region."""
+        top = int(self.regions.max()) + 1
+        flags = np.zeros(top, np.uint8)
+        flags[self.regions] = VALID
+        table = np.zeros(top, np.uint64)
+        table[self.regions] = sizes
+        writing = self.move is _io.vm_writev
+        check_descs(self.remote, flags, table, 0, f"peer {self.peer!r}: remote {'write' if writing else 'read'}")
+        raise AccessError(f"peer {self.peer!r}: a descriptor lies outside the region it pinned")
+
+
+def _copy_error(exc: OSError, pid: int, peer: str) -> Exception:
+    if exc.errno == errno.ESRCH:
+        return PeerLostError(f"peer {peer!r} (pid {pid}) is gone")
+    if exc.errno == errno.EPERM:
+        return AccessError(f"cross-memory attach to peer {peer!r} (pid {pid}) is no longer permitted: {exc}")
+    if exc.errno == errno.EFAULT:
+        return TransferError(f"peer {peer!r} (pid {pid}): a pinned range is not mapped in its process (EFAULT); "
+                             "was its memory freed without deregister()?")
+    return TransferError(f"cross-memory attach to peer {peer!r} (pid {pid}) failed: {exc}")
+
+
+def same_host(md: agent_pb2.AgentMetadata, host_name: str, boot_id: str) -> bool:
+    """Same kernel: the same boot id, and the same host name (a guard against
+    copied boot ids, e.g. two VMs from one image are told apart by it)."""
+    return bool(md.boot_id) and md.boot_id == boot_id and md.host_name == host_name
+
+
+def probe(md: agent_pb2.AgentMetadata) -> str | None:
+    """None when this process may attach to the peer's; else why not, in words
+    that say what to change."""
+    if not md.shm_probe_address:
+        return (f"peer {md.name!r} does not offer shm (its backend setting is tcp, or it runs a kvx "
+                "without shm)")
+    local = np.zeros(1, dtype="<u8")
+    try:
+        _io.vm_readv(md.pid, np.array([local.ctypes.data], np.uint64), np.array([8], np.uint64),
+                     np.array([md.shm_probe_address], np.uint64), np.array([8], np.uint64))
+    except OSError as exc:
+        return explain(exc, md.pid)
+    if int(local[0]) != md.epoch:
+        return (f"pid {md.pid} in this process's pid namespace is not peer {md.name!r}: the agents run in "
+                "different pid namespaces (containers); share one (Kubernetes: shareProcessNamespace or "
+                "hostPID; docker: --pid=host)")
+    return None
+
+
+def explain(exc: OSError, pid: int) -> str:
+    """Why process_vm_readv on ``pid`` failed, and what would allow it."""
+    if exc.errno == errno.EPERM:
+        scope = ptrace_scope()
+        if scope is not None and scope >= 1:
+            why = (f"kernel.yama.ptrace_scope is {scope}, which allows it only "
+                   + ("on descendants" if scope == 1 else "with CAP_SYS_PTRACE" if scope == 2 else "never"))
+            fix = ("set it to 0 (sysctl kernel.yama.ptrace_scope=0) or give the agents CAP_SYS_PTRACE"
+                   if scope < 3 else "ptrace_scope 3 cannot be lowered without a reboot")
+        else:
+            why = "the processes run as different users, or a container lacks CAP_SYS_PTRACE"
+            fix = "run both agents as one user, or add CAP_SYS_PTRACE (docker: --cap-add SYS_PTRACE)"
+        return f"cross-memory attach to pid {pid} is not permitted (EPERM): {why}; {fix}"
+    if exc.errno == errno.ESRCH:
+        return (f"no process {pid} in this pid namespace: the peer runs in another pid namespace "
+                "(container), or has exited; share the pid namespace (Kubernetes: shareProcessNamespace "
+                "or hostPID; docker: --pid=host)")
+    if exc.errno == errno.ENOSYS:
+        return "process_vm_readv is not available (blocked by a seccomp profile, or an old kernel)"
+    if exc.errno == errno.EFAULT:
+        return f"pid {pid} has no probe at the published address: it is another process, not the peer"
+    return f"cross-memory attach to pid {pid} failed: {exc}"
+
+
+def ptrace_scope() -> int | None:
+    try:
+        with open(PTRACE_SCOPE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def probe_buffer(epoch: int) -> np.ndarray:
+    """The 8 bytes a peer reads to prove it may attach to this process."""
+    return np.array([epoch], dtype="<u8")

@@ -1,0 +1,233 @@
+"""The shm backend's own cases: when it is chosen and why, what the target
+checks before an initiator may copy, and how pins hold deregister.
+
+The transfer, fault and chaos suites (test_transfer.py, test_faults.py,
+test_chaos.py) run over shm as well as tcp.
+"""
+
+import ctypes
+import json
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx import Descs, _wire
+from kvx._wire import MsgType
+from kvx.agent import parse_metadata
+from tests.conftest import SECRET
+from tests.integration.test_faults import _expect_error_then_close, _read_message, _session, _tampered
+
+BLOCK = 4096
+
+
+def test_same_host_peers_get_shm_and_say_why(make_worker, make_agent, caplog):
+    worker = make_worker(auth_secret=SECRET)
+    agent = make_agent(auth_secret=SECRET)
+    pool = np.zeros(1 << 20, np.uint8)
+    region = agent.register(pool)
+    with caplog.at_level(logging.INFO, logger="kvx.agent"):
+        peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    assert f"pid {worker.pid} permitted" in peer.backend_reason
+    assert any("over shm" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    ids = np.array([9, 2, 200, 31])
+    peer.read(Descs.from_blocks(region, np.arange(4), BLOCK), Descs.from_blocks(peer.regions[0], ids, BLOCK)).wait(10)
+    expected = worker.expected(0, 1 << 20).reshape(-1, BLOCK)
+    assert np.array_equal(pool[:4 * BLOCK].reshape(-1, BLOCK), expected[ids])
+    assert not pool[4 * BLOCK:].any()
+
+
+def test_a_target_that_does_not_offer_shm_gets_tcp(make_worker, make_agent):
+    worker = make_worker(backend="tcp")
+    assert parse_metadata(worker.metadata).shm_probe_address == 0
+    peer = make_agent("auto").add_peer(worker.metadata)
+    assert peer.backend == "tcp" and "does not offer shm" in peer.backend_reason
+    with pytest.raises(kvx.ConnectError, match="backend=shm was configured.*does not offer shm"):
+        make_agent("forced", backend="shm").add_peer(worker.metadata)
+    peer = make_agent("auto-2").add_peer(worker.metadata, backend="tcp")
+    assert peer.backend_reason == "backend=tcp was configured"
+
+
+def test_peers_on_another_host_get_tcp(make_worker, make_agent):
+    worker = make_worker()
+    elsewhere = _tampered(worker.metadata, lambda md: setattr(md, "boot_id", "another-kernel"))
+    peer = make_agent("a").add_peer(elsewhere)
+    assert peer.backend == "tcp" and "another host" in peer.backend_reason
+    with pytest.raises(kvx.ConnectError, match="another host"):
+        make_agent("b", backend="shm").add_peer(elsewhere)
+
+
+def test_a_pid_from_another_namespace_is_detected(make_worker, make_agent):
+    worker = make_worker()
+    gone = multiprocessing.get_context("spawn").Process(target=int)
+    gone.start()
+    gone.join()
+    # The metadata's pid names no process here (as for a peer in another pid namespace).
+    stranger = _tampered(worker.metadata, lambda md: setattr(md, "pid", gone.pid))
+    peer = make_agent("a").add_peer(stranger)
+    assert peer.backend == "tcp" and "pid namespace" in peer.backend_reason
+    # A pid that names another process here: the probe does not find the epoch.
+    impostor = _tampered(worker.metadata, lambda md: setattr(md, "pid", os.getpid()))
+    peer = make_agent("b").add_peer(impostor)
+    assert peer.backend == "tcp" and f"pid {os.getpid()}" in peer.backend_reason
+    with pytest.raises(kvx.ConnectError, match="pid"):
+        make_agent("c", backend="shm").add_peer(impostor)
+
+
+def test_stale_metadata_fails_the_handshake_not_the_probe(make_worker, make_agent):
+    worker = make_worker()
+    stale = _tampered(worker.metadata, lambda md: setattr(md, "epoch", md.epoch ^ 1))
+    with pytest.raises(kvx.EpochError):
+        make_agent(backend="shm").add_peer(stale)
+
+
+_UNPRIVILEGED = """
+import json, sys, kvx
+agent = kvx.Agent("unprivileged")
+peer = agent.add_peer(bytes.fromhex(sys.argv[1]))
+out = {"backend": peer.backend, "reason": peer.backend_reason}
+try:
+    kvx.Agent("unprivileged-forced", backend="shm").add_peer(bytes.fromhex(sys.argv[1]))
+except kvx.ConnectError as exc:
+    out["forced"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def _without_ptrace_capability():
+    """In the child before exec: drop CAP_SYS_PTRACE from the bounding set, so
+    that root, after exec, may no longer attach to processes that keep it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE, 0, 0, 0) != 0:
+        os._exit(77)
+
+
+PR_CAPBSET_DROP = 24
+CAP_SYS_PTRACE = 19
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as another user "
+                    "the test would need a second account")
+def test_attach_not_permitted_is_explained(make_worker):
+    worker = make_worker()
+    proc = subprocess.run([sys.executable, "-c", _UNPRIVILEGED, worker.metadata.hex()],
+                          preexec_fn=_without_ptrace_capability, capture_output=True, text=True, timeout=60)
+    if proc.returncode == 77:
+        pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["backend"] == "tcp"
+    assert "not permitted (EPERM)" in out["reason"] and "CAP_SYS_PTRACE" in out["reason"]
+    assert "not permitted (EPERM)" in out["forced"], out
+
+
+# What the target checks: SHM_PIN and SHM_UNPIN on a raw connection.
+
+def _pin(sock, request_id, *regions, aux=_wire.PIN_READ):
+    ids = np.array(regions, "<u4").tobytes()
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(ids), aux=aux) + ids)
+    return _read_message(sock)
+
+
+def test_pins_are_checked_and_hold_deregister(make_worker):
+    worker = make_worker()
+    rid = worker.call("register", 1 << 16, True)
+    md = parse_metadata(worker.call("metadata"))
+    base = next(r.address for r in md.regions if r.id == rid)
+    sock, _ = _session(worker)
+    (msg_type, _), body = _pin(sock, 1, rid, worker.region_id, aux=_wire.PIN_WRITE)
+    assert msg_type == MsgType.SHM_PIN_OK
+    pool = next(r for r in md.regions if r.id == worker.region_id)
+    assert np.frombuffer(body, np.uint64).tolist() == [base, 1 << 16, pool.address, pool.size_bytes]
+    # An unknown region, and one pinned for an access it does not allow: refused, the connection lives on.
+    (msg_type, aux), text = _pin(sock, 2, rid, 999)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"unknown region 999" in text
+    private = worker.call("register", 4096, False)
+    (msg_type, aux), text = _pin(sock, 3, private)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"without remote access" in text
+    # Deregister waits while the pin is held...
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.call("deregister", rid), done.set()), daemon=True).start()
+    assert not done.wait(0.5), "deregister went through a held pin"
+    # ...and goes through once it is released.
+    sock.sendall(_wire.pack(MsgType.SHM_UNPIN, 1))
+    assert done.wait(10)
+    (msg_type, aux), _ = _pin(sock, 4, rid)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS)
+    sock.close()
+
+
+def test_a_connection_that_ends_releases_its_pins(make_worker):
+    worker = make_worker()
+    rid = worker.call("register", 1 << 16, True)
+    sock, _ = _session(worker)
+    (msg_type, _), _ = _pin(sock, 1, rid)
+    assert msg_type == MsgType.SHM_PIN_OK
+    sock.close()
+    started = time.monotonic()
+    worker.call("deregister", rid)
+    assert time.monotonic() - started < 5
+
+
+def test_malformed_pin_messages_close_the_connection(make_worker, make_agent):
+    worker = make_worker()
+    sock, _ = _session(worker)
+    sock.sendall(_wire.pack(MsgType.SHM_UNPIN, 7))  # holds no pin
+    assert "holds no pin" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    ids = np.array([worker.region_id], "<u4").tobytes()
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=9) + ids)
+    _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=6, aux=_wire.PIN_READ) + b"\0" * 6)  # not whole ids
+    _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    assert _pin(sock, 5, worker.region_id)[0][0] == MsgType.SHM_PIN_OK
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 5, payload_len=len(ids), aux=_wire.PIN_READ) + ids)
+    assert "reuses" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    # The agent serves on.
+    peer = make_agent().add_peer(worker.metadata)
+    pool = np.zeros(BLOCK, np.uint8)
+    region = peer.agent.register(pool)
+    peer.read(region.descs(0, BLOCK), peer.regions[0].descs(BLOCK, BLOCK)).wait(10)
+    assert peer.backend == "shm" and pool.tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
+
+
+def test_pins_are_refused_when_shm_is_not_offered(make_worker):
+    worker = make_worker(backend="tcp")
+    sock, _ = _session(worker)
+    (msg_type, aux), text = _pin(sock, 1, worker.region_id)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"does not offer shm" in text
+    sock.close()
+
+
+def test_many_small_blocks_over_several_streams(make_worker, make_agent):
+    size = 8 << 20
+    worker = make_worker(pool_bytes=size)
+    agent = make_agent(streams=4)
+    pool = np.zeros(size, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    rng = np.random.default_rng(5)
+    blocks = size // BLOCK
+    remote_ids = rng.permutation(blocks)[: blocks // 2]
+    local_ids = rng.permutation(blocks)[: blocks // 2]
+    peer.read(Descs.from_blocks(region, local_ids, BLOCK), Descs.from_blocks(peer.regions[0], remote_ids, BLOCK),
+              notify=b"read-done").wait(20)
+    expected = worker.expected(0, size).reshape(-1, BLOCK)
+    assert np.array_equal(pool.reshape(-1, BLOCK)[local_ids], expected[remote_ids])
+    assert worker.call("notifications", 5.0) == [("initiator", b"read-done")]
+    # And back: a scattered write lands where asked, nowhere else.
+    pool[:] = 0xAB
+    peer.write(Descs.from_blocks(region, [0, 1], BLOCK), Descs.from_blocks(peer.regions[0], [7, 3], BLOCK)).wait(10)
+    assert worker.call("peek", 3 * BLOCK, BLOCK) == b"\xab" * BLOCK
+    assert worker.call("peek", 4 * BLOCK, 3 * BLOCK) == worker.expected(4 * BLOCK, 3 * BLOCK).tobytes()
