@@ -351,12 +351,7 @@ class _Connection:
                 inline = (not self.queue and not (part.sends_data and part.nbytes > INLINE_SEND_BYTES)
                           and self.send_lock.acquire(blocking=False))
                 if not inline:
-                    self.queue.append((part, prefix))
-                    if self.sender is None:
-                        self.sender = threading.Thread(target=self._send_loop, daemon=True,
-                                                       name=f"kvx-send-{self.peer}")
-                        self.sender.start()
-                    self.queue_cv.notify()
+                    self._enqueue(part, prefix)
                     return
         if error is not None:
             part.holds = 0
@@ -522,14 +517,17 @@ class _Connection:
             if self.error is not None:
                 return
             if self.queue or not self.send_lock.acquire(blocking=False):
-                self.queue.append((None, prefix))
-                if self.sender is None:
-                    self.sender = threading.Thread(target=self._send_loop, daemon=True,
-                                                   name=f"kvx-send-{self.peer}")
-                    self.sender.start()
-                self.queue_cv.notify()
+                self._enqueue(None, prefix)
                 return
         self._send_locked(None, prefix)
+
+    def _enqueue(self, part: _Part | None, prefix: bytes) -> None:
+        """Queue for the sender thread (started on first use); self.lock held."""
+        self.queue.append((part, prefix))
+        if self.sender is None:
+            self.sender = threading.Thread(target=self._send_loop, daemon=True, name=f"kvx-send-{self.peer}")
+            self.sender.start()
+        self.queue_cv.notify()
 
     def _close_socket(self) -> None:
         sender = self.sender
