@@ -1,4 +1,5 @@
-"""Builds the optional C extensions kvx._native and kvx._cma (csrc/).
+"""Builds the optional C extensions kvx._native and kvx._cma (csrc/), and ships
+the CUDA kernel sources (csrc/*.cu) in the package.
 
 KVX_ASAN=1 builds it with AddressSanitizer (run with LD_PRELOAD of libasan).
 Without a working C compiler the build goes on without the extension, and
@@ -6,8 +7,23 @@ kvx runs on the pure-Python twin (kvx/_io_py.py).
 """
 
 import os
+import shutil
+from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPy(build_py):
+    """Ships csrc/*.cu inside the package (kvx/csrc/): kvx.gpu compiles them at run time."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "kvx" / "csrc"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in Path("csrc").glob("*.cu"):
+            shutil.copy(source, target / source.name)
+
 
 cflags = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
 ldflags = []
@@ -16,6 +32,7 @@ if os.environ.get("KVX_ASAN") == "1":
     ldflags += ["-fsanitize=address"]
 
 setup(
+    cmdclass={"build_py": BuildPy},
     ext_modules=[
         Extension(
             name,

@@ -26,6 +26,7 @@ import numpy as np
 from kvx import _io
 from kvx.agent import Agent
 from kvx.descs import Descs
+from kvx.errors import ConfigError
 from kvx._worker import Worker, WorkerConfig
 
 
@@ -136,29 +137,61 @@ class CmaLimit:
         pass
 
 
-LIMITS = {"tcp": "raw socket", "shm": "process_vm_readv"}
+class CudaCopyLimit:
+    """One cudaMemcpyAsync of the transfer's size between two buffers on the
+    GPU: the device-to-device copy bandwidth the cuda_ipc path aims at."""
+
+    def __init__(self, nbytes: int) -> None:
+        from kvx import gpu
+
+        self.cp = gpu.cupy_module()
+        self.src = self.cp.zeros(nbytes, self.cp.uint8)
+        self.dst = self.cp.zeros(nbytes, self.cp.uint8)
+        self.stream = self.cp.cuda.Stream(non_blocking=True)
+
+    def transfer(self, op: str, n: int) -> float:
+        start = time.perf_counter()
+        self.dst.data.copy_from_device_async(self.src.data, n, self.stream)
+        self.stream.synchronize()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+
+LIMITS = {"tcp": "raw socket", "shm": "process_vm_readv", "cuda_ipc": "process_vm_readv"}
+MEMORIES = ("host", "cuda")
 
 
 def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup: int,
-        progress: bool, backend: str = "auto") -> dict[str, Any]:
+        progress: bool, backend: str = "auto", memory: str = "host") -> dict[str, Any]:
     nbytes = block_size * blocks
     pool_bytes = block_size * blocks * 2  # every other block: the descriptors are not adjacent
     secret = secrets.token_bytes(32)
-    worker = Worker(WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams))
+    if memory == "cuda":
+        from kvx import gpu
+
+        cp = gpu.cupy_module()
+        if not gpu.available():
+            raise ConfigError("--memory cuda needs a CUDA device, and this process sees none")
+    worker = Worker(WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory))
     limit_path: Any = None
     try:
         with Agent("bench-initiator", auth_secret=secret, streams=streams, backend=backend) as agent:
-            pool = np.zeros(pool_bytes, np.uint8)
+            pool = cp.zeros(pool_bytes, cp.uint8) if memory == "cuda" else np.zeros(pool_bytes, np.uint8)
             region = agent.register(pool)
             peer = agent.add_peer(worker.metadata)
             ids = np.arange(0, 2 * blocks, 2)
             local = Descs.from_blocks(region, ids, block_size)
             remote = Descs.from_blocks(peer.regions[0], ids, block_size)
-            if peer.backend == "shm":
+            if memory == "cuda" and peer.backend == "cuda_ipc":
+                limit_name, limit_path = "cudaMemcpy device to device", CudaCopyLimit(nbytes)
+            elif memory == "host" and peer.backend in ("shm", "cuda_ipc"):
+                limit_name = LIMITS[peer.backend]
                 limit_path = CmaLimit(worker.pid, region.address, peer.regions[0].address,
                                       ids * block_size, block_size)
-            else:
-                limit_path = RawClient(nbytes)
+            else:  # tcp, and GPU memory staged over the socket: the host-memory socket rate
+                limit_name, limit_path = "raw socket", RawClient(nbytes)
             post = peer.read if op == "read" else peer.write
             kvx_s: list[float] = []
             raw_s: list[float] = []
@@ -171,6 +204,8 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
                     raw_s.append(raw_t)
                     kvx_s.append(kvx_t)
                     _progress(i - warmup + 1, iters, progress)
+            if memory == "cuda":
+                pool = cp.asnumpy(pool)
             if op == "read":
                 got = pool.reshape(-1, block_size)[ids]
                 verified = bool(np.array_equal(got, worker.expected(0, pool_bytes).reshape(-1, block_size)[ids]))
@@ -185,7 +220,8 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
         "op": op,
         "backend": peer.backend,
         "backend_reason": peer.backend_reason,
-        "limit": LIMITS[peer.backend],
+        "limit": limit_name,
+        "memory": memory,
         "data_path": _io.IMPL,
         "block_size_bytes": block_size,
         "blocks": blocks,
@@ -205,7 +241,7 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join([
         f"kvx bench: {r['op']} of {r['blocks']} non-adjacent blocks x {r['block_size_bytes']} bytes "
         f"= {r['bytes_per_transfer'] / 2**20:.1f} MiB per transfer, {r['iters']} transfers, "
-        f"{r['streams']} stream(s), {r['backend']} ({r['data_path']} data path)",
+        f"{r['streams']} stream(s), {r['backend']}, {r['memory']} memory ({r['data_path']} data path)",
         f"  kvx:              {r['throughput_gbps']:7.3f} GB/s   latency p50 {r['latency_us_p50']:9.1f} us   "
         f"p99 {r['latency_us_p99']:9.1f} us",
         f"  {r['limit'] + ':':<18}{r['limit_gbps']:7.3f} GB/s   latency p50 {r['limit_latency_us_p50']:9.1f} us",

@@ -27,6 +27,12 @@ pins them and answers SHM_PIN_OK with (uint64 base address, uint64 size) per
 region; the initiator checks every descriptor against those sizes, moves the
 bytes itself (process_vm_readv/writev) and sends SHM_UNPIN with the pin's
 request id (no answer). A connection that ends releases its pins.
+
+The cuda_ipc backend pins the same way, with aux bit 4 (PIN_IPC) added: the
+answer then carries, after the (base, size) pairs, per region its uint64
+offset inside its CUDA allocation and that allocation's 64-byte
+cudaIpcMemHandle. The initiator opens each handle once, caches the mapping
+for the life of the connection to that epoch, and copies with its own GPU.
 """
 
 from __future__ import annotations
@@ -47,7 +53,10 @@ MAX_HANDSHAKE_BYTES = 4096
 MAX_ERROR_TEXT_BYTES = 4096
 NONCE_BYTES = 32
 # SHM_PIN_OK: 16 bytes per region; a transfer names a few.
-MAX_PIN_REPLY_BYTES = 16 * 65536
+# Per region: base and size, plus (PIN_IPC) offset and handle.
+PIN_REPLY_BYTES = 16
+PIN_IPC_REPLY_BYTES = 16 + 8 + 64
+MAX_PIN_REPLY_BYTES = PIN_IPC_REPLY_BYTES * 65536
 
 
 class MsgType(enum.IntEnum):
@@ -70,6 +79,7 @@ class MsgType(enum.IntEnum):
 # SHM_PIN aux values.
 PIN_READ = 1
 PIN_WRITE = 2
+PIN_IPC = 4  # or'd with one of the two: answer with CUDA IPC handles too
 
 
 class ErrorCode(enum.IntEnum):

@@ -41,6 +41,7 @@ class WorkerConfig:
     role: str = "other"
     lease_ttl_s: int = 10
     backend: str = "auto"
+    memory: str = "host"  # where the pool lives: "host", or "cuda" (CUDA device 0, needs kvx[gpu])
 
 
 def _main(conn: Any, config: WorkerConfig) -> None:
@@ -52,6 +53,10 @@ def _main(conn: Any, config: WorkerConfig) -> None:
     import kvx
 
     pool = pattern(config.seed, config.pool_bytes).copy()
+    if config.memory == "cuda":
+        from kvx import gpu
+
+        pool = gpu.cupy_module().asarray(pool)
     agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,
                       streams=config.streams, timeouts=kvx.Timeouts(**config.timeouts),
                       limits=kvx.Limits(**config.limits), metadata=config.metadata, role=config.role,
@@ -83,7 +88,8 @@ def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) 
         return agent.metadata()
     if cmd == "peek":
         offset, length = args
-        return pool[offset:offset + length].tobytes()
+        view = pool[offset:offset + length]
+        return (view.get() if hasattr(view, "get") else view).tobytes()  # .get(): a CuPy array
     if cmd == "fill":
         pool[:] = args[0]
         return None

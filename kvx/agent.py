@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvx import _wire
+from kvx import _wire, gpu
 from kvx.backends import shm
 from kvx.backends._sock import is_loopback, parse_address
 from kvx.backends.base import Channel
@@ -31,8 +31,8 @@ from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, Epo
                         PeerLostError, ProtocolError, TimeoutError, VersionError)
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
-from kvx.memory import (LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region, RegionTable,
-                        RemoteRegion, check_descs)
+from kvx.memory import (DEVICE, LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region,
+                        RegionTable, RemoteRegion, check_descs, one_device)
 from kvx.transfer import Notification, Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -43,6 +43,8 @@ _MEMORY_KINDS = {
     MemoryKind.CUDA: agent_pb2.MEMORY_KIND_CUDA,
 }
 _MEMORY_FROM_PB = {v: k for k, v in _MEMORY_KINDS.items()}
+# Peer region flag: CUDA memory the peer offers through CUDA IPC.
+IPC = 32
 
 
 def _boot_id() -> str:
@@ -73,10 +75,14 @@ class Agent:
                     are then found by name with ``connect(name)``.
     metadata_options: token, TLS files and lease for that service.
     backend:        "auto" (default): peers on the same host get ``shm`` when
-                    the kernel allows cross-memory attach, others ``tcp``;
-                    "tcp" or "shm" forces one (``shm`` then fails to connect
-                    to a peer it cannot use, saying why). ``peer.backend``
-                    and ``peer.backend_reason`` say what was chosen.
+                    the kernel allows cross-memory attach, and ``cuda_ipc``
+                    when either side also has GPU memory (GPU-to-GPU bytes
+                    then move through CUDA IPC); others get ``tcp``, which
+                    stages GPU memory through pinned host buffers. "tcp",
+                    "shm" or "cuda_ipc" forces one (a forced one fails to
+                    connect to a peer it cannot use, saying why).
+                    ``peer.backend`` and ``peer.backend_reason`` say what
+                    was chosen.
     """
 
     def __init__(
@@ -186,15 +192,21 @@ class Agent:
 
     # Memory.
 
-    def register(self, obj: Any, *, remote_access: bool = True) -> Region:
-        """Register host memory: a numpy array, bytearray, memoryview, mmap,
-        torch CPU tensor, or an ``(address, size_bytes)`` tuple.
+    def register(self, obj: Any, *, remote_access: bool = True, device: int | None = None) -> Region:
+        """Register memory.
+
+        Host memory: a numpy array, bytearray, memoryview, mmap, torch CPU
+        tensor, or an ``(address, size_bytes)`` tuple. GPU memory (needs the
+        kvx[gpu] extra): a CuPy array, a torch CUDA tensor, anything with
+        ``__cuda_array_interface__`` or a CUDA DLPack capsule, or an
+        ``(address, size_bytes)`` tuple with ``device`` (the CUDA device
+        index). GPU memory must be one contiguous range.
 
         With ``remote_access`` peers may read it, and write it when it is
         writable. The agent keeps ``obj`` alive until ``deregister``.
         """
         self._check_open()
-        region = self._regions.add(obj, remote_access=remote_access)
+        region = self._regions.add(obj, remote_access=remote_access, device=device)
         if self._directory is not None and remote_access:
             try:
                 self._directory.regions_changed()
@@ -238,7 +250,8 @@ class Agent:
             if r.remote_read or r.remote_write:
                 md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
                                device=r.device, address=r.address, remote_read=r.remote_read,
-                               remote_write=r.remote_write)
+                               remote_write=r.remote_write,
+                               cuda_ipc=bool(r.ipc_handle) and self.backend_setting in ("auto", "cuda_ipc"))
         return md
 
     def add_peer(self, metadata: bytes, *, streams: int | None = None, backend: str | None = None) -> Peer:
@@ -268,7 +281,9 @@ class Agent:
         def bind(*args: Any) -> Channel:
             # After the handshake: the peer is who the metadata says (name, epoch, secret).
             choice.append(self._choose_backend(md, setting))
-            return shm.ShmChannel(*args, pid=md.pid) if choice[0][0] == "shm" else TcpChannel(*args)
+            if choice[0][0] == "tcp":
+                return TcpChannel(*args)
+            return shm.ShmChannel(*args, pid=md.pid, ipc=choice[0][0] == "cuda_ipc")
 
         streams = streams or self.streams
         if setting != "tcp" and md.shm_probe_address and shm.same_host(md, socket.gethostname(), _boot_id()):
@@ -287,22 +302,51 @@ class Agent:
 
     def _choose_backend(self, md: agent_pb2.AgentMetadata, setting: str) -> tuple[str, str]:
         """(backend, why) for a peer: shm between processes that share a kernel
-        and may attach to each other, tcp otherwise."""
+        and may attach to each other, cuda_ipc when they also have GPU memory
+        to share, tcp otherwise."""
+        staged = "; CUDA memory is staged through pinned host buffers" if self._uses_gpu(md) else ""
         if setting == "tcp":
-            return "tcp", "backend=tcp was configured"
+            return "tcp", "backend=tcp was configured" + staged
         if not shm.same_host(md, socket.gethostname(), _boot_id()):
             why = f"peer {md.name!r} is on another host ({md.host_name or 'unknown'})"
         else:
             why = shm.probe(md)
             if why is None:
-                return "shm", (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
-                               f"to pid {md.pid} permitted")
-        if setting == "shm":
-            raise ConnectError(f"backend=shm was configured, but shm cannot reach peer {md.name!r}: {why}")
+                reason = (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
+                          f"to pid {md.pid} permitted")
+                if setting == "shm":
+                    return "shm", reason + staged
+                ipc_why = self._ipc_problem(md, setting)
+                if ipc_why is None:
+                    return "cuda_ipc", (reason + "; GPU-to-GPU through CUDA IPC, host memory through "
+                                        "cross-memory attach, host with GPU through pinned host buffers")
+                if setting == "cuda_ipc":
+                    raise ConnectError(f"backend=cuda_ipc was configured, but peer {md.name!r} cannot be "
+                                       f"reached through CUDA IPC: {ipc_why}")
+                return "shm", reason + (f"; not cuda_ipc: {ipc_why}" + staged if staged else "")
+        if setting in ("shm", "cuda_ipc"):
+            raise ConnectError(f"backend={setting} was configured, but it cannot reach peer {md.name!r}: {why}")
         if shm.same_host(md, socket.gethostname(), _boot_id()):
             logger.warning("agent %s: peer %s is on this host but shm is not usable, falling back to tcp: %s",
                            self.name, md.name, why)
-        return "tcp", why
+        return "tcp", why + staged
+
+    def _uses_gpu(self, md: agent_pb2.AgentMetadata) -> bool:
+        """Either side has registered GPU memory."""
+        return bool(self._regions._cuda) or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions)
+
+    def _ipc_problem(self, md: agent_pb2.AgentMetadata, setting: str) -> str | None:
+        """None when GPU memory can move between the two through CUDA IPC; else why not."""
+        if setting == "auto" and not self._uses_gpu(md):
+            return "neither side has registered GPU memory"
+        if md.pid == os.getpid():
+            return None  # one process: the peer's device addresses are valid here
+        if not gpu.available():
+            return "this process has no CUDA device, or no CuPy (" + gpu.EXTRA + ")"
+        if any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions) and \
+                not any(r.cuda_ipc for r in md.regions):
+            return f"peer {md.name!r} offers none of its GPU memory through CUDA IPC"
+        return None
 
     def connect(self, name: str, *, streams: int | None = None) -> Peer:
         """The peer named ``name``, resolved through the metadata service.
@@ -403,7 +447,7 @@ class Peer:
         self.agent = agent
         self.name = md.name
         self.epoch = md.epoch
-        self.backend = backend  # the transport chosen for this peer: "tcp" or "shm"
+        self.backend = backend  # the transport chosen for this peer: "tcp", "shm" or "cuda_ipc"
         self.backend_reason = backend_reason  # why, in words
         self.host_name = md.host_name
         self._channel = channel
@@ -425,11 +469,15 @@ class Peer:
         top = max((r.id for r in regions), default=0) + 1
         sizes = np.zeros(top, np.uint64)
         flags = np.zeros(top, np.uint8)
-        for r in regions:
+        devices = np.full(top, -1, np.int32)
+        for r, pb in zip(regions, md.regions):
             sizes[r.id] = r.size_bytes
-            flags[r.id] = VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
+            flags[r.id] = (VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
+                           | (DEVICE if r.memory_kind is MemoryKind.CUDA else 0) | (IPC if pb.cuda_ipc else 0))
+            if r.memory_kind is MemoryKind.CUDA:
+                devices[r.id] = max(r.device, 0)
         # One reference, swapped at once: a post in another thread sees all old or all new.
-        self._table = (sizes, flags)
+        self._table = (sizes, flags, devices if (devices >= 0).any() else None)
         self.regions = regions
 
     def __repr__(self) -> str:
@@ -492,7 +540,7 @@ class Peer:
         remote_a = remote.array if type(remote) is Descs else Descs(remote).array
         if not len(local_a) or not len(remote_a):
             raise ConfigError("empty descriptor list; use peer.notify() to send only a notification")
-        self._check_remote(remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op)
+        remote_device, remote_ipc = self._check_remote(remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op)
         self._check_alive()
         if len(local_a) > 1:
             local_a = Descs(local_a).coalesce().array
@@ -507,13 +555,18 @@ class Peer:
             if total > self.agent.limits.max_transfer_bytes:
                 raise LimitError(f"transfer of {total} bytes; at most {self.agent.limits.max_transfer_bytes} "
                                  "(Limits.max_transfer_bytes)")
+            local_device = self.agent._regions.device_of(local_a, "local descriptors")
             transfer = self._start(op, total, 0, token)
         except BaseException:
             self.agent._regions.release(token)
             raise
         if len(remote_a) > 1:
             remote_a = Descs(remote_a).coalesce().array
-        self._channel.post(transfer, op, addrs, lens, total, remote_a, notify)
+        if local_device < 0 and remote_device < 0:
+            self._channel.post(transfer, op, addrs, lens, total, remote_a, notify)
+        else:
+            self._channel.post(transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device,
+                               remote_ipc)
         return transfer
 
     def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:
@@ -535,9 +588,16 @@ class Peer:
             self._inflight -= 1
             self._slots.notify()  # no-op without waiters
 
-    def _check_remote(self, descs: np.ndarray, need: int, op: Op) -> None:
-        sizes, flags = self._table
+    def _check_remote(self, descs: np.ndarray, need: int, op: Op) -> tuple[int, bool]:
+        """Check remote descriptors against the published regions: (CUDA device
+        of the memory they name or -1 for host memory, CUDA IPC possible)."""
+        sizes, flags, devices = self._table
         check_descs(descs, flags, sizes, need, lambda: f"peer {self.name!r} {op.value}")
+        if devices is None:
+            return -1, False
+        ids = descs["region"]
+        device = one_device(devices[ids], f"peer {self.name!r} {op.value}")
+        return device, bool(device >= 0 and (flags[ids] & IPC).all())
 
     def close(self) -> None:
         self.agent.remove_peer(self.name)

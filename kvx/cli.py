@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvx.config import parse_size
+from kvx.config import BACKENDS, parse_size
 from kvx.errors import KvxError
 
 
@@ -69,9 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=_positive, default=20, help="measured transfers (default: 20)")
     bench.add_argument("--warmup", type=int, default=3, help="unmeasured transfers first (default: 3)")
     bench.add_argument("--streams", type=_positive, default=1, help="connections per peer (default: 1)")
-    bench.add_argument("--backend", choices=["auto", "tcp", "shm"], default="auto",
-                       help="transport; auto picks as agents do: shm on one host when permitted "
-                       "(default: auto)")
+    bench.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                       help="transport; auto picks as agents do: shm on one host when permitted, "
+                       "cuda_ipc there for GPU memory (default: auto)")
+    bench.add_argument("--memory", choices=["host", "cuda"], default="host",
+                       help="where both sides' blocks live: host memory, or CUDA device 0 (needs kvx[gpu]; "
+                       "default: host)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     meta = sub.add_parser("metadata", help="run the metadata service (gRPC registry, admin REST API)",
                           description="Agents register here under a lease and find each other by name. "
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = _bench.run(args.op, args.block_size, args.blocks, args.iters, args.streams,
                                 max(0, args.warmup), progress=not args.json and sys.stderr.isatty(),
-                                backend=args.backend)
+                                backend=args.backend, memory=args.memory)
             print(_bench.main_json(result) if args.json else _bench.render(result))
             return 0 if result["verified"] else 1
     except KvxError as exc:

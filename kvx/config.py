@@ -20,7 +20,7 @@ def check_name(name: str) -> str:
 
 
 # Agent(backend=...): "auto" picks per peer.
-BACKENDS = ("auto", "tcp", "shm")
+BACKENDS = ("auto", "tcp", "shm", "cuda_ipc")
 
 
 def check_backend(backend: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvx import gpu
 from kvx.descs import Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
 
@@ -29,6 +30,7 @@ VALID = 1
 REMOTE_READ = 2
 REMOTE_WRITE = 4
 LOCAL_WRITE = 8
+DEVICE = 16  # CUDA memory: bytes move through kvx.gpu, never through a host pointer
 
 
 class MemoryKind(enum.Enum):
@@ -49,6 +51,10 @@ class Region:
     remote_write: bool
     writable: bool
     owner: Any = dataclasses.field(repr=False, default=None)  # keeps the memory alive
+    # CUDA IPC handle of the allocation holding a CUDA region (b"": none), and
+    # the region's offset in that allocation.
+    ipc_handle: bytes = dataclasses.field(repr=False, default=b"")
+    ipc_offset: int = 0
 
     def descs(self, offsets: Any, lengths: Any) -> Descs:
         return Descs.build(self.id, offsets, lengths)
@@ -70,20 +76,25 @@ class RemoteRegion:
         return Descs.build(self.id, offsets, lengths)
 
 
-def describe_memory(obj: Any) -> tuple[int, int, bool, Any]:
-    """(address, size_bytes, writable, keep-alive object) of host memory ``obj``."""
+def describe_memory(obj: Any, device: int | None = None) -> tuple[int, int, bool, Any] | gpu.CudaMemory:
+    """(address, size_bytes, writable, keep-alive object) of host memory
+    ``obj``; for CUDA memory (or a raw range with ``device``), its
+    kvx.gpu.CudaMemory."""
     if isinstance(obj, tuple):
         if len(obj) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj):
             raise ConfigError("raw memory is registered as an (address, size_bytes) tuple of ints")
         address, size = obj
         if address <= 0 or size <= 0 or address + size >= 1 << 64:
             raise ConfigError(f"invalid raw memory range: address={address:#x} size={size}")
+        if device is not None:
+            if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+                raise ConfigError(f"device must be a CUDA device index (0, 1, ...), not {device!r}")
+            return gpu.describe(obj, device)
         return address, size, True, None
-    if hasattr(obj, "__cuda_array_interface__") or _is_torch_cuda(obj):
-        raise RegionError(
-            "GPU memory cannot be registered by this build: CUDA regions need the kvx[gpu] "
-            "extra and GPU support in kvx; register host memory instead"
-        )
+    if gpu.is_cuda(obj):
+        return gpu.describe(obj, device)
+    if device is not None:
+        raise ConfigError(f"device={device} is for CUDA memory; {type(obj).__name__} is host memory")
     if type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr"):
         if not obj.is_contiguous():
             raise ConfigError("register a contiguous tensor (tensor.contiguous())")
@@ -105,10 +116,6 @@ def describe_memory(obj: Any) -> tuple[int, int, bool, Any]:
     return int(arr.ctypes.data), int(view.nbytes), not view.readonly, arr
 
 
-def _is_torch_cuda(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and getattr(getattr(obj, "device", None), "type", "cpu") != "cpu"
-
-
 class RegionTable:
     """Thread-safe table of registered regions, indexed by region id."""
 
@@ -120,6 +127,8 @@ class RegionTable:
         self._base = np.zeros(64, dtype=np.uint64)
         self._size = np.zeros(64, dtype=np.uint64)
         self._flags = np.zeros(64, dtype=np.uint8)
+        self._device = np.full(64, -1, dtype=np.int32)
+        self._cuda = 0  # CUDA regions registered
         self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
         self._active: dict[int, None] = {}
         self._removing: set[int] = set()
@@ -136,8 +145,14 @@ class RegionTable:
     def get(self, region_id: int) -> Region | None:
         return self._regions.get(region_id)
 
-    def add(self, obj: Any, *, remote_access: bool) -> Region:
-        address, size, writable, owner = describe_memory(obj)
+    def add(self, obj: Any, *, remote_access: bool, device: int | None = None) -> Region:
+        described = describe_memory(obj, device)
+        if isinstance(described, gpu.CudaMemory):
+            address, size, writable, owner = described.address, described.size, described.writable, described.owner
+            kind, device, ipc = MemoryKind.CUDA, described.device, (described.ipc_handle, described.ipc_offset)
+        else:
+            address, size, writable, owner = described
+            kind, device, ipc = MemoryKind.HOST, -1, (b"", 0)
         if size <= 0:
             raise RegionError("cannot register an empty buffer")
         with self._cond:
@@ -148,18 +163,22 @@ class RegionTable:
                 raise RegionError(f"{MAX_REGION_ID} registrations in this epoch: region ids exhausted "
                                   "(they are never reused); restart the agent")
             self._next_id += 1
-            region = Region(rid, address, size, MemoryKind.HOST, -1,
-                            remote_access, remote_access and writable, writable, owner)
+            region = Region(rid, address, size, kind, device,
+                            remote_access, remote_access and writable, writable, owner, *ipc)
             if rid >= len(self._flags):
                 grow = max(rid + 1, 2 * len(self._flags))
                 self._base = np.resize(self._base, grow)
                 self._size = np.resize(self._size, grow)
                 self._flags = np.concatenate([self._flags, np.zeros(grow - len(self._flags), np.uint8)])
+                self._device = np.concatenate([self._device, np.full(grow - len(self._device), -1, np.int32)])
             self._base[rid] = address
             self._size[rid] = size
+            self._device[rid] = device
+            self._cuda += kind is MemoryKind.CUDA
             self._flags[rid] = (VALID | (REMOTE_READ if region.remote_read else 0)
                                 | (REMOTE_WRITE if region.remote_write else 0)
-                                | (LOCAL_WRITE if writable else 0))
+                                | (LOCAL_WRITE if writable else 0)
+                                | (DEVICE if kind is MemoryKind.CUDA else 0))
             self._regions[rid] = region
             return region
 
@@ -193,6 +212,8 @@ class RegionTable:
             removed = self._regions.pop(rid)
             self._base[rid] = 0
             self._size[rid] = 0
+            self._device[rid] = -1
+            self._cuda -= removed.memory_kind is MemoryKind.CUDA
         # Let go of the memory: a handle the caller keeps must not pin it.
         object.__setattr__(removed, "owner", None)
 
@@ -218,6 +239,26 @@ class RegionTable:
             addrs = self._base[ids] + descs["offset"]
             lens = np.ascontiguousarray(descs["length"])
             return addrs, lens, int(lens.sum(dtype=np.uint64)), self._pin()
+
+    def device_of(self, descs: np.ndarray, who: str) -> int:
+        """The CUDA device every descriptor's region is on, or -1 for host
+        memory; call with the table pinned (after ``resolve``). A list that
+        mixes host and device memory, or two devices, is refused."""
+        if not self._cuda:
+            return -1
+        return one_device(self._device[descs["region"]], who)
+
+    def ipc_export(self, ids: np.ndarray, who: str) -> bytes:
+        """Per region: its offset in its CUDA allocation (uint64) and the
+        allocation's IPC handle (64 bytes). Call with the regions pinned."""
+        out = []
+        for rid in ids.tolist():
+            region = self._regions.get(rid)
+            if region is None or not region.ipc_handle:
+                raise AccessError(f"{who}: region {rid} cannot be opened through CUDA IPC (it is host memory, "
+                                  "or CUDA memory that cannot be shared: cudaMallocAsync pools, VMM allocations)")
+            out.append(region.ipc_offset.to_bytes(8, "little") + region.ipc_handle.ljust(64, b"\0")[:64])
+        return b"".join(out)
 
     def pin_regions(self, ids: np.ndarray, need: int, who: str) -> tuple[np.ndarray, np.ndarray, int]:
         """Check that each region exists and carries the ``need`` flags, and pin
@@ -249,6 +290,16 @@ class RegionTable:
             self._active.pop(token, None)
             if self._waiters:
                 self._cond.notify_all()
+
+
+def one_device(devices: np.ndarray, who: str) -> int:
+    """The one device of ``devices`` (-1: host memory), or ConfigError."""
+    first = int(devices[0])
+    if len(devices) > 1 and not (devices == first).all():
+        kinds = sorted({"host memory" if d < 0 else f"CUDA device {d}" for d in np.unique(devices).tolist()})
+        raise ConfigError(f"{who}: one transfer's descriptors span {' and '.join(kinds)}; post one transfer per "
+                          "memory (host, or one GPU)")
+    return first
 
 
 # Below this many descriptors plain Python beats a dozen numpy calls.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvx import _io, _wire
+from kvx import _io, _staging, _wire, gpu
 from kvx._wire import ErrorCode, MsgType
 from kvx.backends._sock import check_header, drain, recv_exact, recv_header
 from kvx.descs import DESC_DTYPE, total_bytes
@@ -242,7 +242,14 @@ class InboundConnection:
                     f"{self.agent.limits.max_message_bytes}"))
                 return
             header = _wire.pack(MsgType.READ_RESP, request_id, data_len=total)
-            _io.sendv(self.sock.fileno(), header, addrs, lens, self.backend.io_ms)
+            device = table.device_of(descs, "remote read")
+            if device >= 0:  # CUDA memory: through pinned host buffers
+                _staging.send(gpu.engine(device), _io.sendv, self.sock.fileno(), header, addrs, lens,
+                              self.backend.io_ms)
+            else:
+                _io.sendv(self.sock.fileno(), header, addrs, lens, self.backend.io_ms)
+        except ConfigError as exc:  # mixes host and CUDA memory
+            self._send_error(request_id, AccessError(str(exc)))
         finally:
             table.release(token)
 
@@ -267,7 +274,17 @@ class InboundConnection:
             self._send_error(request_id, exc)
             return
         try:
-            _io.recvv(self.sock.fileno(), addrs, lens, self.backend.io_ms)
+            device = table.device_of(descs, "remote write")
+        except ConfigError as exc:  # mixes host and CUDA memory
+            table.release(token)
+            drain(self.sock, data_len)
+            self._send_error(request_id, AccessError(str(exc)))
+            return
+        try:
+            if device >= 0:  # CUDA memory: through pinned host buffers
+                _staging.recv(gpu.engine(device), _io.recvv, self.sock.fileno(), addrs, lens, self.backend.io_ms)
+            else:
+                _io.recvv(self.sock.fileno(), addrs, lens, self.backend.io_ms)
         except (ConnectionError, OSError) as exc:
             raise PeerLostError(f"connection lost during a write: {exc}") from exc
         finally:
@@ -290,6 +307,8 @@ class InboundConnection:
         self.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
 
     def _on_pin(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        ipc = bool(aux & _wire.PIN_IPC)
+        aux &= ~_wire.PIN_IPC
         if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4:
             raise _Fatal(ProtocolError("SHM_PIN carries region ids, no data, and says read or write"), request_id)
         if payload_len // 4 > self.agent.limits.max_descs_per_message:
@@ -310,8 +329,15 @@ class InboundConnection:
         except AccessError as exc:
             self._send_error(request_id, exc)
             return
-        self._pins[request_id] = token
         body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
+        if ipc:
+            try:
+                body += self.agent._regions.ipc_export(ids, "remote read" if not writing else "remote write")
+            except AccessError as exc:
+                self.agent._regions.release(token)
+                self._send_error(request_id, exc)
+                return
+        self._pins[request_id] = token
         try:
             self.sock.sendall(_wire.pack(MsgType.SHM_PIN_OK, request_id, payload_len=len(body)) + body)
         except OSError:

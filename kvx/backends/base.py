@@ -26,10 +26,13 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None) -> None:
+             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
+             remote_ipc: bool = False) -> None:
         """Start moving ``total`` bytes between local (address, length) pairs
         (uint64 buffers) and ``remote`` descriptors; completion and errors
-        arrive through ``transfer``."""
+        arrive through ``transfer``. ``local_device`` and ``remote_device``
+        are the CUDA devices of either side's memory, -1 for host memory;
+        ``remote_ipc``: the remote CUDA regions can be opened through CUDA IPC."""
 
     @abc.abstractmethod
     def notify(self, transfer: Transfer, data: bytes) -> None:

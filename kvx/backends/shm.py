@@ -18,6 +18,9 @@ reading 8 bytes the target published for it, and says why not when not.
 from __future__ import annotations
 
 import errno
+import logging
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,11 +29,13 @@ from kvx import _io, _wire
 from kvx._wire import MsgType
 from kvx.backends.tcp import TcpChannel, _Part
 from kvx.memory import VALID, check_descs
-from kvx.errors import AccessError, PeerLostError, ProtocolError, TransferError
+from kvx.errors import AccessError, KvxError, PeerLostError, ProtocolError, TransferError
 from kvx.transfer import Op, Transfer
 
 if TYPE_CHECKING:
     from kvx.v1 import agent_pb2
+
+logger = logging.getLogger(__name__)
 
 PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 # Connections (each with its reader thread, which copies) to a peer on shm: a
@@ -45,20 +50,40 @@ _NO_BYTE_LIMIT = 1 << 62
 
 
 class ShmChannel(TcpChannel):
-    """Control over the tcp connections, bytes through cross-memory attach."""
+    """Control over the tcp connections; host bytes through cross-memory
+    attach and, with ``ipc``, CUDA bytes between GPUs through CUDA IPC.
+    Anything else (host and CUDA memory on either side) is staged over the
+    connections, as over tcp."""
 
-    def __init__(self, *args: Any, pid: int) -> None:
+    def __init__(self, *args: Any, pid: int, ipc: bool = False) -> None:
         super().__init__(*args)
         self.pid = pid
+        self.ipc = ipc
+        self._ipc_maps: dict[int, Any] = {}  # local device -> kvx.gpu.IpcMap
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None) -> None:
+             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
+             remote_ipc: bool = False) -> None:
+        if local_device < 0 and remote_device < 0:
+            move = _io.vm_writev if op is Op.WRITE else _io.vm_readv
+            self._pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
+                         lambda addrs, lens, wire, regions: _Copy(move, self.pid, self.peer, addrs, lens, wire,
+                                                                  regions))
+        elif self.ipc and local_device >= 0 and remote_device >= 0 and remote_ipc:
+            ipc_map = self._ipc_map(local_device)
+            self._pinned(transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_IPC,
+                         lambda addrs, lens, wire, regions: _IpcCopy(op, local_device, ipc_map, self.pid, self.peer,
+                                                                     addrs, lens, wire, regions))
+        else:
+            super().post(transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device)
+
+    def _pinned(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
+                remote: np.ndarray, notify: bytes | None, flags: int, make_copy: Any) -> None:
         parts = self.split(local_addrs, local_lens, total, remote, _NO_BYTE_LIMIT)
         if notify is not None:  # after every byte has landed, as over tcp
             transfer._on_parts_done = lambda t: self.notify(t, notify)
         transfer._parts_left = len(parts)
-        writing = op is Op.WRITE
-        move = _io.vm_writev if writing else _io.vm_readv
+        aux = (_wire.PIN_WRITE if op is Op.WRITE else _wire.PIN_READ) | flags
         for wire, addrs, lens, nbytes in parts:
             conn = self._conn()
             request_id = next(conn.ids)
@@ -66,10 +91,112 @@ class ShmChannel(TcpChannel):
             regions = (ids[:1] if (ids == ids[0]).all() else np.unique(ids)).astype("<u4")
             payload = regions.tobytes()
             part = _Part(transfer, MsgType.SHM_PIN, addrs, lens, nbytes)
-            part.copy = _Copy(move, self.pid, self.peer, addrs, lens, wire, regions)
-            prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload),
-                                aux=_wire.PIN_WRITE if writing else _wire.PIN_READ) + payload
+            part.copy = make_copy(addrs, lens, wire, regions)
+            prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
             conn.submit(part, prefix, request_id)
+
+    def _ipc_map(self, device: int) -> Any:
+        found = self._ipc_maps.get(device)
+        if found is None:
+            from kvx import gpu
+
+            found = self._ipc_maps.setdefault(device, gpu.IpcMap(device))
+        return found
+
+    def _on_break(self, error: KvxError) -> None:
+        first = self._error is None
+        super()._on_break(error)
+        maps = list(self._ipc_maps.values())
+        if first and maps:
+            # Closed once no reader can be copying through them any more.
+            readers = [c.reader for c in self.conns]
+            threading.Thread(target=_close_maps, args=(readers, maps, self.backend.agent.timeouts.close_s),
+                             name=f"kvx-ipc-close-{self.peer}", daemon=True).start()
+
+
+def _close_maps(readers: list[threading.Thread], maps: list[Any], timeout_s: float) -> None:
+    for reader in readers:
+        if reader.is_alive():
+            reader.join(timeout_s)
+    if any(reader.is_alive() for reader in readers):
+        logger.warning("CUDA IPC mappings of a closed peer left open: a copy is still running")
+        return
+    for ipc_map in maps:
+        ipc_map.close()
+
+
+def _check_pinned(remote: np.ndarray, regions: np.ndarray, bases: np.ndarray, sizes: np.ndarray,
+                  peer: str, writing: bool) -> tuple[Any, Any]:
+    """The pinned base of each remote descriptor's region, after checking that
+    every descriptor lies inside the size the target pinned."""
+    offsets, lengths = remote["offset"], remote["length"]
+    if len(regions) == 1:
+        base, size = bases[0], sizes[0]
+    else:
+        at = np.searchsorted(regions, remote["region"])
+        base, size = bases[at], sizes[at]
+    # The initiator checked against the sizes the peer published; these are the ones it pinned.
+    if not ((offsets <= size) & (lengths <= size - np.minimum(offsets, size))).all():
+        top = int(regions.max()) + 1
+        flags = np.zeros(top, np.uint8)
+        flags[regions] = VALID
+        table = np.zeros(top, np.uint64)
+        table[regions] = sizes
+        check_descs(remote, flags, table, 0, f"peer {peer!r}: remote {'write' if writing else 'read'}")
+        raise AccessError(f"peer {peer!r}: a descriptor lies outside the region it pinned")
+    return base, size
+
+
+class _IpcCopy:
+    """Moves one part's bytes between GPUs once the target has pinned its
+    regions and sent their CUDA IPC handles."""
+
+    __slots__ = ("op", "device", "ipc_map", "pid", "peer", "addrs", "lens", "remote", "regions")
+
+    def __init__(self, op: Op, device: int, ipc_map: Any, pid: int, peer: str, addrs: Any, lens: Any,
+                 remote: np.ndarray, regions: np.ndarray) -> None:
+        self.op = op
+        self.device = device
+        self.ipc_map = ipc_map
+        self.pid = pid
+        self.peer = peer
+        self.addrs = addrs
+        self.lens = lens
+        self.remote = remote
+        self.regions = regions
+
+    def __call__(self, pinned: np.ndarray) -> None:
+        from kvx import _staging, gpu
+
+        n = len(self.regions)
+        if len(pinned) * 8 != n * _wire.PIN_IPC_REPLY_BYTES:
+            raise ProtocolError(f"peer {self.peer!r} answered a CUDA IPC pin of {n} regions with "
+                                f"{len(pinned) * 8} bytes")
+        bases, sizes = pinned[0:2 * n:2], pinned[1:2 * n:2]
+        tail = pinned[2 * n:].reshape(n, 9)
+        writing = self.op is Op.WRITE
+        _check_pinned(self.remote, self.regions, bases, sizes, self.peer, writing)
+        if self.pid == os.getpid():
+            mapped = bases  # the same process: the peer's device addresses are ours
+        else:
+            # Where each region starts in this process: its allocation, opened once, plus its offset.
+            mapped = np.array([self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)],
+                              np.uint64)
+        at = 0 if n == 1 else np.searchsorted(self.regions, self.remote["region"])
+        remote_addrs = np.asarray(mapped[at] + self.remote["offset"], np.uint64)
+        remote_lens = np.ascontiguousarray(self.remote["length"], np.uint64)
+        local_addrs = np.asarray(self.addrs, np.uint64)
+        local_lens = np.asarray(self.lens, np.uint64)
+        if writing:
+            dsts, srcs, lens = _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
+        else:
+            dsts, srcs, lens = _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
+        try:
+            gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()
+        except KvxError:
+            raise
+        except Exception as exc:  # CuPy's CUDA errors
+            raise TransferError(f"CUDA IPC copy with peer {self.peer!r} failed: {exc}") from exc
 
 
 class _Copy:
@@ -92,32 +219,13 @@ class _Copy:
         if len(pinned) != 2 * len(self.regions):
             raise ProtocolError(f"peer {self.peer!r} pinned {len(pinned) // 2} regions of {len(self.regions)}")
         bases, sizes = pinned[0::2], pinned[1::2]
+        base, _ = _check_pinned(self.remote, self.regions, bases, sizes, self.peer, self.move is _io.vm_writev)
         offsets, lengths = self.remote["offset"], self.remote["length"]
-        if len(self.regions) == 1:
-            base, size = bases[0], sizes[0]
-        else:
-            at = np.searchsorted(self.regions, self.remote["region"])
-            base, size = bases[at], sizes[at]
-        # The initiator checked against the sizes the peer published; these are the ones it pinned.
-        if not ((offsets <= size) & (lengths <= size - np.minimum(offsets, size))).all():
-            self._refuse(sizes)
         try:
             self.move(self.pid, self.addrs, self.lens, np.ascontiguousarray(offsets + base, np.uint64),
                       np.ascontiguousarray(lengths))
         except OSError as exc:
             raise _copy_error(exc, self.pid, self.peer) from exc
-
-
-    def _refuse(self, sizes: np.ndarray) -> None:
-        """Raise the AccessError that names the first descriptor outside its region."""
-        top = int(self.regions.max()) + 1
-        flags = np.zeros(top, np.uint8)
-        flags[self.regions] = VALID
-        table = np.zeros(top, np.uint64)
-        table[self.regions] = sizes
-        writing = self.move is _io.vm_writev
-        check_descs(self.remote, flags, table, 0, f"peer {self.peer!r}: remote {'write' if writing else 'read'}")
-        raise AccessError(f"peer {self.peer!r}: a descriptor lies outside the region it pinned")
 
 
 def _copy_error(exc: OSError, pid: int, peer: str) -> Exception:

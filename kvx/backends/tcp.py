@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from kvx import _io, _wire
+from kvx import _io, _staging, _wire, gpu
 from kvx._wire import ErrorCode, MsgType
 from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, recv_header,
                                 tune)
@@ -266,9 +266,10 @@ class _Part:
     response, the send and a connection failure come in.
     """
 
-    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy")
+    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy", "device")
 
-    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int) -> None:
+    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int,
+                 device: int = -1) -> None:
         self.transfer = transfer
         self.op = op
         self.addrs = addrs  # READ: where the response lands; WRITE: what is sent
@@ -278,6 +279,8 @@ class _Part:
         self.error: KvxError | None = None
         # SHM_PIN: fn((base, size) per pinned region) moves the bytes.
         self.copy: Callable[[np.ndarray], None] | None = None
+        # The CUDA device of addrs, or -1 (host memory): device bytes go through pinned buffers (_staging).
+        self.device = device
 
     @property
     def sends_data(self) -> bool:
@@ -348,7 +351,8 @@ class _Connection:
                 error = None
                 self.pending[request_id] = part
                 self.last_progress = time.monotonic()
-                inline = (not self.queue and not (part.sends_data and part.nbytes > INLINE_SEND_BYTES)
+                inline = (not self.queue and not (part.sends_data and (part.nbytes > INLINE_SEND_BYTES
+                                                                       or part.device >= 0))
                           and self.send_lock.acquire(blocking=False))
                 if not inline:
                     self._enqueue(part, prefix)
@@ -367,7 +371,10 @@ class _Connection:
             try:
                 if self.closed or self.error is not None:
                     raise self.error or PeerLostError(f"connection to peer {self.peer!r} is closed")
-                if sends_data:
+                if sends_data and part.device >= 0:
+                    _staging.send(gpu.engine(part.device), _io.sendv, self.fd, prefix, part.addrs, part.lens,
+                                  self.io_ms)
+                elif sends_data:
                     _io.sendv(self.fd, prefix, part.addrs, part.lens, self.io_ms)
                 else:
                     self.sock.sendall(prefix)
@@ -481,14 +488,17 @@ class _Connection:
         if msg_type == MsgType.READ_RESP:
             if data_len != part.nbytes:
                 raise ProtocolError(f"peer {self.peer!r} sent {data_len} bytes for a read of {part.nbytes}")
-            _io.recvv(self.fd, part.addrs, part.lens, self.io_ms)
+            if part.device >= 0:
+                _staging.recv(gpu.engine(part.device), _io.recvv, self.fd, part.addrs, part.lens, self.io_ms)
+            else:
+                _io.recvv(self.fd, part.addrs, part.lens, self.io_ms)
         elif data_len:
             raise ProtocolError(f"peer {self.peer!r} sent data with {MsgType(msg_type).name}")
         return None
 
     def _copy_pinned(self, part: _Part, request_id: int, payload_len: int, data_len: int) -> KvxError | None:
         """SHM_PIN_OK: move the bytes of a pinned range, then unpin it."""
-        if data_len or payload_len % 16 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
+        if data_len or payload_len % 8 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
             raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_PIN_OK")
         remote_addrs = np.frombuffer(recv_exact(self.sock, payload_len), dtype=np.uint64)
         with self.lock:
@@ -591,7 +601,8 @@ class TcpChannel(Channel):
         conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, request_id)
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None) -> None:
+             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
+             remote_ipc: bool = False) -> None:
         parts = self.split(local_addrs, local_lens, total, remote, self.max_message_bytes)
         attach_notify = notify is not None and len(parts) == 1 and op is Op.WRITE
         if notify is not None and not attach_notify:
@@ -603,12 +614,13 @@ class TcpChannel(Channel):
             payload = wire.tobytes()
             if op is Op.READ:
                 prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
-                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes), prefix, request_id)
+                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes, local_device), prefix, request_id)
             else:
                 extra = notify if attach_notify else b""
                 prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
                                     aux=len(extra), data_len=nbytes) + payload + extra
-                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes), prefix, request_id)
+                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, local_device), prefix,
+                            request_id)
 
     def split(self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray,
               max_bytes: int) -> list[tuple[np.ndarray, Any, Any, int]]:

@@ -38,7 +38,7 @@ class Endpoint(_message.Message):
     def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("id", "size_bytes", "memory_kind", "device", "address", "remote_read", "remote_write")
+    __slots__ = ("id", "size_bytes", "memory_kind", "device", "address", "remote_read", "remote_write", "cuda_ipc")
     ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Region(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_READ_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WRITE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     id: int
     size_bytes: int
     memory_kind: MemoryKind
@@ -53,7 +54,8 @@ class Region(_message.Message):
     address: int
     remote_read: bool
     remote_write: bool
-    def __init__(self, id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device: _Optional[int] = ..., address: _Optional[int] = ..., remote_read: bool = ..., remote_write: bool = ...) -> None: ...
+    cuda_ipc: bool
+    def __init__(self, id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device: _Optional[int] = ..., address: _Optional[int] = ..., remote_read: bool = ..., remote_write: bool = ..., cuda_ipc: bool = ...) -> None: ...
 
 class AgentMetadata(_message.Message):
     __slots__ = ("protocol_version", "name", "epoch", "endpoints", "regions", "host_name", "boot_id", "pid", "auth_required", "shm_probe_address")

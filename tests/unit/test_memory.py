@@ -2,10 +2,13 @@ import mmap
 import threading
 import time
 
+import sys
+
 import numpy as np
 import pytest
 
 import kvx
+from kvx import gpu
 from kvx.memory import LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, RegionTable
 
 
@@ -63,11 +66,60 @@ def test_register_refuses_bad_objects(agent):
     with pytest.raises(kvx.RegionError):
         agent.register(bytearray())
 
-    class FakeCuda:
-        __cuda_array_interface__ = {}
 
+class _FakeCuda:
+    def __init__(self, **cai):
+        self.__cuda_array_interface__ = {"data": (0x7000_0000, False), "shape": (4, 8), "typestr": "<f2",
+                                         "version": 3, **cai}
+
+
+class _FakeDLPack:
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("not reached without CuPy")
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+
+
+def test_gpu_memory_without_cupy_names_the_extra(agent, no_cupy):
+    for obj in (_FakeCuda(), _FakeDLPack()):
+        with pytest.raises(kvx.RegionError, match=r"CuPy.*kvx\[gpu\]"):
+            agent.register(obj)
     with pytest.raises(kvx.RegionError, match=r"kvx\[gpu\]"):
-        agent.register(FakeCuda())
+        agent.register((0x7000_0000, 4096), device=0)
+    assert not agent.regions
+
+
+def test_device_is_only_for_raw_gpu_ranges(agent):
+    with pytest.raises(kvx.ConfigError, match="host memory"):
+        agent.register(np.zeros(16, np.uint8), device=0)
+    with pytest.raises(kvx.ConfigError, match="device index"):
+        agent.register((0x7000_0000, 4096), device=-1)
+
+
+def test_cuda_array_interface_must_describe_one_contiguous_range():
+    assert gpu.interface_extent(_FakeCuda().__cuda_array_interface__) == (0x7000_0000, 64, False)
+    c_order = _FakeCuda(strides=(16, 2)).__cuda_array_interface__
+    assert gpu.interface_extent(c_order)[1] == 64
+    for bad in (_FakeCuda(strides=(2, 8)), _FakeCuda(strides=(32, 2)), _FakeCuda(mask=object())):
+        with pytest.raises(kvx.ConfigError):
+            gpu.interface_extent(bad.__cuda_array_interface__)
+    with pytest.raises(kvx.ConfigError, match="malformed"):
+        gpu.interface_extent({"shape": (2,)})
+    assert gpu.interface_extent(_FakeCuda(data=(0x10, True), shape=(), strides=None).__cuda_array_interface__) == \
+        (0x10, 2, True)
+
+
+def test_what_counts_as_cuda_memory_needs_neither_cupy_nor_torch(no_cupy):
+    assert gpu.is_cuda(_FakeCuda()) and gpu.is_cuda(_FakeDLPack())
+    assert not gpu.is_cuda(np.zeros(4)) and not gpu.is_cuda(bytearray(4))
+    torch = pytest.importorskip("torch")
+    assert not gpu.is_cuda(torch.zeros(4))
 
 
 def test_resolve_checks_bounds_flags_and_unknown_regions():

@@ -1,0 +1,379 @@
+"""GPU memory: CUDA regions, the copy kernel, CUDA IPC and staging engines.
+
+CuPy (the ``kvx[gpu]`` extra) is imported here only, and only when GPU
+memory is registered or moved: a host-only install never loads it, and
+registering device memory without it fails with a message that names the
+extra. torch is never imported: a torch CUDA tensor is recognised by its
+type's module and described through its own attributes (``data_ptr``,
+``device.index``), which also covers bfloat16, which
+``__cuda_array_interface__`` cannot describe.
+
+Threads and completion: every kvx thread that moves GPU bytes (a
+connection's reader or sender, a serving thread) has its own ``Engine`` per
+device: its own non-blocking stream, argument and staging buffers, so that
+threads never share a stream or a lock. Work ends with a CUDA event recorded
+on that stream and waited for by that thread (blocking-sync events: the
+thread sleeps, CuPy releases the GIL). Nothing synchronises a device or
+another stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvx import _staging
+from kvx.errors import ConfigError, RegionError, TransferError
+
+logger = logging.getLogger(__name__)
+
+EXTRA = "the kvx[gpu] extra: pip install 'kvx[gpu]' (CuPy for CUDA 12)"
+# DLPack device types.
+_DL_CUDA = 2
+# cudaMemoryType.
+_MEMORY_DEVICE = 2
+_MEMORY_MANAGED = 3
+# cudaIpcMemLazyEnablePeerAccess: a handle to another GPU's memory opens with peer access.
+_IPC_LAZY_PEER_ACCESS = 1
+_MEMCPY_DEFAULT = 4
+_MEMCPY_HOST_TO_DEVICE = 1
+_MEMCPY_DEVICE_TO_HOST = 2
+# The kernel cuts copies into pieces of at most this size (see csrc/kvx_copy.cu).
+PIECE_BYTES = 64 * 1024
+THREADS = 256
+# How copies of many (src, dst, len) triples run: one kernel launch ("kernel"),
+# or one cudaMemcpyAsync per triple ("memcpy"). KVX_CUDA_COPY overrides.
+COPY_METHODS = ("kernel", "memcpy")
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "kvx_copy.cu"
+
+
+def kernel_source() -> str:
+    """csrc/kvx_copy.cu: installed inside the package, or beside it in a checkout."""
+    for path in (_SOURCE, Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"):
+        if path.exists():
+            return path.read_text()
+    raise TransferError(f"kvx's CUDA kernel source is missing ({_SOURCE}); reinstall kvx")
+
+
+def cupy_module() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RegionError(f"GPU memory needs CuPy, which is not installed ({exc}); install {EXTRA}") from None
+    return cupy
+
+
+def available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device (never raises)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def is_cuda(obj: Any) -> bool:
+    """Does ``obj`` claim to be CUDA memory? Needs neither CuPy nor torch."""
+    if is_torch(obj):
+        return getattr(getattr(obj, "device", None), "type", "cpu") == "cuda"
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is not None and not isinstance(obj, np.ndarray):
+        try:
+            return int(dlpack_device()[0]) == _DL_CUDA
+        except Exception:
+            return False
+    return False
+
+
+def interface_extent(cai: dict) -> tuple[int, int, bool]:
+    """(pointer, bytes, read-only) of a ``__cuda_array_interface__``, which
+    must describe one contiguous range."""
+    try:
+        pointer, readonly = cai["data"]
+        shape = tuple(int(n) for n in cai["shape"])
+        itemsize = np.dtype(cai["typestr"]).itemsize
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"malformed __cuda_array_interface__: {exc}") from None
+    if cai.get("mask") is not None:
+        raise ConfigError("cannot register a masked CUDA array")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    strides = cai.get("strides")
+    if strides is not None and count > 1:
+        expected = itemsize
+        for size, stride in zip(reversed(shape), reversed(tuple(strides))):
+            if size != 1 and stride != expected:
+                raise ConfigError("register a contiguous CUDA array (cupy.ascontiguousarray)")
+            expected *= size
+    return int(pointer or 0), count * itemsize, bool(readonly)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaMemory:
+    address: int
+    size: int
+    device: int
+    writable: bool
+    owner: Any
+    ipc_handle: bytes  # b"": this memory cannot be shared through CUDA IPC
+    ipc_offset: int  # of address from the start of its allocation (what a handle opens)
+
+
+def describe(obj: Any, device: int | None) -> CudaMemory:
+    """Describe CUDA memory for registration: a CuPy array, a torch CUDA
+    tensor, anything with ``__cuda_array_interface__`` or a CUDA DLPack
+    capsule, or an ``(address, size_bytes)`` tuple on ``device``."""
+    cp = cupy_module()
+    writable = True
+    if isinstance(obj, tuple):
+        address, size = obj
+        owner: Any = None
+    elif is_torch(obj):
+        if not obj.is_contiguous():
+            raise ConfigError("register a contiguous tensor (tensor.contiguous())")
+        address, size, owner = int(obj.data_ptr()), int(obj.numel() * obj.element_size()), obj
+    elif hasattr(obj, "__cuda_array_interface__"):
+        address, size, readonly = interface_extent(obj.__cuda_array_interface__)
+        writable, owner = not readonly, obj
+    else:
+        try:
+            view = cp.from_dlpack(obj)
+        except Exception as exc:
+            raise ConfigError(f"cannot register {type(obj).__name__} through DLPack: {exc}") from None
+        address, size, readonly = interface_extent(view.__cuda_array_interface__)
+        writable, owner = not readonly, (obj, view)
+    if size <= 0:
+        raise RegionError("cannot register an empty buffer")
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(address)
+    except Exception as exc:
+        raise ConfigError(f"address {address:#x} is not CUDA memory: {exc}") from None
+    if attrs.type not in (_MEMORY_DEVICE, _MEMORY_MANAGED):
+        raise ConfigError(f"address {address:#x} is not CUDA device memory (cudaMemoryType {attrs.type}); "
+                          "register host memory without device=")
+    if device is not None and attrs.device != device:
+        raise ConfigError(f"address {address:#x} is on CUDA device {attrs.device}, not {device}")
+    device = int(attrs.device)
+    with cp.cuda.Device(device):
+        base, length = _allocation(address)
+        if address + size > base + length:
+            raise ConfigError(f"{size} bytes at {address:#x} run past the end of their CUDA allocation "
+                              f"({length} bytes at {base:#x})")
+        handle = b""
+        if attrs.type == _MEMORY_DEVICE:
+            try:
+                handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
+            except Exception as exc:  # cudaMallocAsync pools, VMM (expandable segments) memory...
+                logger.info("CUDA memory at %#x cannot be shared through CUDA IPC (%s); same-host peers "
+                            "reach it through staging over tcp", address, exc)
+    return CudaMemory(address, size, device, writable, owner, handle, address - base)
+
+
+_libcuda: Any = None
+
+
+def _allocation(address: int) -> tuple[int, int]:
+    """(base, size) of the CUDA allocation holding ``address``."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
+    if rc != 0:
+        raise ConfigError(f"address {address:#x} is in no CUDA allocation (cuMemGetAddressRange: {rc})")
+    return base.value, size.value
+
+
+def copy_method() -> str:
+    method = os.environ.get("KVX_CUDA_COPY", "kernel")
+    if method not in COPY_METHODS:
+        raise ConfigError(f"KVX_CUDA_COPY must be one of {', '.join(COPY_METHODS)}, not {method!r}")
+    return method
+
+
+_modules: dict[int, Any] = {}
+_modules_lock = threading.Lock()
+
+
+def _kernel(cp: Any, device: int) -> Any:
+    """kvx_copy, compiled once per device (NVRTC, through CuPy's RawModule)."""
+    with _modules_lock:
+        fn = _modules.get(device)
+        if fn is None:
+            module = cp.RawModule(code=kernel_source(), options=("-std=c++17",))
+            fn = _modules[device] = module.get_function("kvx_copy")
+        return fn
+
+
+class _Slot:
+    """Pinned and device buffers for one launch's triples, and its event."""
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        self.capacity = 0
+        self.host: Any = None
+        self.dev: Any = None
+        self.event: Any = None  # of the last work that used these buffers
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def load(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, stream: Any) -> int:
+        """Copy the triples to the device (async); the device address of [src | dst | len]."""
+        self.wait()
+        n = len(lens)
+        if n > self.capacity:
+            self.capacity = max(n, 2 * self.capacity, 1024)
+            self.host = self.cp.cuda.alloc_pinned_memory(24 * self.capacity)
+            self.dev = self.cp.cuda.alloc(24 * self.capacity)
+        packed = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * self.capacity)).from_address(self.host.ptr))
+        packed[:n] = srcs
+        packed[n:2 * n] = dsts
+        packed[2 * n:3 * n] = lens
+        self.cp.cuda.runtime.memcpyAsync(self.dev.ptr, self.host.ptr, 24 * n, _MEMCPY_HOST_TO_DEVICE, stream.ptr)
+        return self.dev.ptr
+
+
+class Engine:
+    """One thread's copies on one device (see the module's note on threads)."""
+
+    def __init__(self, device: int) -> None:
+        cp = self.cp = cupy_module()
+        self.device = device
+        self.method = copy_method()
+        self.chunk_bytes = _staging.CHUNK_BYTES
+        with cp.cuda.Device(device):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.kernel = _kernel(cp, device) if self.method == "kernel" else None
+            self.grid_limit = 8 * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        self._slots = [_Slot(cp), _Slot(cp), _Slot(cp)]  # 0, 1: staging; 2: direct copies
+        self._pinned: list[Any] = []
+        self._staged: list[Any] = []
+
+    def _event(self) -> Any:
+        event = self.cp.cuda.Event(block=True, disable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def _launch(self, slot: _Slot, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:
+        """Queue the copies of (dst, src, len) triples on the stream."""
+        dsts, srcs, lens = _staging.pieces(np.asarray(dsts, np.uint64), np.asarray(srcs, np.uint64),
+                                           np.asarray(lens, np.uint64), PIECE_BYTES)
+        n = len(lens)
+        if self.method == "memcpy":
+            slot.wait()
+            memcpy = self.cp.cuda.runtime.memcpyAsync
+            for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist()):
+                memcpy(d, s, k, _MEMCPY_DEFAULT, self.stream.ptr)
+            return
+        args = slot.load(dsts, srcs, lens, self.stream)
+        grid = min(n, self.grid_limit)
+        with self.stream:  # launches on the current stream
+            self.kernel((grid,), (THREADS,), (np.uint64(args), np.uint64(args + 8 * n), np.uint64(args + 16 * n),
+                                              np.uint32(n)))
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> Any:
+        """Start the copies (device or IPC-opened memory on both sides); an event."""
+        with self.cp.cuda.Device(self.device):
+            slot = self._slots[2]
+            self._launch(slot, dsts, srcs, lens)
+            slot.event = self._event()
+            return slot.event
+
+    # The staging engine (kvx/_staging.py).
+
+    def _staging(self) -> None:
+        if not self._pinned:
+            for _ in range(2):
+                self._pinned.append(self.cp.cuda.alloc_pinned_memory(self.chunk_bytes))
+                self._staged.append(self.cp.cuda.alloc(self.chunk_bytes))
+
+    def buffer(self, slot: int) -> int:
+        with self.cp.cuda.Device(self.device):
+            self._staging()
+        return self._pinned[slot].ptr
+
+    def stage_out(self, slot: int, addrs: np.ndarray, lens: np.ndarray, nbytes: int) -> Any:
+        with self.cp.cuda.Device(self.device):
+            self._staging()
+            staged = self._staged[slot].ptr
+            self._launch(self._slots[slot], _staging.offsets(staged, lens), addrs, lens)
+            self.cp.cuda.runtime.memcpyAsync(self._pinned[slot].ptr, staged, nbytes, _MEMCPY_DEVICE_TO_HOST,
+                                             self.stream.ptr)
+            self._slots[slot].event = self._event()
+            return self._slots[slot].event
+
+    def stage_in(self, slot: int, addrs: np.ndarray, lens: np.ndarray, nbytes: int) -> Any:
+        with self.cp.cuda.Device(self.device):
+            self._staging()
+            staged = self._staged[slot].ptr
+            self._slots[slot].wait()
+            self.cp.cuda.runtime.memcpyAsync(staged, self._pinned[slot].ptr, nbytes, _MEMCPY_HOST_TO_DEVICE,
+                                             self.stream.ptr)
+            self._launch(self._slots[slot], addrs, _staging.offsets(staged, lens), lens)
+            self._slots[slot].event = self._event()
+            return self._slots[slot].event
+
+
+_local = threading.local()
+
+
+def engine(device: int) -> Engine:
+    """This thread's engine for ``device``."""
+    engines = _local.__dict__.setdefault("engines", {})
+    found = engines.get(device)
+    if found is None:
+        found = engines[device] = Engine(device)
+    return found
+
+
+class IpcMap:
+    """A peer's CUDA allocations opened through IPC: once each, closed together."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._lock = threading.Lock()
+        self._opened: dict[bytes, int] = {}
+
+    def open(self, handle: bytes) -> int:
+        """The local address of the allocation ``handle`` names."""
+        with self._lock:
+            address = self._opened.get(handle)
+            if address is None:
+                cp = cupy_module()
+                with cp.cuda.Device(self.device):
+                    try:
+                        address = int(cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
+                    except Exception as exc:
+                        raise TransferError(f"cannot open the peer's CUDA IPC handle: {exc} (the peer's GPU "
+                                            "is not visible to this process, or a container hides it)") from None
+                self._opened[handle] = address
+            return address
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._opened = list(self._opened.values()), {}
+        if not opened:
+            return
+        cp = cupy_module()
+        with cp.cuda.Device(self.device):
+            for address in opened:
+                try:
+                    cp.cuda.runtime.ipcCloseMemHandle(address)
+                except Exception as exc:
+                    logger.warning("closing a CUDA IPC mapping failed: %s", exc)
