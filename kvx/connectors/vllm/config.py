@@ -7,11 +7,12 @@ import math
 import os
 from typing import Any
 
-from kvx.config import read_file
+from kvx.config import BACKENDS, read_file
 from kvx.errors import ConfigError
 
 _KEYS = {"mode", "lease_s", "host", "side_channel_port", "metadata", "metadata_token_file", "auth_secret_file",
-         "allow_insecure", "transfer_timeout_s", "connect_timeout_s", "streams", "api_url", "agent_port"}
+         "allow_insecure", "transfer_timeout_s", "connect_timeout_s", "streams", "api_url", "agent_port",
+         "backend"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,8 @@ class KvxConnectorConfig:
     transfer_timeout_s: a receive that has not finished by then fails.
     connect_timeout_s:  side channel fetch plus agent handshake.
     streams:            connections per peer.
+    backend:            "auto" (default), "tcp", "shm" or "cuda_ipc": as
+                        kvx.Agent's ``backend``.
     api_url:            this engine's OpenAI URL, published in the metadata
                         service so that ``kvx proxy --metadata`` finds it.
     """
@@ -53,6 +56,7 @@ class KvxConnectorConfig:
     transfer_timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
     streams: int = 1
+    backend: str = "auto"
     api_url: str | None = None
 
     @classmethod
@@ -82,6 +86,9 @@ class KvxConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config {name} must be a port number, not {v!r}")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ConfigError(f"kv_connector_extra_config streams must be 1..64, not {self.streams!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"kv_connector_extra_config backend must be one of {', '.join(BACKENDS)}, "
+                              f"not {self.backend!r}")
 
     def auth_secret(self) -> bytes | None:
         if self.auth_secret_file:

@@ -96,6 +96,7 @@ class KvxWorker:
         self.agent = Agent(
             f"vllm-{self.engine_id}-tp{self.tp_rank}", listen=f"{cfg.host}:{port}",
             auth_secret=cfg.auth_secret(), allow_insecure=cfg.allow_insecure, streams=cfg.streams,
+            backend=cfg.backend,
             timeouts=Timeouts(connect_s=cfg.connect_timeout_s, io_s=io_s, transfer_s=cfg.transfer_timeout_s),
             on_notify=self._on_note, metadata=cfg.metadata, role=self.role,
             labels={"engine_id": self.engine_id, "tp_rank": str(self.tp_rank)},
