@@ -342,38 +342,63 @@ def engine(device: int) -> Engine:
     return found
 
 
+# Allocations opened through CUDA IPC in this process, shared by every IpcMap:
+# a handle opens once per process (CUDA refuses a second open of the same
+# handle in one context), and closes when the last map holding it lets go.
+_opened: dict[tuple[int, bytes], list[int]] = {}  # (device, handle) -> [address, maps holding it]
+_opened_lock = threading.Lock()
+
+
 class IpcMap:
-    """A peer's CUDA allocations opened through IPC: once each, closed together."""
+    """The allocations one peer connection opened through CUDA IPC: each once,
+    closed together when the connection ends."""
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lock = threading.Lock()
-        self._opened: dict[bytes, int] = {}
+        self._held: dict[bytes, int] = {}
+        self._closed = False
 
     def open(self, handle: bytes) -> int:
         """The local address of the allocation ``handle`` names."""
         with self._lock:
-            address = self._opened.get(handle)
-            if address is None:
-                cp = cupy_module()
-                with cp.cuda.Device(self.device):
-                    try:
-                        address = int(cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
-                    except Exception as exc:
-                        raise TransferError(f"cannot open the peer's CUDA IPC handle: {exc} (the peer's GPU "
-                                            "is not visible to this process, or a container hides it)") from None
-                self._opened[handle] = address
-            return address
+            address = self._held.get(handle)
+            if address is not None:
+                return address
+            if self._closed:
+                raise TransferError("the connection to the peer was closed")
+            key = (self.device, handle)
+            with _opened_lock:
+                entry = _opened.get(key)
+                if entry is None:
+                    cp = cupy_module()
+                    with cp.cuda.Device(self.device):
+                        try:
+                            opened = int(cp.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
+                        except Exception as exc:
+                            raise TransferError(
+                                f"cannot open the peer's CUDA IPC handle: {exc} (the peer's GPU is not visible "
+                                "to this process, or a container hides it)") from None
+                    entry = _opened[key] = [opened, 0]
+                entry[1] += 1
+            self._held[handle] = entry[0]
+            return entry[0]
 
     def close(self) -> None:
         with self._lock:
-            opened, self._opened = list(self._opened.values()), {}
-        if not opened:
-            return
-        cp = cupy_module()
-        with cp.cuda.Device(self.device):
-            for address in opened:
+            self._closed = True
+            held, self._held = list(self._held), {}
+        for handle in held:
+            key = (self.device, handle)
+            with _opened_lock:
+                entry = _opened[key]
+                entry[1] -= 1
+                if entry[1]:
+                    continue
+                del _opened[key]
+            cp = cupy_module()
+            with cp.cuda.Device(self.device):
                 try:
-                    cp.cuda.runtime.ipcCloseMemHandle(address)
+                    cp.cuda.runtime.ipcCloseMemHandle(entry[0])
                 except Exception as exc:
                     logger.warning("closing a CUDA IPC mapping failed: %s", exc)
