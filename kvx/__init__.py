@@ -21,11 +21,13 @@ from kvx.errors import (AccessError, AuthError, ClosedError, ConfigError, Connec
 from kvx.layout import KVLayout
 from kvx.metadata.client import MetadataOptions
 from kvx.memory import MemoryKind, Region, RemoteRegion
+from kvx.segments import alloc_shared
 from kvx.transfer import Notification, Op, Transfer, TransferState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "alloc_shared",
     "DESC_DTYPE",
     "PROTOCOL_VERSION",
     "AccessError",

@@ -33,6 +33,12 @@ answer then carries, after the (base, size) pairs, per region its uint64
 offset inside its CUDA allocation and that allocation's 64-byte
 cudaIpcMemHandle. The initiator opens each handle once, caches the mapping
 for the life of the connection to that epoch, and copies with its own GPU.
+
+Where cross-memory attach is refused, the shm backend maps the target's
+shared segments (kvx/segments.py) instead: SEG_TOKEN (no payload) asks for a
+single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
+presents it on the target's Unix socket to receive the segments' file
+descriptors. Sent only to an agent whose metadata names a segment socket.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class MsgType(enum.IntEnum):
     SHM_PIN = 12
     SHM_PIN_OK = 13
     SHM_UNPIN = 14
+    SEG_TOKEN = 15
+    SEG_TOKEN_OK = 16
 
 
 # SHM_PIN aux values.

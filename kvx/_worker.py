@@ -42,6 +42,7 @@ class WorkerConfig:
     lease_ttl_s: int = 10
     backend: str = "auto"
     memory: str = "host"  # where the pool lives: "host", or "cuda" (CUDA device 0, needs kvx[gpu])
+    shared: bool = False  # a host pool in a kvx shared segment (kvx.alloc_shared)
 
 
 def _main(conn: Any, config: WorkerConfig) -> None:
@@ -53,6 +54,10 @@ def _main(conn: Any, config: WorkerConfig) -> None:
     import kvx
 
     pool = pattern(config.seed, config.pool_bytes).copy()
+    if config.shared:
+        shared = kvx.alloc_shared(config.pool_bytes)
+        shared[:] = pool
+        pool = shared
     if config.memory == "cuda":
         from kvx import gpu
 

@@ -20,15 +20,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvx import _wire, gpu
+from kvx import _wire, gpu, segments
 from kvx.backends import shm
 from kvx.backends._sock import is_loopback, parse_address
 from kvx.backends.base import Channel
 from kvx.backends.tcp import TcpBackend, TcpChannel
 from kvx.config import Limits, Timeouts, check_backend, check_name
 from kvx.descs import Descs, total_bytes
-from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError, MetadataError,
-                        PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, KvxError, LimitError,
+                        MetadataError, PeerLostError, ProtocolError, TimeoutError, VersionError)
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
 from kvx.memory import (DEVICE, LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region,
@@ -140,7 +140,19 @@ class Agent:
         # Same-host peers read these 8 bytes (the epoch) to prove they may attach to this process.
         self._shm_offered = self.backend_setting != "tcp"
         self._shm_probe = shm.probe_buffer(self.epoch)
-        self._backend = TcpBackend(self, host, port, advertise_host)
+        self._segment_server: segments.SegmentServer | None = None
+        if self._shm_offered:
+            try:
+                self._segment_server = segments.SegmentServer(self)
+            except OSError as exc:
+                logger.warning("agent %s: no shared-segment socket (%s); peers that may not attach to this "
+                               "process will use tcp", name, exc)
+        try:
+            self._backend = TcpBackend(self, host, port, advertise_host)
+        except BaseException:
+            if self._segment_server is not None:
+                self._segment_server.close()
+            raise
         logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
         self._directory: Directory | None = None
         if metadata is not None:
@@ -150,6 +162,8 @@ class Agent:
             except BaseException:
                 self._directory = None
                 self._backend.close()
+                if self._segment_server is not None:
+                    self._segment_server.close()
                 raise
 
     # Lifecycle.
@@ -183,6 +197,8 @@ class Agent:
         for peer in peers:
             peer._close(ClosedError(f"agent {self.name!r} was closed"))
         self._backend.close()
+        if self._segment_server is not None:
+            self._segment_server.close()
         with self._notify_cv:
             self._notify_cv.notify_all()
 
@@ -244,14 +260,16 @@ class Agent:
             protocol_version=_wire.PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
             host_name=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
             auth_required=self._secret is not None,
-            shm_probe_address=self._shm_probe.ctypes.data if self._shm_offered else 0)
+            shm_probe_address=self._shm_probe.ctypes.data if self._shm_offered else 0,
+            segment_socket=self._segment_server.name if self._segment_server is not None else "")
         md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)
         for r in self._regions.regions():
             if r.remote_read or r.remote_write:
                 md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
                                device=r.device, address=r.address, remote_read=r.remote_read,
                                remote_write=r.remote_write,
-                               cuda_ipc=bool(r.ipc_handle) and self.backend_setting in ("auto", "cuda_ipc"))
+                               cuda_ipc=bool(r.ipc_handle) and self.backend_setting in ("auto", "cuda_ipc"),
+                               shared_segment=r.segment_fd >= 0 and self._segment_server is not None)
         return md
 
     def add_peer(self, metadata: bytes, *, streams: int | None = None, backend: str | None = None) -> Peer:
@@ -280,10 +298,28 @@ class Agent:
 
         def bind(*args: Any) -> Channel:
             # After the handshake: the peer is who the metadata says (name, epoch, secret).
-            choice.append(self._choose_backend(md, setting))
-            if choice[0][0] == "tcp":
+            try:
+                backend, reason = self._choose_backend(md, setting)
+            except ConnectError as exc:
+                if setting != "shm":
+                    raise
+                backend, reason, refused = "tcp", str(exc), exc
+            else:
+                refused = None
+            if backend == "tcp":
+                maps = self._map_segments(md, args[2][0])
+                if maps:
+                    backend, reason = "shm", reason + (
+                        f"; instead, {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through "
+                        "shared segments, other memory goes over tcp")
+                    choice.append((backend, reason))
+                    return shm.ShmChannel(*args, pid=md.pid, cma=False, segment_maps=maps)
+                if refused is not None:
+                    raise refused
+            choice.append((backend, reason))
+            if backend == "tcp":
                 return TcpChannel(*args)
-            return shm.ShmChannel(*args, pid=md.pid, ipc=choice[0][0] == "cuda_ipc")
+            return shm.ShmChannel(*args, pid=md.pid, ipc=backend == "cuda_ipc")
 
         streams = streams or self.streams
         if setting != "tcp" and md.shm_probe_address and shm.same_host(md, socket.gethostname(), _boot_id()):
@@ -330,6 +366,22 @@ class Agent:
             logger.warning("agent %s: peer %s is on this host but shm is not usable, falling back to tcp: %s",
                            self.name, md.name, why)
         return "tcp", why + staged
+
+    def _map_segments(self, md: agent_pb2.AgentMetadata, conn: Any) -> dict[int, Any]:
+        """Where cross-memory attach is refused between same-host agents: map
+        the peer's shared segments (kvx.alloc_shared memory), if it offers any."""
+        if self.backend_setting == "tcp" or not md.segment_socket or \
+                not shm.same_host(md, socket.gethostname(), _boot_id()) or \
+                not any(r.shared_segment for r in md.regions):
+            return {}
+        try:
+            token = _request_segment_token(conn.sock, md.name, self.timeouts.connect_s)
+            return segments.fetch(md.segment_socket, token, [r.id for r in md.regions if r.shared_segment],
+                                  md.name)
+        except (KvxError, OSError) as exc:
+            logger.warning("agent %s: peer %s offers shared segments, but mapping them failed: %s", self.name,
+                           md.name, exc)
+            return {}
 
     def _uses_gpu(self, md: agent_pb2.AgentMetadata) -> bool:
         """Either side has registered GPU memory."""
@@ -420,6 +472,19 @@ class Agent:
             self._notifications.append(note)
             self._notify_cv.notify_all()
             return True
+
+
+def _request_segment_token(sock: socket.socket, peer: str, timeout_s: float) -> bytes:
+    """SEG_TOKEN on a fresh connection whose reader has not started yet."""
+    import time
+
+    from kvx.backends.tcp import _handshake_reply
+
+    sock.sendall(_wire.pack(_wire.MsgType.SEG_TOKEN))
+    token = _handshake_reply(sock, _wire.MsgType.SEG_TOKEN_OK, peer, time.monotonic() + timeout_s)
+    if len(token) != segments.TOKEN_BYTES:
+        raise ProtocolError(f"peer {peer!r} sent a {len(token)}-byte segment token")
+    return token
 
 
 def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvx import gpu
+from kvx import gpu, segments
 from kvx.descs import Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
 
@@ -55,6 +55,10 @@ class Region:
     # the region's offset in that allocation.
     ipc_handle: bytes = dataclasses.field(repr=False, default=b"")
     ipc_offset: int = 0
+    # Host memory from kvx.alloc_shared: its segment's descriptor (-1: none)
+    # and the region's offset in it.
+    segment_fd: int = -1
+    segment_offset: int = 0
 
     def descs(self, offsets: Any, lengths: Any) -> Descs:
         return Descs.build(self.id, offsets, lengths)
@@ -153,6 +157,7 @@ class RegionTable:
         else:
             address, size, writable, owner = described
             kind, device, ipc = MemoryKind.HOST, -1, (b"", 0)
+        segment = segments.find(address, size) if kind is MemoryKind.HOST else None
         if size <= 0:
             raise RegionError("cannot register an empty buffer")
         with self._cond:
@@ -164,7 +169,8 @@ class RegionTable:
                                   "(they are never reused); restart the agent")
             self._next_id += 1
             region = Region(rid, address, size, kind, device,
-                            remote_access, remote_access and writable, writable, owner, *ipc)
+                            remote_access, remote_access and writable, writable, owner, *ipc,
+                            *(segment or (-1, 0)))
             if rid >= len(self._flags):
                 grow = max(rid + 1, 2 * len(self._flags))
                 self._base = np.resize(self._base, grow)

@@ -193,6 +193,7 @@ class InboundConnection:
             MsgType.NOTIFY: self._on_notify,
             MsgType.SHM_PIN: self._on_pin,
             MsgType.SHM_UNPIN: self._on_unpin,
+            MsgType.SEG_TOKEN: self._on_seg_token,
         }
         while not self.closing:
             header = recv_header(self.sock, lambda: not self.closing)
@@ -350,6 +351,20 @@ class InboundConnection:
         if token is None:
             raise _Fatal(ProtocolError(f"SHM_UNPIN of request {request_id}, which holds no pin"), request_id)
         self.agent._regions.release(token)
+
+    def _on_seg_token(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        if payload_len or aux or data_len:
+            raise _Fatal(ProtocolError("SEG_TOKEN carries nothing"), request_id)
+        server = self.agent._segment_server
+        if server is None:
+            self._send_error(request_id, AccessError(f"agent {self.agent.name!r} does not offer shared segments"))
+            return
+        try:
+            token = server.issue(self.peer_name)
+        except AccessError as exc:
+            self._send_error(request_id, exc)
+            return
+        self.sock.sendall(_wire.pack(MsgType.SEG_TOKEN_OK, request_id, payload_len=len(token)) + token)
 
     def _queue_full(self) -> LimitError:
         return LimitError(f"agent {self.agent.name!r} has "

@@ -17,6 +17,7 @@ reading 8 bytes the target published for it, and says why not when not.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -55,20 +56,30 @@ class ShmChannel(TcpChannel):
     Anything else (host and CUDA memory on either side) is staged over the
     connections, as over tcp."""
 
-    def __init__(self, *args: Any, pid: int, ipc: bool = False) -> None:
+    def __init__(self, *args: Any, pid: int, ipc: bool = False, cma: bool = True,
+                 segment_maps: dict[int, Any] | None = None) -> None:
         super().__init__(*args)
         self.pid = pid
         self.ipc = ipc
+        self.cma = cma
+        # Without cross-memory attach: the peer's shared segments, mapped here (kvx/segments.py).
+        self.segment_maps = segment_maps or {}
+        self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
         self._ipc_maps: dict[int, Any] = {}  # local device -> kvx.gpu.IpcMap
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
              remote_ipc: bool = False) -> None:
-        if local_device < 0 and remote_device < 0:
+        if local_device < 0 and remote_device < 0 and self.cma:
             move = _io.vm_writev if op is Op.WRITE else _io.vm_readv
             self._pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
                          lambda addrs, lens, wire, regions: _Copy(move, self.pid, self.peer, addrs, lens, wire,
                                                                   regions))
+        elif local_device < 0 and remote_device < 0 and self._in_segments(remote):
+            maps = self.segment_maps
+            self._pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
+                         lambda addrs, lens, wire, regions: _SegmentCopy(op, maps, self.peer, addrs, lens, wire,
+                                                                         regions))
         elif self.ipc and local_device >= 0 and remote_device >= 0 and remote_ipc:
             ipc_map = self._ipc_map(local_device)
             self._pinned(transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_IPC,
@@ -95,6 +106,12 @@ class ShmChannel(TcpChannel):
             prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
             conn.submit(part, prefix, request_id)
 
+    def _in_segments(self, remote: np.ndarray) -> bool:
+        if not len(self._segment_ids):
+            return False
+        ids = remote["region"]
+        return bool(np.isin(ids, self._segment_ids).all())
+
     def _ipc_map(self, device: int) -> Any:
         found = self._ipc_maps.get(device)
         if found is None:
@@ -107,22 +124,68 @@ class ShmChannel(TcpChannel):
         first = self._error is None
         super()._on_break(error)
         maps = list(self._ipc_maps.values())
-        if first and maps:
+        if first and (maps or self.segment_maps):
             # Closed once no reader can be copying through them any more.
             readers = [c.reader for c in self.conns]
-            threading.Thread(target=_close_maps, args=(readers, maps, self.backend.agent.timeouts.close_s),
-                             name=f"kvx-ipc-close-{self.peer}", daemon=True).start()
+            threading.Thread(target=_close_maps,
+                             args=(readers, maps, self.segment_maps, self.backend.agent.timeouts.close_s),
+                             name=f"kvx-maps-close-{self.peer}", daemon=True).start()
 
 
-def _close_maps(readers: list[threading.Thread], maps: list[Any], timeout_s: float) -> None:
+def _close_maps(readers: list[threading.Thread], ipc_maps: list[Any], segment_maps: dict[int, Any],
+                timeout_s: float) -> None:
     for reader in readers:
-        if reader.is_alive():
+        if reader.is_alive() and reader is not threading.current_thread():
             reader.join(timeout_s)
     if any(reader.is_alive() for reader in readers):
-        logger.warning("CUDA IPC mappings of a closed peer left open: a copy is still running")
+        logger.warning("mappings of a closed peer's memory left open: a copy is still running")
         return
-    for ipc_map in maps:
+    for ipc_map in ipc_maps:
         ipc_map.close()
+    from kvx import segments
+
+    segments.close_all(segment_maps)
+
+
+class _SegmentCopy:
+    """Moves one part's bytes through the peer's shared segments, mapped here,
+    once the target has pinned its regions."""
+
+    __slots__ = ("op", "maps", "peer", "addrs", "lens", "remote", "regions")
+
+    def __init__(self, op: Op, maps: dict[int, Any], peer: str, addrs: Any, lens: Any, remote: np.ndarray,
+                 regions: np.ndarray) -> None:
+        self.op = op
+        self.maps = maps
+        self.peer = peer
+        self.addrs = addrs
+        self.lens = lens
+        self.remote = remote
+        self.regions = regions
+
+    def __call__(self, pinned: np.ndarray) -> None:
+        from kvx import _staging
+
+        n = len(self.regions)
+        if len(pinned) != 2 * n:
+            raise ProtocolError(f"peer {self.peer!r} pinned {len(pinned) // 2} regions of {n}")
+        sizes = pinned[1::2]
+        _check_pinned(self.remote, self.regions, pinned[0::2], sizes, self.peer, self.op is Op.WRITE)
+        mapped = [self.maps[int(rid)] for rid in self.regions.tolist()]
+        if any(m.size != int(size) for m, size in zip(mapped, sizes.tolist())):
+            raise ProtocolError(f"peer {self.peer!r} pinned a region whose size differs from its segment")
+        bases = np.array([m.base for m in mapped], np.uint64)
+        at = 0 if n == 1 else np.searchsorted(self.regions, self.remote["region"])
+        remote_addrs = np.asarray(bases[at] + self.remote["offset"], np.uint64)
+        remote_lens = np.ascontiguousarray(self.remote["length"], np.uint64)
+        local_addrs, local_lens = np.asarray(self.addrs, np.uint64), np.asarray(self.lens, np.uint64)
+        if self.op is Op.WRITE:
+            dsts, srcs, lens = _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
+        else:
+            dsts, srcs, lens = _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
+        memmove = ctypes.memmove  # releases the GIL per call
+        for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist()):
+            memmove(d, s, k)
 
 
 def _check_pinned(remote: np.ndarray, regions: np.ndarray, bases: np.ndarray, sizes: np.ndarray,

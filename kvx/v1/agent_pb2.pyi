@@ -38,7 +38,7 @@ class Endpoint(_message.Message):
     def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("id", "size_bytes", "memory_kind", "device", "address", "remote_read", "remote_write", "cuda_ipc")
+    __slots__ = ("id", "size_bytes", "memory_kind", "device", "address", "remote_read", "remote_write", "cuda_ipc", "shared_segment")
     ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Region(_message.Message):
     REMOTE_READ_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WRITE_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHARED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     id: int
     size_bytes: int
     memory_kind: MemoryKind
@@ -55,10 +56,11 @@ class Region(_message.Message):
     remote_read: bool
     remote_write: bool
     cuda_ipc: bool
-    def __init__(self, id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device: _Optional[int] = ..., address: _Optional[int] = ..., remote_read: bool = ..., remote_write: bool = ..., cuda_ipc: bool = ...) -> None: ...
+    shared_segment: bool
+    def __init__(self, id: _Optional[int] = ..., size_bytes: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., device: _Optional[int] = ..., address: _Optional[int] = ..., remote_read: bool = ..., remote_write: bool = ..., cuda_ipc: bool = ..., shared_segment: bool = ...) -> None: ...
 
 class AgentMetadata(_message.Message):
-    __slots__ = ("protocol_version", "name", "epoch", "endpoints", "regions", "host_name", "boot_id", "pid", "auth_required", "shm_probe_address")
+    __slots__ = ("protocol_version", "name", "epoch", "endpoints", "regions", "host_name", "boot_id", "pid", "auth_required", "shm_probe_address", "segment_socket")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,7 @@ class AgentMetadata(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     name: str
     epoch: int
@@ -79,4 +82,5 @@ class AgentMetadata(_message.Message):
     pid: int
     auth_required: bool
     shm_probe_address: int
-    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., host_name: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., auth_required: bool = ..., shm_probe_address: _Optional[int] = ...) -> None: ...
+    segment_socket: str
+    def __init__(self, protocol_version: _Optional[int] = ..., name: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., host_name: _Optional[str] = ..., boot_id: _Optional[str] = ..., pid: _Optional[int] = ..., auth_required: bool = ..., shm_probe_address: _Optional[int] = ..., segment_socket: _Optional[str] = ...) -> None: ...

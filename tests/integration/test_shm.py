@@ -231,3 +231,84 @@ def test_many_small_blocks_over_several_streams(make_worker, make_agent):
     peer.write(Descs.from_blocks(region, [0, 1], BLOCK), Descs.from_blocks(peer.regions[0], [7, 3], BLOCK)).wait(10)
     assert worker.call("peek", 3 * BLOCK, BLOCK) == b"\xab" * BLOCK
     assert worker.call("peek", 4 * BLOCK, 3 * BLOCK) == worker.expected(4 * BLOCK, 3 * BLOCK).tobytes()
+
+
+# Shared segments: where cross-memory attach is refused.
+
+_SEGMENTS = """
+import json, sys, numpy as np, kvx
+md = bytes.fromhex(sys.argv[1])
+agent = kvx.Agent("no-ptrace")
+pool = np.zeros(1 << 20, np.uint8)
+region = agent.register(pool)
+peer = agent.add_peer(md)
+out = {"backend": peer.backend, "reason": peer.backend_reason}
+ids = np.array([7, 0, 200, 31, 100])
+peer.read(kvx.Descs.from_blocks(region, np.arange(5), 4096), kvx.Descs.from_blocks(peer.regions[0], ids, 4096)).wait(10)
+out["read"] = pool[:5 * 4096].tobytes().hex()
+pool[:4096] = 0xAB
+peer.write(region.descs(0, 4096), peer.regions[0].descs(4096 * 255, 4096), notify=b"seg").wait(10)
+forced = kvx.Agent("no-ptrace-forced", backend="shm").add_peer(md)
+out["forced"] = forced.backend_reason
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as another user "
+                    "the test would need a second account")
+def test_without_attach_shared_segments_carry_the_bytes(make_worker):
+    worker = make_worker(shared=True, auth_secret=None)
+    md = parse_metadata(worker.metadata)
+    assert md.segment_socket and md.regions[0].shared_segment
+    proc = subprocess.run([sys.executable, "-c", _SEGMENTS, worker.metadata.hex()],
+                          preexec_fn=_without_ptrace_capability, capture_output=True, text=True, timeout=60)
+    if proc.returncode == 77:
+        pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["backend"] == "shm"
+    assert "not permitted (EPERM)" in out["reason"] and "shared segments" in out["reason"]
+    assert "shared segments" in out["forced"]
+    expected = worker.expected(0, 1 << 20).reshape(-1, BLOCK)
+    assert bytes.fromhex(out["read"]) == expected[[7, 0, 200, 31, 100]].tobytes()
+    assert worker.call("peek", 4096 * 255, 4096) == bytes([0xAB]) * 4096
+    assert worker.call("notifications", 5.0) == [("no-ptrace", b"seg")]
+
+
+def test_segment_descriptors_go_only_to_token_holders(make_agent):
+    from kvx import segments
+
+    target = make_agent("seg-target")
+    shared = kvx.alloc_shared(1 << 16)
+    shared[:] = 3
+    region = target.register(shared)
+    private = target.register(kvx.alloc_shared(4096), remote_access=False)
+    plain = target.register(np.zeros(4096, np.uint8))
+    server = target._segment_server
+    name = target.metadata_message().segment_socket
+    assert name == server.name
+    with pytest.raises(kvx.AccessError, match="refused"):
+        segments.fetch(name, b"x" * segments.TOKEN_BYTES, [region.id], "seg-target")
+    token = server.issue("someone")
+    maps = segments.fetch(name, token, [region.id, private.id, plain.id, 999], "seg-target")
+    assert sorted(maps) == [region.id]  # not the private one, not plain memory, not an unknown id
+    mapped = np.ctypeslib.as_array((ctypes.c_uint8 * (1 << 16)).from_address(maps[region.id].base))
+    assert (mapped == 3).all()
+    shared[:10] = 9  # one memory: a write on one side shows on the other
+    assert (mapped[:10] == 9).all()
+    with pytest.raises(kvx.AccessError, match="refused"):  # a token is good once
+        segments.fetch(name, token, [region.id], "seg-target")
+    segments.close_all(maps)
+
+
+def test_shared_memory_is_plain_host_memory_when_attach_works(make_worker, make_agent):
+    worker = make_worker(shared=True)
+    agent = make_agent()
+    pool = kvx.alloc_shared(1 << 20)
+    region = agent.register(pool)
+    assert region.segment_fd >= 0
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm" and "cross-memory attach" in peer.backend_reason
+    assert "shared segments" not in peer.backend_reason
+    peer.read(region.descs(0, 1 << 20), peer.regions[0].descs(0, 1 << 20)).wait(10)
+    assert np.array_equal(pool, worker.expected(0, 1 << 20))
