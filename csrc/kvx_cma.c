@@ -9,6 +9,7 @@
  *
  *   vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
  *   vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
+ *   memcpyv(dsts, srcs, lens) -> None      (this process: shared segments)
  *
  * The four arguments are C-contiguous uint64 buffers; the local and remote
  * lists may be cut differently but must cover the same number of bytes.
@@ -24,6 +25,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -149,6 +151,34 @@ out:
     return result;
 }
 
+/* memcpy of (dst, src, len) triples, GIL released: the shm backend's copy
+ * through peer segments mapped into this process. */
+static PyObject *kvx_memcpyv(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer d, s, l;
+    if (!PyArg_ParseTuple(args, "y*y*y*:memcpyv", &d, &s, &l))
+        return NULL;
+    PyObject *result = NULL;
+    if (d.len % 8 || s.len != d.len || l.len != d.len) {
+        PyErr_SetString(PyExc_ValueError, "dsts, srcs and lens must be uint64 buffers of equal length");
+        goto out;
+    }
+    const uint64_t *dst = d.buf, *src = s.buf, *len = l.buf;
+    size_t count = (size_t)d.len / 8;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < count; i++)
+        memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&l);
+    return result;
+}
+
 static PyObject *kvx_vm_readv(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -165,6 +195,7 @@ static PyMethodDef methods[] = {
     {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"vm_writev", kvx_vm_writev, METH_VARARGS,
      "vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
+    {"memcpyv", kvx_memcpyv, METH_VARARGS, "memcpyv(dsts, srcs, lens)"},
     {NULL, NULL, 0, NULL},
 };
 

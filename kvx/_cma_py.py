@@ -73,3 +73,12 @@ def vm_readv(pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> No
 def vm_writev(pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> None:
     """Copy the local ranges into the remote ranges of process ``pid``."""
     _move(_libc.process_vm_writev, pid, local_addrs, local_lens, remote_addrs, remote_lens)
+
+
+def memcpyv(dsts, srcs, lens) -> None:
+    """memcpy of (dst, src, len) triples in this process; see csrc/kvx_cma.c."""
+    d, s, n = (memoryview(x).cast("B").cast("Q") for x in (dsts, srcs, lens))
+    if not (len(d) == len(s) == len(n)):
+        raise ValueError("dsts, srcs and lens must be uint64 buffers of equal length")
+    for dst, src, length in zip(d.tolist(), s.tolist(), n.tolist()):
+        ctypes.memmove(dst, src, length)

@@ -43,10 +43,10 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv, vm_readv, vm_writev
+    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
-    vm_readv, vm_writev = cma.vm_readv, cma.vm_writev
+    vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     return IMPL
 
 

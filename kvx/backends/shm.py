@@ -17,7 +17,6 @@ reading 8 bytes the target published for it, and says why not when not.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -183,9 +182,8 @@ class _SegmentCopy:
             dsts, srcs, lens = _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
         else:
             dsts, srcs, lens = _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
-        memmove = ctypes.memmove  # releases the GIL per call
-        for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist()):
-            memmove(d, s, k)
+        _io.memcpyv(np.ascontiguousarray(dsts, np.uint64), np.ascontiguousarray(srcs, np.uint64),
+                    np.ascontiguousarray(lens, np.uint64))
 
 
 def _check_pinned(remote: np.ndarray, regions: np.ndarray, bases: np.ndarray, sizes: np.ndarray,

@@ -82,3 +82,19 @@ def test_errors_name_the_cause(impl, holder):
         impl.vm_readv(dead.pid, *one, _u64([base]), _u64([64]))
     with pytest.raises(ValueError, match="same number of bytes"):
         impl.vm_readv(pid, *one, _u64([base]), _u64([63]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_memcpyv_copies_triples_in_this_process(impl):
+    src = np.random.default_rng(4).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    lens = np.array([100, 7, 4096, 0, 33], np.uint64)
+    src_at = np.array([0, 200, 1000, 9000, 60000], np.uint64)
+    dst_at = np.array([50000, 0, 8, 77, 5000], np.uint64)
+    impl.memcpyv(dst.ctypes.data + dst_at, src.ctypes.data + src_at, lens)
+    expected = np.zeros_like(src)
+    for d, s, n in zip(dst_at.tolist(), src_at.tolist(), lens.tolist()):
+        expected[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, expected)
+    with pytest.raises(ValueError):
+        impl.memcpyv(np.zeros(2, np.uint64), np.zeros(1, np.uint64), np.zeros(2, np.uint64))
