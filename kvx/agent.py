@@ -307,7 +307,7 @@ class Agent:
             else:
                 refused = None
             if backend == "tcp":
-                maps = self._map_segments(md, args[2][0])
+                maps = self._map_segments(md, setting, args[2][0])
                 if maps:
                     backend, reason = "shm", reason + (
                         f"; instead, {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through "
@@ -367,10 +367,10 @@ class Agent:
                            self.name, md.name, why)
         return "tcp", why + staged
 
-    def _map_segments(self, md: agent_pb2.AgentMetadata, conn: Any) -> dict[int, Any]:
+    def _map_segments(self, md: agent_pb2.AgentMetadata, setting: str, conn: Any) -> dict[int, Any]:
         """Where cross-memory attach is refused between same-host agents: map
         the peer's shared segments (kvx.alloc_shared memory), if it offers any."""
-        if self.backend_setting == "tcp" or not md.segment_socket or \
+        if setting == "tcp" or not md.segment_socket or \
                 not shm.same_host(md, socket.gethostname(), _boot_id()) or \
                 not any(r.shared_segment for r in md.regions):
             return {}

@@ -250,6 +250,7 @@ pool[:4096] = 0xAB
 peer.write(region.descs(0, 4096), peer.regions[0].descs(4096 * 255, 4096), notify=b"seg").wait(10)
 forced = kvx.Agent("no-ptrace-forced", backend="shm").add_peer(md)
 out["forced"] = forced.backend_reason
+out["tcp"] = kvx.Agent("no-ptrace-tcp").add_peer(md, backend="tcp").backend
 print(json.dumps(out))
 """
 
@@ -268,7 +269,7 @@ def test_without_attach_shared_segments_carry_the_bytes(make_worker):
     out = json.loads(proc.stdout)
     assert out["backend"] == "shm"
     assert "not permitted (EPERM)" in out["reason"] and "shared segments" in out["reason"]
-    assert "shared segments" in out["forced"]
+    assert "shared segments" in out["forced"] and out["tcp"] == "tcp"
     expected = worker.expected(0, 1 << 20).reshape(-1, BLOCK)
     assert bytes.fromhex(out["read"]) == expected[[7, 0, 200, 31, 100]].tobytes()
     assert worker.call("peek", 4096 * 255, 4096) == bytes([0xAB]) * 4096
