@@ -299,11 +299,11 @@ class Agent:
         def bind(*args: Any) -> Channel:
             # After the handshake: the peer is who the metadata says (name, epoch, secret).
             try:
-                backend, reason = self._choose_backend(md, setting)
+                backend, reason, cma = self._choose_backend(md, setting)
             except ConnectError as exc:
                 if setting != "shm":
                     raise
-                backend, reason, refused = "tcp", str(exc), exc
+                backend, reason, cma, refused = "tcp", str(exc), False, exc
             else:
                 refused = None
             if backend == "tcp":
@@ -319,7 +319,11 @@ class Agent:
             choice.append((backend, reason))
             if backend == "tcp":
                 return TcpChannel(*args)
-            return shm.ShmChannel(*args, pid=md.pid, ipc=backend == "cuda_ipc")
+            maps = {} if cma else self._map_segments(md, setting, args[2][0])
+            if maps:
+                choice[-1] = (backend, reason + f"; {len(maps)} region(s) allocated with kvx.alloc_shared are "
+                                                "mapped through shared segments")
+            return shm.ShmChannel(*args, pid=md.pid, ipc=backend == "cuda_ipc", cma=cma, segment_maps=maps)
 
         streams = streams or self.streams
         if setting != "tcp" and md.shm_probe_address and shm.same_host(md, socket.gethostname(), _boot_id()):
@@ -336,13 +340,13 @@ class Agent:
                     md.epoch, chosen, tcp[0], len(channel.conns), reason)
         return peer
 
-    def _choose_backend(self, md: agent_pb2.AgentMetadata, setting: str) -> tuple[str, str]:
-        """(backend, why) for a peer: shm between processes that share a kernel
-        and may attach to each other, cuda_ipc when they also have GPU memory
-        to share, tcp otherwise."""
+    def _choose_backend(self, md: agent_pb2.AgentMetadata, setting: str) -> tuple[str, str, bool]:
+        """(backend, why, cross-memory attach permitted) for a peer: shm between
+        processes that share a kernel and may attach to each other, cuda_ipc
+        when they also have GPU memory to share, tcp otherwise."""
         staged = "; CUDA memory is staged through pinned host buffers" if self._uses_gpu(md) else ""
         if setting == "tcp":
-            return "tcp", "backend=tcp was configured" + staged
+            return "tcp", "backend=tcp was configured" + staged, False
         if not shm.same_host(md, socket.gethostname(), _boot_id()):
             why = f"peer {md.name!r} is on another host ({md.host_name or 'unknown'})"
         else:
@@ -351,21 +355,25 @@ class Agent:
                 reason = (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
                           f"to pid {md.pid} permitted")
                 if setting == "shm":
-                    return "shm", reason + staged
+                    return "shm", reason + staged, True
                 ipc_why = self._ipc_problem(md, setting)
                 if ipc_why is None:
                     return "cuda_ipc", (reason + "; GPU-to-GPU through CUDA IPC, host memory through "
-                                        "cross-memory attach, host with GPU through pinned host buffers")
+                                        "cross-memory attach, host with GPU through pinned host buffers"), True
                 if setting == "cuda_ipc":
                     raise ConnectError(f"backend=cuda_ipc was configured, but peer {md.name!r} cannot be "
                                        f"reached through CUDA IPC: {ipc_why}")
-                return "shm", reason + (f"; not cuda_ipc: {ipc_why}" + staged if staged else "")
+                return "shm", reason + (f"; not cuda_ipc: {ipc_why}" + staged if staged else ""), True
+            if setting in ("auto", "cuda_ipc") and md.shm_probe_address and self._ipc_problem(md, setting) is None:
+                # CUDA IPC needs no attach: only the pins, over the authenticated connection.
+                return "cuda_ipc", (f"same host ({md.host_name}), GPU-to-GPU through CUDA IPC; host memory "
+                                    f"over tcp, as {why}"), False
         if setting in ("shm", "cuda_ipc"):
             raise ConnectError(f"backend={setting} was configured, but it cannot reach peer {md.name!r}: {why}")
         if shm.same_host(md, socket.gethostname(), _boot_id()):
             logger.warning("agent %s: peer %s is on this host but shm is not usable, falling back to tcp: %s",
                            self.name, md.name, why)
-        return "tcp", why + staged
+        return "tcp", why + staged, False
 
     def _map_segments(self, md: agent_pb2.AgentMetadata, setting: str, conn: Any) -> dict[int, Any]:
         """Where cross-memory attach is refused between same-host agents: map

@@ -133,3 +133,24 @@ def test_a_target_whose_memory_cannot_be_shared_refuses_the_ipc_pin(fake, make_a
     peer = a.add_peer(b.metadata())
     assert not peer._table[1][remote_region.id] & 32
     peer.read(local_region.descs(0, BLOCK), peer.region(remote_region.id).descs(0, BLOCK)).wait(30)
+
+
+def test_cuda_ipc_needs_no_cross_memory_attach(fake, make_agent, monkeypatch):
+    from kvx.backends import shm
+
+    monkeypatch.setattr(shm, "probe", lambda md: "cross-memory attach to pid 1 is not permitted (EPERM): test")
+    a, b = _pair(make_agent, "auto")
+    theirs = fake.device_array(np.arange(8 * BLOCK, dtype=np.uint8) % 251)
+    remote_region = b.register(theirs)
+    host_remote = b.register(np.full(BLOCK, 4, np.uint8))
+    mine = fake.device_array(np.zeros(8 * BLOCK, np.uint8))
+    local_region = a.register(mine)
+    host_local = a.register(np.zeros(BLOCK, np.uint8))
+    peer = a.add_peer(b.metadata())
+    assert peer.backend == "cuda_ipc" and "host memory over tcp" in peer.backend_reason
+    assert not peer._channel.cma
+    launches = fake.state["launches"]
+    peer.read(local_region.descs(0, 8 * BLOCK), peer.region(remote_region.id).descs(0, 8 * BLOCK)).wait(30)
+    assert np.array_equal(mine.host, theirs.host) and fake.state["launches"] > launches
+    peer.read(host_local.descs(0, BLOCK), peer.region(host_remote.id).descs(0, BLOCK)).wait(30)
+    assert (host_local.owner == 4).all()
