@@ -488,8 +488,12 @@ def _request_segment_token(sock: socket.socket, peer: str, timeout_s: float) -> 
 
     from kvx.backends.tcp import _handshake_reply
 
-    sock.sendall(_wire.pack(_wire.MsgType.SEG_TOKEN))
-    token = _handshake_reply(sock, _wire.MsgType.SEG_TOKEN_OK, peer, time.monotonic() + timeout_s)
+    io_timeout = sock.gettimeout()  # the reader's stall detection relies on it: restore it after
+    try:
+        sock.sendall(_wire.pack(_wire.MsgType.SEG_TOKEN))
+        token = _handshake_reply(sock, _wire.MsgType.SEG_TOKEN_OK, peer, time.monotonic() + timeout_s)
+    finally:
+        sock.settimeout(io_timeout)
     if len(token) != segments.TOKEN_BYTES:
         raise ProtocolError(f"peer {peer!r} sent a {len(token)}-byte segment token")
     return token

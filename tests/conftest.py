@@ -8,6 +8,7 @@ Worker processes inherit the same choice.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,8 @@ from kvx import _io
 from kvx._worker import Worker, WorkerConfig
 
 NATIVE = os.environ.get("KVX_NATIVE", "")
+# Workers allocate their pools with kvx.alloc_shared (see backend_setting).
+SHARED_POOLS = False
 SECRET = b"test-cluster-secret-0123456789"
 
 
@@ -38,6 +41,7 @@ def make_worker():
 
     def make(name: str = "target", pool_bytes: int = 1 << 20, **kwargs) -> Worker:
         kwargs.setdefault("native", NATIVE)
+        kwargs.setdefault("shared", SHARED_POOLS)
         worker = Worker(WorkerConfig(name, pool_bytes, **kwargs))
         workers.append(worker)
         return worker
@@ -63,6 +67,21 @@ def make_agent(request):
     yield make
     for agent in agents:
         agent.close()
+
+
+def backend_setting(param: str, monkeypatch) -> str:
+    """The agent backend setting for a suite's ``backend`` parameter.
+    "shm-segments": shm where this process is refused cross-memory attach
+    (the probe says EPERM) and workers' pools are kvx.alloc_shared memory,
+    so that the bytes go through shared segments."""
+    if param != "shm-segments":
+        return param
+    from kvx.backends import shm
+
+    monkeypatch.setattr(shm, "probe", lambda md: f"cross-memory attach to pid {md.pid} is not permitted (EPERM): "
+                        "refused for this test")
+    monkeypatch.setattr(sys.modules[__name__], "SHARED_POOLS", True)
+    return "shm"
 
 
 def open_fds() -> int:

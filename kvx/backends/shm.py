@@ -65,6 +65,11 @@ class ShmChannel(TcpChannel):
         self.segment_maps = segment_maps or {}
         self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
         self._ipc_maps: dict[int, Any] = {}  # local device -> kvx.gpu.IpcMap
+        # Mappings close when the last reader (the threads that copy) has ended.
+        self._readers_left = len(self.conns)
+        self._maps_lock = threading.Lock()
+        for conn in self.conns:
+            conn.on_closed = self._reader_ended
 
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
              remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
@@ -112,38 +117,30 @@ class ShmChannel(TcpChannel):
         return bool(np.isin(ids, self._segment_ids).all())
 
     def _ipc_map(self, device: int) -> Any:
-        found = self._ipc_maps.get(device)
-        if found is None:
-            from kvx import gpu
+        with self._maps_lock:
+            found = self._ipc_maps.get(device)
+            if found is None:
+                from kvx import gpu
 
-            found = self._ipc_maps.setdefault(device, gpu.IpcMap(device))
-        return found
+                found = self._ipc_maps[device] = gpu.IpcMap(device)
+            return found
 
-    def _on_break(self, error: KvxError) -> None:
-        first = self._error is None
-        super()._on_break(error)
-        maps = list(self._ipc_maps.values())
-        if first and (maps or self.segment_maps):
-            # Closed once no reader can be copying through them any more.
-            readers = [c.reader for c in self.conns]
-            threading.Thread(target=_close_maps,
-                             args=(readers, maps, self.segment_maps, self.backend.agent.timeouts.close_s),
-                             name=f"kvx-maps-close-{self.peer}", daemon=True).start()
+    def _reader_ended(self, conn: Any) -> None:
+        """A connection's reader has ended; after the last one no copy can run."""
+        with self._maps_lock:
+            self._readers_left -= 1
+            if self._readers_left:
+                return
+            ipc_maps, self._ipc_maps = list(self._ipc_maps.values()), {}
+        for ipc_map in ipc_maps:
+            try:
+                ipc_map.close()
+            except Exception:  # noqa: BLE001 - a reader thread must end cleanly
+                logger.exception("closing CUDA IPC mappings of peer %s failed", self.peer)
+        if self.segment_maps:
+            from kvx import segments
 
-
-def _close_maps(readers: list[threading.Thread], ipc_maps: list[Any], segment_maps: dict[int, Any],
-                timeout_s: float) -> None:
-    for reader in readers:
-        if reader.is_alive() and reader is not threading.current_thread():
-            reader.join(timeout_s)
-    if any(reader.is_alive() for reader in readers):
-        logger.warning("mappings of a closed peer's memory left open: a copy is still running")
-        return
-    for ipc_map in ipc_maps:
-        ipc_map.close()
-    from kvx import segments
-
-    segments.close_all(segment_maps)
+            segments.close_all(self.segment_maps)
 
 
 class _SegmentCopy:

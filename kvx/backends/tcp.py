@@ -328,6 +328,7 @@ class _Connection:
         self.queue_cv = threading.Condition(self.lock)
         self.sender: threading.Thread | None = None
         self.on_break = None  # set by the channel
+        self.on_closed: Callable[[_Connection], None] | None = None  # set by a channel: after the reader ended
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
@@ -547,6 +548,8 @@ class _Connection:
             self.closed = True
             self.sock.close()
         self.backend._connection_closed(self)
+        if self.on_closed is not None:
+            self.on_closed(self)
 
 
 def _again(error: KvxError) -> KvxError:

@@ -20,7 +20,7 @@ from kvx._wire import MsgType
 from kvx.agent import parse_metadata
 from kvx.backends._sock import parse_address
 from kvx.v1 import handshake_pb2
-from tests.conftest import kvx_threads, wait_until
+from tests.conftest import backend_setting, kvx_threads, wait_until
 
 pytestmark = pytest.mark.slow
 BLOCK = 4096
@@ -29,10 +29,12 @@ HALF = BLOCKS // 2
 
 
 
-@pytest.fixture(params=["tcp", "shm"], autouse=True)
-def backend(request):
-    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
-    return request.param
+@pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
+def backend(request, monkeypatch):
+    """Every test here runs over tcp, over shm, and over shm with cross-memory
+    attach refused and the workers' pools in shared segments (the initiator's
+    setting; targets offer all)."""
+    return backend_setting(request.param, monkeypatch)
 
 def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, make_agent):
     threads_before = kvx_threads()

@@ -16,17 +16,19 @@ from kvx.agent import parse_metadata
 from kvx.backends._sock import parse_address
 from kvx.descs import DESC_DTYPE
 from kvx.v1 import agent_pb2, handshake_pb2
-from tests.conftest import SECRET, fd_targets, kvx_threads, open_fds
+from tests.conftest import backend_setting, SECRET, fd_targets, kvx_threads, open_fds
 
 BLOCK = 4096
 POOL = 1 << 20
 
 
 
-@pytest.fixture(params=["tcp", "shm"], autouse=True)
-def backend(request):
-    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
-    return request.param
+@pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
+def backend(request, monkeypatch):
+    """Every test here runs over tcp, over shm, and over shm with cross-memory
+    attach refused and the workers' pools in shared segments (the initiator's
+    setting; targets offer all)."""
+    return backend_setting(request.param, monkeypatch)
 
 def _tampered(metadata: bytes, edit) -> bytes:
     md = agent_pb2.AgentMetadata.FromString(metadata)

@@ -8,19 +8,22 @@ import pytest
 
 import kvx
 from kvx import Descs, KVLayout
-from tests.conftest import SECRET
+from tests import conftest
+from tests.conftest import backend_setting, SECRET
 
 BLOCK = 4096
 
 
 
-@pytest.fixture(params=["tcp", "shm"], autouse=True)
-def backend(request):
-    """Every test here runs over tcp and over shm (initiator's setting; targets offer both)."""
-    return request.param
+@pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
+def backend(request, monkeypatch):
+    """Every test here runs over tcp, over shm, and over shm with cross-memory
+    attach refused and the workers' pools in shared segments (the initiator's
+    setting; targets offer all)."""
+    return backend_setting(request.param, monkeypatch)
 
 def _pool(agent, nbytes=1 << 20):
-    pool = np.zeros(nbytes, np.uint8)
+    pool = kvx.alloc_shared(nbytes) if conftest.SHARED_POOLS else np.zeros(nbytes, np.uint8)
     return pool, agent.register(pool)
 
 
