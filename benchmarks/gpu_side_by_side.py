@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from side_by_side import run_json  # noqa: E402
 
 CONTENDERS = {
     "cuda_ipc, kernel": (["--memory", "cuda", "--backend", "cuda_ipc"], {"KVX_CUDA_COPY": "kernel"}),
@@ -39,12 +42,7 @@ CONTENDERS = {
 
 
 def bench(args: list[str], env: dict[str, str], iters: int) -> dict:
-    cmd = [sys.executable, "-m", "kvx.cli", "bench", "--json", "--iters", str(iters), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-                         env=dict(os.environ, **env))
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-m", "kvx.cli", "bench", "--json", "--iters", str(iters), *args], env=env)
 
 
 def main() -> int:

@@ -33,8 +33,10 @@ HERE = Path(__file__).resolve().parent
 PEER_PY = HERE / "peers" / ".venv" / "bin" / "python"
 
 
-def run_json(cmd: list[str], timeout_s: float = 600) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+def run_json(cmd: list[str], timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
+    """Run ``cmd``; the JSON object on its last line of output."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+                         env=dict(os.environ, **env) if env else None)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

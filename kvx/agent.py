@@ -140,19 +140,9 @@ class Agent:
         # Same-host peers read these 8 bytes (the epoch) to prove they may attach to this process.
         self._shm_offered = self.backend_setting != "tcp"
         self._shm_probe = shm.probe_buffer(self.epoch)
+        # Started with the first registered kvx.alloc_shared region (see _offer_segments).
         self._segment_server: segments.SegmentServer | None = None
-        if self._shm_offered:
-            try:
-                self._segment_server = segments.SegmentServer(self)
-            except OSError as exc:
-                logger.warning("agent %s: no shared-segment socket (%s); peers that may not attach to this "
-                               "process will use tcp", name, exc)
-        try:
-            self._backend = TcpBackend(self, host, port, advertise_host)
-        except BaseException:
-            if self._segment_server is not None:
-                self._segment_server.close()
-            raise
+        self._backend = TcpBackend(self, host, port, advertise_host)
         logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
         self._directory: Directory | None = None
         if metadata is not None:
@@ -162,8 +152,6 @@ class Agent:
             except BaseException:
                 self._directory = None
                 self._backend.close()
-                if self._segment_server is not None:
-                    self._segment_server.close()
                 raise
 
     # Lifecycle.
@@ -223,6 +211,8 @@ class Agent:
         """
         self._check_open()
         region = self._regions.add(obj, remote_access=remote_access, device=device)
+        if region.segment_fd >= 0 and remote_access:
+            self._offer_segments()
         if self._directory is not None and remote_access:
             try:
                 self._directory.regions_changed()
@@ -230,6 +220,18 @@ class Agent:
                 self._regions.remove(region, 0)  # refused (say, too many regions): not registered
                 raise
         return region
+
+    def _offer_segments(self) -> None:
+        """Start the socket that hands shared segments to same-host peers
+        refused cross-memory attach (kvx/segments.py), once."""
+        with self._lock:
+            if self._segment_server is not None or not self._shm_offered or self._closed:
+                return
+            try:
+                self._segment_server = segments.SegmentServer(self)
+            except OSError as exc:
+                logger.warning("agent %s: no shared-segment socket (%s); peers that may not attach to this "
+                               "process will use tcp", self.name, exc)
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         """Remove a region. Waits for transfers that may touch it (up to

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvx import _io, _wire
+from kvx import _io, _staging, _wire
 from kvx._wire import MsgType
 from kvx.backends.tcp import TcpChannel, _Part
 from kvx.memory import VALID, check_descs
@@ -160,8 +160,6 @@ class _SegmentCopy:
         self.regions = regions
 
     def __call__(self, pinned: np.ndarray) -> None:
-        from kvx import _staging
-
         n = len(self.regions)
         if len(pinned) != 2 * n:
             raise ProtocolError(f"peer {self.peer!r} pinned {len(pinned) // 2} regions of {n}")
@@ -171,14 +169,7 @@ class _SegmentCopy:
         if any(m.size != int(size) for m, size in zip(mapped, sizes.tolist())):
             raise ProtocolError(f"peer {self.peer!r} pinned a region whose size differs from its segment")
         bases = np.array([m.base for m in mapped], np.uint64)
-        at = 0 if n == 1 else np.searchsorted(self.regions, self.remote["region"])
-        remote_addrs = np.asarray(bases[at] + self.remote["offset"], np.uint64)
-        remote_lens = np.ascontiguousarray(self.remote["length"], np.uint64)
-        local_addrs, local_lens = np.asarray(self.addrs, np.uint64), np.asarray(self.lens, np.uint64)
-        if self.op is Op.WRITE:
-            dsts, srcs, lens = _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
-        else:
-            dsts, srcs, lens = _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
+        dsts, srcs, lens = _triples(self.op, self.regions, self.remote, bases, self.addrs, self.lens)
         _io.memcpyv(np.ascontiguousarray(dsts, np.uint64), np.ascontiguousarray(srcs, np.uint64),
                     np.ascontiguousarray(lens, np.uint64))
 
@@ -205,6 +196,20 @@ def _check_pinned(remote: np.ndarray, regions: np.ndarray, bases: np.ndarray, si
     return base, size
 
 
+def _triples(op: Op, regions: np.ndarray, remote: np.ndarray, bases: np.ndarray, addrs: Any,
+             lens: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst, src, len) triples of one part: the remote descriptors, where
+    ``bases`` says each pinned region starts in this process, paired with the
+    local ranges in the direction of ``op``."""
+    at = 0 if len(regions) == 1 else np.searchsorted(regions, remote["region"])
+    remote_addrs = np.asarray(bases[at] + remote["offset"], np.uint64)
+    remote_lens = np.ascontiguousarray(remote["length"], np.uint64)
+    local_addrs, local_lens = np.asarray(addrs, np.uint64), np.asarray(lens, np.uint64)
+    if op is Op.WRITE:
+        return _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
+    return _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
+
+
 class _IpcCopy:
     """Moves one part's bytes between GPUs once the target has pinned its
     regions and sent their CUDA IPC handles."""
@@ -224,7 +229,7 @@ class _IpcCopy:
         self.regions = regions
 
     def __call__(self, pinned: np.ndarray) -> None:
-        from kvx import _staging, gpu
+        from kvx import gpu
 
         n = len(self.regions)
         if len(pinned) * 8 != n * _wire.PIN_IPC_REPLY_BYTES:
@@ -240,15 +245,7 @@ class _IpcCopy:
             # Where each region starts in this process: its allocation, opened once, plus its offset.
             mapped = np.array([self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)],
                               np.uint64)
-        at = 0 if n == 1 else np.searchsorted(self.regions, self.remote["region"])
-        remote_addrs = np.asarray(mapped[at] + self.remote["offset"], np.uint64)
-        remote_lens = np.ascontiguousarray(self.remote["length"], np.uint64)
-        local_addrs = np.asarray(self.addrs, np.uint64)
-        local_lens = np.asarray(self.lens, np.uint64)
-        if writing:
-            dsts, srcs, lens = _staging.pair(remote_addrs, remote_lens, local_addrs, local_lens)
-        else:
-            dsts, srcs, lens = _staging.pair(local_addrs, local_lens, remote_addrs, remote_lens)
+        dsts, srcs, lens = _triples(self.op, self.regions, self.remote, mapped, self.addrs, self.lens)
         try:
             gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()
         except KvxError:

@@ -112,18 +112,24 @@ def _without_ptrace_capability():
 
 PR_CAPBSET_DROP = 24
 CAP_SYS_PTRACE = 19
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as "
+                                "another user the test would need a second account")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as another user "
-                    "the test would need a second account")
-def test_attach_not_permitted_is_explained(make_worker):
-    worker = make_worker()
-    proc = subprocess.run([sys.executable, "-c", _UNPRIVILEGED, worker.metadata.hex()],
+def _run_without_ptrace(script: str, metadata: bytes) -> dict:
+    """Run ``script`` (given the peer's metadata) without CAP_SYS_PTRACE; its JSON output."""
+    proc = subprocess.run([sys.executable, "-c", script, metadata.hex()],
                           preexec_fn=_without_ptrace_capability, capture_output=True, text=True, timeout=60)
     if proc.returncode == 77:
         pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@needs_root
+def test_attach_not_permitted_is_explained(make_worker):
+    worker = make_worker()
+    out = _run_without_ptrace(_UNPRIVILEGED, worker.metadata)
     assert out["backend"] == "tcp"
     assert "not permitted (EPERM)" in out["reason"] and "CAP_SYS_PTRACE" in out["reason"]
     assert "not permitted (EPERM)" in out["forced"], out
@@ -255,18 +261,12 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as another user "
-                    "the test would need a second account")
+@needs_root
 def test_without_attach_shared_segments_carry_the_bytes(make_worker):
     worker = make_worker(shared=True, auth_secret=None)
     md = parse_metadata(worker.metadata)
     assert md.segment_socket and md.regions[0].shared_segment
-    proc = subprocess.run([sys.executable, "-c", _SEGMENTS, worker.metadata.hex()],
-                          preexec_fn=_without_ptrace_capability, capture_output=True, text=True, timeout=60)
-    if proc.returncode == 77:
-        pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    out = _run_without_ptrace(_SEGMENTS, worker.metadata)
     assert out["backend"] == "shm"
     assert "not permitted (EPERM)" in out["reason"] and "shared segments" in out["reason"]
     assert "shared segments" in out["forced"] and out["tcp"] == "tcp"
