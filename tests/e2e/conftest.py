@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import random
 import socket
 import subprocess
 import time
@@ -35,6 +36,22 @@ def vllm_python() -> str:
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range. A port from bind(0) is
+    in that range, where any process binding port 0 (SGLang's ZMQ sockets,
+    Mooncake, kvx agents) may take it before the server we start binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(200) if low > 12000 else ():
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
