@@ -11,6 +11,7 @@
         t.wait()
 """
 
+from kvx._version import __version__
 from kvx._wire import PROTOCOL_VERSION
 from kvx.agent import Agent, Peer
 from kvx.config import Limits, Timeouts
@@ -23,8 +24,6 @@ from kvx.metadata.client import MetadataOptions
 from kvx.memory import MemoryKind, Region, RemoteRegion
 from kvx.segments import alloc_shared
 from kvx.transfer import Notification, Op, Transfer, TransferState
-
-__version__ = "0.1.0"
 
 __all__ = [
     "alloc_shared",
