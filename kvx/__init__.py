@@ -11,7 +11,7 @@
         t.wait()
 """
 
-from kvx._version import __version__
+from kvx._version import __version__ as __version__  # re-exported
 from kvx._wire import PROTOCOL_VERSION
 from kvx.agent import Agent, Peer
 from kvx.config import Limits, Timeouts

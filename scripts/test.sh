@@ -22,6 +22,10 @@ if ! command -v etcd >/dev/null 2>&1; then
     "${as_root[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]' </dev/null
+echo "== gate: ruff, formatting, mypy"
+./scripts/lint.sh
+echo "== docs"
+python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"
 # The end-to-end tests run real vLLM engines (the CPU build) from their own
 # environment, because vLLM pins its own dependencies; kvx is installed there too.
 VLLM_ENV=.venv-vllm
