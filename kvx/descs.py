@@ -57,6 +57,7 @@ class Descs:
     """
 
     __slots__ = ("array",)
+    array: np.ndarray
 
     def __init__(self, array: np.ndarray | Descs) -> None:
         if isinstance(array, Descs):
@@ -68,7 +69,7 @@ class Descs:
             )
         if array.dtype != DESC_DTYPE:
             converted = np.zeros(array.shape, DESC_DTYPE)
-            for name in DESC_DTYPE.names:
+            for name in ("region", "offset", "length"):
                 converted[name] = array[name]
             array = converted
         self.array = array.ravel()

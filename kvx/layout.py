@@ -94,7 +94,8 @@ class KVLayout:
         plane = np.arange(nk, dtype=np.uint64) * np.uint64(self.kv_stride_bytes)
         if len(self.regions) == 1:
             layer_off = layer_ids * np.uint64(self.layer_stride_bytes)
-            region = np.uint64(self.regions[0])
+            # One region for every descriptor: a scalar that broadcasts into out["region"].
+            region: np.uint64 | np.ndarray = np.uint64(self.regions[0])
         else:
             layer_off = np.zeros(nl, dtype=np.uint64)
             region = np.repeat(np.asarray(self.regions, dtype=np.uint64)[layer_ids.astype(np.intp)], nk * nb)

@@ -157,8 +157,8 @@ def plan_read(local: RankCache, local_rank: int, local_tp: int, remote: RankCach
     # (remote rank) -> list of (local unit index, remote unit index)
     pairs: dict[int, list[tuple[int, int]]] = {}
     if replicated:
-        units = local.planes * local.num_heads
-        pairs[local_rank % remote_tp] = [(u, u) for u in range(units)]
+        num_units = local.planes * local.num_heads
+        pairs[local_rank % remote_tp] = [(u, u) for u in range(num_units)]
     else:
         for local_head, g in enumerate(rank_heads(local_rank, local_tp, total_heads)):
             rank, remote_head = head_owner(g, remote_tp, total_heads)

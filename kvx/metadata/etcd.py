@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 WATCH_IDLE_CHECK_S = 10.0
 # gRPC codes after which the connection is dropped and the next call reconnects.
 _TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL", "ABORTED"}
+# What a stream's read() returns at its end. grpc-stubs does not declare it (grpcio has it since 1.32).
+_EOF = grpc.aio.EOF  # type: ignore[attr-defined]
 
 
 def parse_etcd_url(url: str) -> list[tuple[str, int]]:
@@ -93,7 +95,7 @@ class EtcdStore(Store):
             "grpc.initial_reconnect_backoff_ms": 200,
             "grpc.max_reconnect_backoff_ms": 2000,
         }
-        self._aetcd = None  # the module, imported by start()
+        self._aetcd: Any = None  # the module, imported by start() (it is optional: kvx[etcd])
         self._client = None
         self._connect_lock = asyncio.Lock()
         self._watches: set[asyncio.Queue] = set()
@@ -124,12 +126,10 @@ class EtcdStore(Store):
         # Two tries in one timeout: the second connects afresh if the first dropped a dead connection.
         try:
             async with asyncio.timeout(self._timeout_s):
-                for attempt in (1, 2):
-                    try:
-                        return await self._call("status", lambda c, rpc: _status(c, rpc))
-                    except StoreError:
-                        if attempt == 2:
-                            raise
+                try:
+                    return await self._call("status", lambda c, rpc: _status(c, rpc))
+                except StoreError:
+                    return await self._call("status", lambda c, rpc: _status(c, rpc))
         except Exception:  # noqa: BLE001 - ready() reports, it never raises
             return False
 
@@ -306,14 +306,14 @@ class EtcdStore(Store):
         # hasleader: etcd ends the watch if its member loses the cluster leader.
         call = rpc.WatchStub(client.channel).Watch(requests(), metadata=(("hasleader", "true"),))
         created = await call.read()
-        if created is grpc.aio.EOF or not created.created or created.canceled:
+        if created is _EOF or not created.created or created.canceled:
             call.cancel()
             raise StoreError(f"etcd refused the watch: {getattr(created, 'cancel_reason', '') or 'ended'}")
         return call
 
     async def _read_watch(self, call, queue: asyncio.Queue) -> None:
         try:
-            while (response := await call.read()) is not grpc.aio.EOF:
+            while (response := await call.read()) is not _EOF:
                 if response.compact_revision:
                     raise WatchLagError(f"etcd compacted its history past {response.compact_revision}")
                 if response.canceled:
@@ -389,7 +389,9 @@ def _code(error) -> str | None:
 
 
 def _details(error) -> str:
-    return error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error) or type(error).__name__
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.details() or error.code().name  # details() is None when the server sent none
+    return str(error) or type(error).__name__
 
 
 async def _close_quietly(client) -> None:
@@ -410,14 +412,16 @@ class _Renewals:
         self._reader: asyncio.Task | None = None
 
     async def renew(self, client, rpc, lease_id: int) -> int:
-        if client is not self._client or self._reader is None or self._reader.done():
-            self._open(client, rpc)
+        queue = self._queue
+        if client is not self._client or queue is None or self._reader is None or self._reader.done():
+            queue = self._open(client, rpc)
         future = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(lease_id, collections.deque()).append(future)
-        self._queue.put_nowait(rpc.LeaseKeepAliveRequest(ID=lease_id))
+        queue.put_nowait(rpc.LeaseKeepAliveRequest(ID=lease_id))
         return await future
 
-    def _open(self, client, rpc) -> None:
+    def _open(self, client, rpc) -> asyncio.Queue:
+        """A new keep-alive stream on ``client``; returns the queue its requests go into."""
         self.close(StoreError("etcd connection replaced"))
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -428,6 +432,7 @@ class _Renewals:
         call = client.leasestub.LeaseKeepAlive(requests())
         self._client, self._queue = client, queue
         self._reader = asyncio.ensure_future(self._read(call, queue))
+        return queue
 
     async def _read(self, call, queue: asyncio.Queue) -> None:
         try:

@@ -91,6 +91,7 @@ class KvxConnectorConfig:
                               f"not {self.backend!r}")
 
     def auth_secret(self) -> bytes | None:
+        secret: bytes | None
         if self.auth_secret_file:
             secret = read_file(self.auth_secret_file).strip()
         else:
