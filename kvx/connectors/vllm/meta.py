@@ -113,4 +113,4 @@ REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_p
 
 
 def remote_params_ok(params: dict[str, Any] | None) -> bool:
-    return bool(params) and all(params.get(k) is not None for k in REMOTE_KEYS)
+    return params is not None and all(params.get(k) is not None for k in REMOTE_KEYS)
