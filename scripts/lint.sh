@@ -9,7 +9,8 @@ status=0
 echo "-- ruff check"
 python3 -m ruff check --no-cache . </dev/null || status=1
 echo "-- ruff format --check"
-python3 -m ruff format --check --no-cache . </dev/null || status=1
+# One line per file; `ruff format --diff .` shows the changes.
+python3 -m ruff format --check --no-cache --output-format concise . </dev/null || status=1
 echo "-- mypy"
 python3 -m mypy </dev/null || status=1
 # All three run even when one fails, so one pass shows every finding.
