@@ -1,9 +1,9 @@
-"""Builds the optional C extensions kvx._native and kvx._cma (csrc/), and ships
+"""Builds the optional C extensions kvx._datapath._native and kvx._datapath._cma (csrc/), and ships
 the CUDA kernel sources (csrc/*.cu) in the package.
 
 KVX_ASAN=1 builds it with AddressSanitizer (run with LD_PRELOAD of libasan).
 Without a working C compiler the build goes on without the extension, and
-kvx runs on the pure-Python twin (kvx/_io_py.py).
+kvx runs on the pure-Python twin (kvx/_datapath/io_py.py).
 """
 
 import os
@@ -15,7 +15,7 @@ from setuptools.command.build_py import build_py
 
 
 class BuildPy(build_py):
-    """Ships csrc/*.cu inside the package (kvx/csrc/): kvx.gpu compiles them at run time."""
+    """Ships csrc/*.cu inside the package (kvx/csrc/): kvx._datapath.gpu compiles them at run time."""
 
     def run(self):
         super().run()
@@ -41,6 +41,6 @@ setup(
             extra_link_args=ldflags,
             optional=os.environ.get("KVX_NATIVE") != "1",
         )
-        for name, source in (("kvx._native", "csrc/kvx_io.c"), ("kvx._cma", "csrc/kvx_cma.c"))
+        for name, source in (("kvx._datapath._native", "csrc/kvx_io.c"), ("kvx._datapath._cma", "csrc/kvx_cma.c"))
     ]
 )

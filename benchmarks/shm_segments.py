@@ -31,7 +31,7 @@ BLOCKS = 1000
 
 _INITIATOR = """
 import json, sys, time, numpy as np, kvx
-from kvx import _io
+from kvx._datapath import io as _io
 md, iters = bytes.fromhex(sys.argv[1]), int(sys.argv[2])
 BLOCK, BLOCKS = 32 * 1024, 1000
 with kvx.Agent("bench-initiator") as agent:

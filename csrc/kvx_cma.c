@@ -1,5 +1,5 @@
 /*
- * kvx._cma: cross-memory attach for same-host peers (the shm backend).
+ * kvx._datapath._cma: cross-memory attach for same-host peers (the shm backend).
  *
  * Byte work only: the caller has validated every range against the peer's
  * registered regions and checked that the peer process is the one it
@@ -200,7 +200,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvx._cma", "Cross-memory attach for same-host kvx peers.", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvx._datapath._cma", "Cross-memory attach for same-host kvx peers.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -1,5 +1,5 @@
 /*
- * kvx._native: scatter-gather socket I/O for the tcp backend.
+ * kvx._datapath._native: scatter-gather socket I/O for the tcp backend.
  *
  * Byte work only. Python decides which memory may be touched (the agent
  * validates every descriptor against its registered regions before calling
@@ -220,7 +220,7 @@ static PyMethodDef kvx_methods[] = {
 };
 
 static struct PyModuleDef kvx_module = {
-    PyModuleDef_HEAD_INIT, "kvx._native", "Scatter-gather socket I/O for kvx.", -1, kvx_methods,
+    PyModuleDef_HEAD_INIT, "kvx._datapath._native", "Scatter-gather socket I/O for kvx.", -1, kvx_methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -12,7 +12,7 @@
 """
 
 from kvx._version import __version__ as __version__  # re-exported
-from kvx._wire import PROTOCOL_VERSION
+from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.agent import Agent, Peer
 from kvx.config import Limits, Timeouts
 from kvx.descs import DESC_DTYPE, Descs
@@ -22,7 +22,7 @@ from kvx.errors import (AccessError, AuthError, ClosedError, ConfigError, Connec
 from kvx.layout import KVLayout
 from kvx.metadata.client import MetadataOptions
 from kvx.memory import MemoryKind, Region, RemoteRegion
-from kvx.segments import alloc_shared
+from kvx._datapath.shared import alloc_shared
 from kvx.transfer import Notification, Op, Transfer, TransferState
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvx import _io
+from kvx._datapath import io as _io
 from kvx.agent import Agent
 from kvx.descs import Descs
 from kvx.errors import ConfigError
@@ -142,7 +142,7 @@ class CudaCopyLimit:
     GPU: the device-to-device copy bandwidth the cuda_ipc path aims at."""
 
     def __init__(self, nbytes: int) -> None:
-        from kvx import gpu
+        from kvx._datapath import gpu
 
         self.cp = gpu.cupy_module()
         self.src = self.cp.zeros(nbytes, self.cp.uint8)
@@ -169,7 +169,7 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
     pool_bytes = block_size * blocks * 2  # every other block: the descriptors are not adjacent
     secret = secrets.token_bytes(32)
     if memory == "cuda":
-        from kvx import gpu
+        from kvx._datapath import gpu
 
         cp = gpu.cupy_module()
         if not gpu.available():

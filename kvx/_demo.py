@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from kvx import _io
+from kvx._datapath import io as _io
 from kvx.agent import Agent
 from kvx.layout import KVLayout
 from kvx.config import MiB

@@ -48,7 +48,7 @@ class WorkerConfig:
 def _main(conn: Any, config: WorkerConfig) -> None:
     # Die with the parent: a test or benchmark that crashes leaves no agent behind.
     parent = os.getppid()
-    from kvx import _io
+    from kvx._datapath import io as _io
 
     _io.use(config.native)
     import kvx
@@ -59,7 +59,7 @@ def _main(conn: Any, config: WorkerConfig) -> None:
         shared[:] = pool
         pool = shared
     if config.memory == "cuda":
-        from kvx import gpu
+        from kvx._datapath import gpu
 
         pool = gpu.cupy_module().asarray(pool)
     agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,

@@ -16,23 +16,25 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
-from kvx import _wire, gpu, segments
-from kvx.backends import shm
-from kvx.backends._sock import is_loopback, parse_address
-from kvx.backends.base import Channel
-from kvx.backends.tcp import TcpBackend, TcpChannel
+from kvx import backends
+from kvx._net import is_loopback, parse_address
+from kvx.backends.base import Backend, BackendContext, Channel, boot_id
+from kvx.backends.control import Links, Listener
+from kvx.backends.control.wire import PROTOCOL_VERSION
+from kvx.backends.select import Selector
 from kvx.config import Limits, Timeouts, check_backend, check_name
 from kvx.descs import Descs, total_bytes
-from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, KvxError, LimitError,
+from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
                         MetadataError, PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.memory import (DEVICE, LOCAL_WRITE, MAX_REGION_ID, REMOTE_IPC, REMOTE_READ, REMOTE_WRITE, VALID,
+                        MemoryKind, Region, RegionTable, RemoteRegion, check_descs, one_device)
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
-from kvx.memory import (DEVICE, LOCAL_WRITE, MAX_REGION_ID, REMOTE_READ, REMOTE_WRITE, VALID, MemoryKind, Region,
-                        RegionTable, RemoteRegion, check_descs, one_device)
 from kvx.transfer import Notification, Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -43,16 +45,6 @@ _MEMORY_KINDS = {
     MemoryKind.CUDA: agent_pb2.MEMORY_KIND_CUDA,
 }
 _MEMORY_FROM_PB = {v: k for k, v in _MEMORY_KINDS.items()}
-# Peer region flag: CUDA memory the peer offers through CUDA IPC.
-IPC = 32
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 class Agent:
@@ -79,8 +71,9 @@ class Agent:
                     when either side also has GPU memory (GPU-to-GPU bytes
                     then move through CUDA IPC); others get ``tcp``, which
                     stages GPU memory through pinned host buffers. "tcp",
-                    "shm" or "cuda_ipc" forces one (a forced one fails to
-                    connect to a peer it cannot use, saying why).
+                    "shm" or "cuda_ipc" (or a backend added with
+                    ``kvx.backends.register``) forces one (a forced one
+                    fails to connect to a peer it cannot use, saying why).
                     ``peer.backend`` and ``peer.backend_reason`` say what
                     was chosen.
     """
@@ -137,13 +130,19 @@ class Agent:
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         self._closed = False
-        # Same-host peers read these 8 bytes (the epoch) to prove they may attach to this process.
-        self._shm_offered = self.backend_setting != "tcp"
-        self._shm_probe = shm.probe_buffer(self.epoch)
-        # Started with the first registered kvx.alloc_shared region (see _offer_segments).
-        self._segment_server: segments.SegmentServer | None = None
-        self._backend = TcpBackend(self, host, port, advertise_host)
-        logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._backend.endpoint())
+        # What the backends see of this agent, and nothing more.
+        ctx = BackendContext(self.name, self.epoch, self.backend_setting, self._regions, self._secret, self.limits,
+                             self.timeouts, self._deliver)
+        self._backends: dict[str, Backend] = {name: backends.load(name)(ctx) for name in backends.names()}
+        self._selector = Selector(self._backends)
+        self._links = Links(ctx)
+        handlers = {t: fn for b in self._backends.values() for t, fn in b.handlers().items()}
+        try:
+            self._listener = Listener(ctx, host, port, advertise_host, handlers)
+        except BaseException:
+            self._close_backends()
+            raise
+        logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._listener.endpoint)
         self._directory: Directory | None = None
         if metadata is not None:
             try:
@@ -151,7 +150,7 @@ class Agent:
                 self._directory.start()
             except BaseException:
                 self._directory = None
-                self._backend.close()
+                self._stop()
                 raise
 
     # Lifecycle.
@@ -167,7 +166,8 @@ class Agent:
 
     @property
     def endpoint(self) -> str:
-        return self._backend.endpoint()
+        """Where peers reach this agent's control connections: "host:port"."""
+        return self._listener.endpoint
 
     @property
     def closed(self) -> bool:
@@ -184,11 +184,28 @@ class Agent:
             self._directory.close()  # unregisters first: peers stop finding us
         for peer in peers:
             peer._close(ClosedError(f"agent {self.name!r} was closed"))
-        self._backend.close()
-        if self._segment_server is not None:
-            self._segment_server.close()
+        self._stop()
         with self._notify_cv:
             self._notify_cv.notify_all()
+
+    def _stop(self) -> None:
+        """End the listener, every connection and the backends; wait for the threads."""
+        deadline = time.monotonic() + self.timeouts.close_s
+        threads = self._listener.close() + self._links.close()
+        self._close_backends()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            logger.warning("threads still running after close: %s", ", ".join(stuck))
+
+    def _close_backends(self) -> None:
+        for backend in self._backends.values():
+            try:
+                backend.close()
+            except Exception:  # one backend must not keep the others open
+                logger.exception("closing backend %s failed", backend.name)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -211,8 +228,9 @@ class Agent:
         """
         self._check_open()
         region = self._regions.add(obj, remote_access=remote_access, device=device)
-        if region.segment_fd >= 0 and remote_access:
-            self._offer_segments()
+        if remote_access:
+            for backend in self._backends.values():
+                backend.registered(region)
         if self._directory is not None and remote_access:
             try:
                 self._directory.regions_changed()
@@ -220,18 +238,6 @@ class Agent:
                 self._regions.remove(region, 0)  # refused (say, too many regions): not registered
                 raise
         return region
-
-    def _offer_segments(self) -> None:
-        """Start the socket that hands shared segments to same-host peers
-        refused cross-memory attach (kvx/segments.py), once."""
-        with self._lock:
-            if self._segment_server is not None or not self._shm_offered or self._closed:
-                return
-            try:
-                self._segment_server = segments.SegmentServer(self)
-            except OSError as exc:
-                logger.warning("agent %s: no shared-segment socket (%s); peers that may not attach to this "
-                               "process will use tcp", self.name, exc)
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         """Remove a region. Waits for transfers that may touch it (up to
@@ -259,19 +265,17 @@ class Agent:
     def metadata_message(self) -> agent_pb2.AgentMetadata:
         """The same, as the protobuf message (for embedding in other messages)."""
         md = agent_pb2.AgentMetadata(
-            protocol_version=_wire.PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
-            host_name=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
-            auth_required=self._secret is not None,
-            shm_probe_address=self._shm_probe.ctypes.data if self._shm_offered else 0,
-            segment_socket=self._segment_server.name if self._segment_server is not None else "")
-        md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)
+            protocol_version=PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
+            host_name=socket.gethostname(), boot_id=boot_id(), pid=os.getpid(),
+            auth_required=self._secret is not None)
+        md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)  # the control endpoint
         for r in self._regions.regions():
             if r.remote_read or r.remote_write:
                 md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
                                device=r.device, address=r.address, remote_read=r.remote_read,
-                               remote_write=r.remote_write,
-                               cuda_ipc=bool(r.ipc_handle) and self.backend_setting in ("auto", "cuda_ipc"),
-                               shared_segment=r.segment_fd >= 0 and self._segment_server is not None)
+                               remote_write=r.remote_write)
+        for backend in self._backends.values():
+            backend.offer(md)
         return md
 
     def add_peer(self, metadata: bytes, *, streams: int | None = None, backend: str | None = None) -> Peer:
@@ -296,119 +300,26 @@ class Agent:
         if not tcp:
             raise ConnectError(f"peer {md.name!r} publishes no tcp endpoint")
         setting = check_backend(backend or self.backend_setting)
-        choice: list[tuple[str, str]] = []
-
-        def bind(*args: Any) -> Channel:
+        streams = self._selector.streams(md, setting, streams or self.streams)
+        link = self._links.open(md.name, md.epoch, tcp[0], streams)
+        try:
             # After the handshake: the peer is who the metadata says (name, epoch, secret).
-            try:
-                backend, reason, cma = self._choose_backend(md, setting)
-            except ConnectError as exc:
-                if setting != "shm":
-                    raise
-                backend, reason, cma, refused = "tcp", str(exc), False, exc
-            else:
-                refused = None
-            if backend == "tcp":
-                maps = self._map_segments(md, setting, args[2][0])
-                if maps:
-                    backend, reason = "shm", reason + (
-                        f"; instead, {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through "
-                        "shared segments, other memory goes over tcp")
-                    choice.append((backend, reason))
-                    return shm.ShmChannel(*args, pid=md.pid, cma=False, segment_maps=maps)
-                if refused is not None:
-                    raise refused
-            choice.append((backend, reason))
-            if backend == "tcp":
-                return TcpChannel(*args)
-            maps = {} if cma else self._map_segments(md, setting, args[2][0])
-            if maps:
-                choice[-1] = (backend, reason + f"; {len(maps)} region(s) allocated with kvx.alloc_shared are "
-                                                "mapped through shared segments")
-            return shm.ShmChannel(*args, pid=md.pid, ipc=backend == "cuda_ipc", cma=cma, segment_maps=maps)
-
-        streams = streams or self.streams
-        if setting != "tcp" and md.shm_probe_address and shm.same_host(md, socket.gethostname(), _boot_id()):
-            streams = max(streams, shm.LANES)  # shm is likely: copy large transfers on several threads
-        channel = self._backend.connect(md.name, md.epoch, tcp[0], streams, bind)
-        chosen, reason = choice[0]
-        peer = Peer(self, md, channel, chosen, reason)
+            uses_gpu = self._regions.has_cuda or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA
+                                                     for r in md.regions)
+            choice = self._selector.choose(md, setting, link, uses_gpu)
+        except BaseException:
+            link.abandon()
+            raise
+        link.start()
+        peer = Peer(self, md, choice.channel, choice.backend, choice.reason)
         with self._lock:
             if self._closed:
-                channel.close()
+                choice.channel.close()
                 raise ClosedError(f"agent {self.name!r} is closed")
             self._peers[md.name] = peer
         logger.info("agent %s: peer %s epoch %#x over %s (%s), %d stream(s): %s", self.name, md.name,
-                    md.epoch, chosen, tcp[0], len(channel.conns), reason)
+                    md.epoch, choice.backend, tcp[0], len(link.conns), choice.reason)
         return peer
-
-    def _choose_backend(self, md: agent_pb2.AgentMetadata, setting: str) -> tuple[str, str, bool]:
-        """(backend, why, cross-memory attach permitted) for a peer: shm between
-        processes that share a kernel and may attach to each other, cuda_ipc
-        when they also have GPU memory to share, tcp otherwise."""
-        staged = "; CUDA memory is staged through pinned host buffers" if self._uses_gpu(md) else ""
-        if setting == "tcp":
-            return "tcp", "backend=tcp was configured" + staged, False
-        if not shm.same_host(md, socket.gethostname(), _boot_id()):
-            why = f"peer {md.name!r} is on another host ({md.host_name or 'unknown'})"
-        else:
-            why = shm.probe(md)
-            if why is None:
-                reason = (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
-                          f"to pid {md.pid} permitted")
-                if setting == "shm":
-                    return "shm", reason + staged, True
-                ipc_why = self._ipc_problem(md, setting)
-                if ipc_why is None:
-                    return "cuda_ipc", (reason + "; GPU-to-GPU through CUDA IPC, host memory through "
-                                        "cross-memory attach, host with GPU through pinned host buffers"), True
-                if setting == "cuda_ipc":
-                    raise ConnectError(f"backend=cuda_ipc was configured, but peer {md.name!r} cannot be "
-                                       f"reached through CUDA IPC: {ipc_why}")
-                return "shm", reason + (f"; not cuda_ipc: {ipc_why}" + staged if staged else ""), True
-            if setting in ("auto", "cuda_ipc") and md.shm_probe_address and self._ipc_problem(md, setting) is None:
-                # CUDA IPC needs no attach: only the pins, over the authenticated connection.
-                return "cuda_ipc", (f"same host ({md.host_name}), GPU-to-GPU through CUDA IPC; host memory "
-                                    f"over tcp, as {why}"), False
-        if setting in ("shm", "cuda_ipc"):
-            raise ConnectError(f"backend={setting} was configured, but it cannot reach peer {md.name!r}: {why}")
-        if shm.same_host(md, socket.gethostname(), _boot_id()):
-            logger.warning("agent %s: peer %s is on this host but shm is not usable, falling back to tcp: %s",
-                           self.name, md.name, why)
-        return "tcp", why + staged, False
-
-    def _map_segments(self, md: agent_pb2.AgentMetadata, setting: str, conn: Any) -> dict[int, Any]:
-        """Where cross-memory attach is refused between same-host agents: map
-        the peer's shared segments (kvx.alloc_shared memory), if it offers any."""
-        if setting == "tcp" or not md.segment_socket or \
-                not shm.same_host(md, socket.gethostname(), _boot_id()) or \
-                not any(r.shared_segment for r in md.regions):
-            return {}
-        try:
-            token = _request_segment_token(conn.sock, md.name, self.timeouts.connect_s)
-            return segments.fetch(md.segment_socket, token, [r.id for r in md.regions if r.shared_segment],
-                                  md.name)
-        except (KvxError, OSError) as exc:
-            logger.warning("agent %s: peer %s offers shared segments, but mapping them failed: %s", self.name,
-                           md.name, exc)
-            return {}
-
-    def _uses_gpu(self, md: agent_pb2.AgentMetadata) -> bool:
-        """Either side has registered GPU memory."""
-        return bool(self._regions._cuda) or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions)
-
-    def _ipc_problem(self, md: agent_pb2.AgentMetadata, setting: str) -> str | None:
-        """None when GPU memory can move between the two through CUDA IPC; else why not."""
-        if setting == "auto" and not self._uses_gpu(md):
-            return "neither side has registered GPU memory"
-        if md.pid == os.getpid():
-            return None  # one process: the peer's device addresses are valid here
-        if not gpu.available():
-            return "this process has no CUDA device, or no CuPy (" + gpu.EXTRA + ")"
-        if any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions) and \
-                not any(r.cuda_ipc for r in md.regions):
-            return f"peer {md.name!r} offers none of its GPU memory through CUDA IPC"
-        return None
 
     def connect(self, name: str, *, streams: int | None = None) -> Peer:
         """The peer named ``name``, resolved through the metadata service.
@@ -484,23 +395,6 @@ class Agent:
             return True
 
 
-def _request_segment_token(sock: socket.socket, peer: str, timeout_s: float) -> bytes:
-    """SEG_TOKEN on a fresh connection whose reader has not started yet."""
-    import time
-
-    from kvx.backends.tcp import _handshake_reply
-
-    io_timeout = sock.gettimeout()  # the reader's stall detection relies on it: restore it after
-    try:
-        sock.sendall(_wire.pack(_wire.MsgType.SEG_TOKEN))
-        token = _handshake_reply(sock, _wire.MsgType.SEG_TOKEN_OK, peer, time.monotonic() + timeout_s)
-    finally:
-        sock.settimeout(io_timeout)
-    if len(token) != segments.TOKEN_BYTES:
-        raise ProtocolError(f"peer {peer!r} sent a {len(token)}-byte segment token")
-    return token
-
-
 def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
     if not isinstance(metadata, (bytes, bytearray, memoryview)):
         raise ConfigError("add_peer takes the bytes of the peer's agent.metadata()")
@@ -508,9 +402,9 @@ def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
         md = agent_pb2.AgentMetadata.FromString(bytes(metadata))
     except Exception as exc:
         raise ProtocolError(f"malformed agent metadata: {exc}") from None
-    if md.protocol_version != _wire.PROTOCOL_VERSION:
+    if md.protocol_version != PROTOCOL_VERSION:
         raise VersionError(f"peer {md.name!r} speaks kvx protocol version {md.protocol_version}, this "
-                           f"agent {_wire.PROTOCOL_VERSION}; run the same kvx version on both sides")
+                           f"agent {PROTOCOL_VERSION}; run the same kvx version on both sides")
     try:
         check_name(md.name)
     except ConfigError as exc:
@@ -552,7 +446,7 @@ class Peer:
         for r, pb in zip(regions, md.regions):
             sizes[r.id] = r.size_bytes
             flags[r.id] = (VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
-                           | (DEVICE if r.memory_kind is MemoryKind.CUDA else 0) | (IPC if pb.cuda_ipc else 0))
+                           | (DEVICE if r.memory_kind is MemoryKind.CUDA else 0) | (REMOTE_IPC if pb.cuda_ipc else 0))
             if r.memory_kind is MemoryKind.CUDA:
                 devices[r.id] = max(r.device, 0)
         # One reference, swapped at once: a post in another thread sees all old or all new.
@@ -569,7 +463,7 @@ class Peer:
     @property
     def streams(self) -> int:
         """Connections to the peer (on shm, each copies a part of a large transfer)."""
-        return len(getattr(self._channel, "conns", ())) or 1
+        return len(self._channel.link.conns)
 
     def region(self, region_id: int) -> RemoteRegion:
         for r in self.regions:
@@ -607,7 +501,7 @@ class Peer:
         self.agent._check_open()
         if self._closed_error is not None:
             raise type(self._closed_error)(str(self._closed_error))
-        error = getattr(self._channel, "error", None)
+        error = self._channel.error
         if error is not None:
             raise PeerLostError(f"peer {self.name!r} is lost ({error}); add_peer() its metadata again")
 
@@ -641,11 +535,8 @@ class Peer:
             raise
         if len(remote_a) > 1:
             remote_a = Descs(remote_a).coalesce().array
-        if local_device < 0 and remote_device < 0:
-            self._channel.post(transfer, op, addrs, lens, total, remote_a, notify)
-        else:
-            self._channel.post(transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device,
-                               remote_ipc)
+        self._channel.post(transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device,
+                           remote_ipc)
         return transfer
 
     def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:
@@ -676,7 +567,7 @@ class Peer:
             return -1, False
         ids = descs["region"]
         device = one_device(devices[ids], f"peer {self.name!r} {op.value}")
-        return device, bool(device >= 0 and (flags[ids] & IPC).all())
+        return device, bool(device >= 0 and (flags[ids] & REMOTE_IPC).all())
 
     def close(self) -> None:
         self.agent.remove_peer(self.name)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import re
 
+from kvx import backends
 from kvx.errors import ConfigError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
@@ -19,13 +20,13 @@ def check_name(name: str) -> str:
     return name
 
 
-# Agent(backend=...): "auto" picks per peer.
+# Agent(backend=...): "auto" picks per peer; the built-in backends (kvx.backends registers more).
 BACKENDS = ("auto", "tcp", "shm", "cuda_ipc")
 
 
 def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend != "auto" and backend not in backends.names():
+        raise ConfigError(f"backend must be one of auto, {', '.join(backends.names())}, not {backend!r}")
     return backend
 
 

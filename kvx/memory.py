@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvx import gpu, segments
+from kvx._datapath import gpu, shared
 from kvx.descs import Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
 
@@ -30,7 +30,8 @@ VALID = 1
 REMOTE_READ = 2
 REMOTE_WRITE = 4
 LOCAL_WRITE = 8
-DEVICE = 16  # CUDA memory: bytes move through kvx.gpu, never through a host pointer
+DEVICE = 16  # CUDA memory: bytes move through kvx._datapath.gpu, never through a host pointer
+REMOTE_IPC = 32  # a peer's CUDA region that it offers through CUDA IPC
 
 
 class MemoryKind(enum.Enum):
@@ -83,7 +84,7 @@ class RemoteRegion:
 def describe_memory(obj: Any, device: int | None = None) -> tuple[int, int, bool, Any] | gpu.CudaMemory:
     """(address, size_bytes, writable, keep-alive object) of host memory
     ``obj``; for CUDA memory (or a raw range with ``device``), its
-    kvx.gpu.CudaMemory."""
+    kvx._datapath.gpu.CudaMemory."""
     if isinstance(obj, tuple):
         if len(obj) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj):
             raise ConfigError("raw memory is registered as an (address, size_bytes) tuple of ints")
@@ -146,6 +147,11 @@ class RegionTable:
         with self._cond:
             return list(self._regions.values())
 
+    @property
+    def has_cuda(self) -> bool:
+        """Some registered region is CUDA memory."""
+        return bool(self._cuda)
+
     def get(self, region_id: int) -> Region | None:
         return self._regions.get(region_id)
 
@@ -157,7 +163,7 @@ class RegionTable:
         else:
             address, size, writable, owner = described
             kind, device, ipc = MemoryKind.HOST, -1, (b"", 0)
-        segment = segments.find(address, size) if kind is MemoryKind.HOST else None
+        segment = shared.find(address, size) if kind is MemoryKind.HOST else None
         if size <= 0:
             raise RegionError("cannot register an empty buffer")
         with self._cond:

@@ -62,9 +62,9 @@ class Transfer:
         self._done.acquire()
         self._callbacks: list[Callable[[Transfer], Any]] | None = None
         self._default_timeout_s = default_timeout_s
-        # Posts one trailing part (a notification) once all data parts are done.
+        # Posts one trailing part (a notification) once all data parts are done (expect_parts).
         self._on_parts_done: Callable[[Transfer], None] | None = None
-        # Run when the transfer finishes, before waiters wake (releases pins).
+        # Run when the transfer finishes, before waiters wake (releases pins); set by the agent.
         self._cleanup: Callable[[], None] | None = None
 
     @property
@@ -125,9 +125,19 @@ class Transfer:
     def __repr__(self) -> str:
         return f"<Transfer {self.op.value} {self.bytes} bytes peer={self.peer!r} {self._state.value}>"
 
-    # Called by backends.
+    # The part interface, for backends: a transfer moves in parts (requests,
+    # copies), each finished exactly once; ``expect_parts`` comes first.
 
-    def _part_finished(self, error: BaseException | None = None) -> None:
+    def expect_parts(self, parts: int, then: Callable[[Transfer], None] | None = None) -> None:
+        """The transfer finishes after ``parts`` calls of ``part_finished``.
+        ``then(transfer)``, when given, runs once they all succeeded and must
+        post exactly one more part (the trailing notification)."""
+        assert self._state is TransferState.PENDING and parts > 0
+        self._parts_left = parts
+        self._on_parts_done = then
+
+    def part_finished(self, error: BaseException | None = None) -> None:
+        """One part is done (``error`` when it failed); no byte of it moves any more."""
         with self._lock:
             if error is not None and self._error is None:
                 self._error = error
@@ -140,7 +150,7 @@ class Transfer:
             else:
                 hook = None
         if hook is not None:
-            hook(self)  # posts one more part, which calls _part_finished once
+            hook(self)  # posts one more part, which calls part_finished once
             return
         self._finish()
 

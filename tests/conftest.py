@@ -14,8 +14,12 @@ import threading
 import pytest
 
 import kvx
-from kvx import _io
+import kvx.backends
+from kvx._datapath import io as _io
 from kvx._worker import Worker, WorkerConfig
+
+# A backend added from outside the package: its module and this one line (tests/backends/procmem.py).
+kvx.backends.register("procmem", "tests.backends.procmem:ProcMemBackend")
 
 NATIVE = os.environ.get("KVX_NATIVE", "")
 # Workers allocate their pools with kvx.alloc_shared (see backend_setting).

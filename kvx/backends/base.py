@@ -1,59 +1,175 @@
-"""The transport interface.
+"""The transport interface: what a backend implements and what it may see.
 
-A backend listens for peers and opens channels to them; a channel posts the
-parts of transfers. Validation of local memory, splitting and notifications
-are the agent's business; a backend only moves bytes it was handed, and serves
-its peers' requests against the agent's region table.
+A backend is a package under ``kvx/backends/`` with one class that
+implements ``Backend`` and one line in the registry (``kvx/backends/__init__.py``).
+The agent never reaches into a backend, and a backend never sees the agent:
+it gets a ``BackendContext`` (the region table, the secret, limits,
+timeouts, where notifications go), and builds on the shared control
+connection (``kvx.backends.control``): the handshake, authentication, epochs,
+pins and tokens are done once, there, for every backend.
+
+Per peer the selector (``select.py``) asks each candidate whether it can
+reach the peer (``reach``), and the first that can ``connect``s a
+``Channel`` over the peer's authenticated control ``Link``. Posting a
+transfer is then ``channel.post(...)``: the backend moves the bytes and
+reports each part through the ``Transfer``'s part interface.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import dataclasses
+import functools
+import socket
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
+from kvx.config import Limits, Timeouts
+from kvx.memory import RegionTable
 from kvx.transfer import Op, Transfer
+
+if TYPE_CHECKING:
+    from kvx.backends.control.link import Link
+    from kvx.backends.control.serve import Handler
+    from kvx.memory import Region
+    from kvx.v1 import agent_pb2
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendContext:
+    """What a backend may use of its agent; nothing more.
+
+    deliver: ``fn(peer name, data) -> bool`` hands a notification to the
+    application once its data has landed; False when its queue is full (the
+    sender then gets a LimitError).
+    """
+
+    agent_name: str
+    epoch: int
+    setting: str  # the agent's backend setting: "auto" or a backend's name
+    regions: RegionTable
+    secret: bytes | None
+    limits: Limits
+    timeouts: Timeouts
+    deliver: Callable[[str, bytes], bool]
+
+    @property
+    def io_ms(self) -> int:
+        return max(1, int(self.timeouts.io_s * 1000))
+
+    @property
+    def serves_pins(self) -> bool:
+        """Peers may pin regions to copy them directly (same-host backends);
+        not when the agent was told to use tcp only."""
+        return self.setting != "tcp"
+
+
+class Unreachable(Exception):
+    """Raised by ``Backend.connect`` when the peer turns out unreachable after
+    all (say, no shared segment could be mapped): the selector tries the next."""
 
 
 class Channel(abc.ABC):
-    """Connections to one peer over one backend."""
+    """A connected peer, over one backend."""
 
     @property
     @abc.abstractmethod
+    def link(self) -> Link:
+        """The control connections to the peer this channel builds on."""
+
+    @property
     def alive(self) -> bool:
         """False once the channel failed or was closed; posting then fails."""
+        return self.link.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        """What broke the channel, or None."""
+        return self.link.error
 
     @abc.abstractmethod
     def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
+             remote: np.ndarray, notify: bytes | None, local_device: int, remote_device: int,
+             remote_ipc: bool) -> None:
         """Start moving ``total`` bytes between local (address, length) pairs
-        (uint64 buffers) and ``remote`` descriptors; completion and errors
-        arrive through ``transfer``. ``local_device`` and ``remote_device``
-        are the CUDA devices of either side's memory, -1 for host memory;
-        ``remote_ipc``: the remote CUDA regions can be opened through CUDA IPC."""
+        (uint64 buffers) and ``remote`` descriptors, then deliver ``notify``.
+        Completion and errors arrive through ``transfer``'s parts.
+        ``local_device``/``remote_device``: the CUDA device of either side's
+        memory, -1 for host memory; ``remote_ipc``: the remote CUDA regions
+        can be opened through CUDA IPC."""
 
-    @abc.abstractmethod
     def notify(self, transfer: Transfer, data: bytes) -> None:
         """Deliver a notification with no data."""
+        self.link.notify(transfer, data)
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Close; transfers still in flight fail with ClosedError."""
+        self.link.close()
 
 
 class Backend(abc.ABC):
-    name: str
+    """A transport. One instance per agent, made with the agent's context.
+
+    ``priority`` orders the candidates under ``backend="auto"`` (highest
+    first); a backend with ``auto = False`` is used only when configured by
+    name. ``stages_gpu``: GPU memory it does not move itself goes through
+    pinned host buffers (the selector says so in the reason).
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    auto: ClassVar[bool] = True
+    stages_gpu: ClassVar[bool] = False
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    def offer(self, md: agent_pb2.AgentMetadata) -> None:
+        """Add what this backend offers peers to the agent's metadata."""
+
+    def registered(self, region: Region) -> None:
+        """A region was registered (with remote access)."""
+
+    def handlers(self) -> dict[int, Handler]:
+        """Message types this backend serves on inbound control connections."""
+        return {}
+
+    def applies(self, md: agent_pb2.AgentMetadata) -> bool:
+        """Under ``backend="auto"``: whether this backend is worth considering
+        for the peer at all (say, only when there is GPU memory to move)."""
+        return True
+
+    def streams(self, md: agent_pb2.AgentMetadata, streams: int) -> int:
+        """How many control connections to open to a peer it may serve."""
+        return streams
 
     @abc.abstractmethod
-    def endpoint(self) -> str:
-        """The address peers reach this backend at."""
+    def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
+        """(None, why it can) when it can reach the peer that ``md`` describes,
+        else (why not, ""). Called after the handshake: the peer is who its
+        metadata says. Cheap and side-effect free; ``connect`` does the work."""
 
     @abc.abstractmethod
-    def connect(self, target_name: str, target_epoch: int, address: str, streams: int) -> Channel:
-        """Open a channel to a peer (handshake included); raises ConnectError."""
+    def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
+        """A channel over ``link`` (authenticated, readers not started yet) and
+        anything to add to the reason; raises Unreachable to let the selector
+        try the next backend."""
 
-    @abc.abstractmethod
     def close(self) -> None:
-        """Stop serving peers and close every channel."""
+        """Stop serving; called once when the agent closes."""
+
+
+@functools.cache
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def same_host(md: agent_pb2.AgentMetadata) -> bool:
+    """Same kernel: the same boot id, and the same host name (a guard against
+    copied boot ids, e.g. two VMs from one image are told apart by it)."""
+    return bool(md.boot_id) and md.boot_id == boot_id() and md.host_name == socket.gethostname()

@@ -8,7 +8,7 @@ without them, as in CI. Run them on a GPU machine:
 
 import pytest
 
-from kvx import gpu
+from kvx._datapath import gpu
 
 HAVE_GPU = gpu.available()
 needs_gpu = pytest.mark.skipif(

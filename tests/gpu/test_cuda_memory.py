@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx import gpu
+from kvx._datapath import gpu
 from kvx.agent import parse_metadata
 from kvx.memory import MemoryKind
 from kvx.v1 import agent_pb2

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx import Descs, _wire
-from kvx._wire import MsgType
+from kvx import Descs
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.wire import MsgType
 from kvx.agent import parse_metadata
-from kvx.backends._sock import parse_address
+from kvx._net import parse_address
 from kvx.descs import DESC_DTYPE
 from kvx.v1 import agent_pb2, handshake_pb2
 from tests.conftest import backend_setting, SECRET, fd_targets, kvx_threads, open_fds

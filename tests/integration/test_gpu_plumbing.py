@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx import Descs, _staging, gpu
+from kvx import Descs
+from kvx._datapath import staging as _staging
+from kvx._datapath import gpu
 from tests.unit import fake_cuda
 
 BLOCK = 32 * 1024

@@ -27,13 +27,14 @@ def test_native_data_path_under_asan(tmp_path):
                    capture_output=True)
     site = tmp_path / "site"
     shutil.copytree(ROOT / "kvx", site / "kvx", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    built = sorted((build / "lib" / "kvx").glob("_*.so"))
+    built = sorted((build / "lib" / "kvx" / "_datapath").glob("_*.so"))
     assert {so.name.split(".")[0] for so in built} == {"_native", "_cma"}
     for so in built:
-        shutil.copy(so, site / "kvx" / so.name)
+        shutil.copy(so, site / "kvx" / "_datapath" / so.name)
     env.update(PYTHONPATH=f"{site}{os.pathsep}{ROOT}", LD_PRELOAD=libasan,
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1")
-    check = subprocess.run([sys.executable, "-c", "import kvx, kvx._native as n, kvx._cma; print(n.__file__)"],
+    check = subprocess.run([sys.executable, "-c",
+                            "import kvx, kvx._datapath._native as n, kvx._datapath._cma; print(n.__file__)"],
                            env=env, capture_output=True, text=True, cwd=tmp_path)
     assert check.stdout.strip().startswith(str(site)), check.stderr
     result = subprocess.run(

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx import Descs, _wire
-from kvx._wire import MsgType
+from kvx import Descs
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.wire import MsgType
 from kvx.agent import parse_metadata
 from tests.conftest import SECRET
 from tests.integration.test_faults import _expect_error_then_close, _read_message, _session, _tampered
@@ -277,7 +278,7 @@ def test_without_attach_shared_segments_carry_the_bytes(make_worker):
 
 
 def test_segment_descriptors_go_only_to_token_holders(make_agent):
-    from kvx import segments
+    from kvx.backends.shm import segments
 
     target = make_agent("seg-target")
     shared = kvx.alloc_shared(1 << 16)
@@ -285,7 +286,7 @@ def test_segment_descriptors_go_only_to_token_holders(make_agent):
     region = target.register(shared)
     private = target.register(kvx.alloc_shared(4096), remote_access=False)
     plain = target.register(np.zeros(4096, np.uint8))
-    server = target._segment_server
+    server = target._backends["shm"]._segment_server
     name = target.metadata_message().segment_socket
     assert name == server.name
     with pytest.raises(kvx.AccessError, match="refused"):

@@ -15,11 +15,12 @@ BLOCK = 4096
 
 
 
-@pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
+@pytest.fixture(params=["tcp", "shm", "shm-segments", "procmem"], autouse=True)
 def backend(request, monkeypatch):
-    """Every test here runs over tcp, over shm, and over shm with cross-memory
+    """Every test here runs over tcp, over shm, over shm with cross-memory
     attach refused and the workers' pools in shared segments (the initiator's
-    setting; targets offer all)."""
+    setting; targets offer all), and over procmem, the test-only backend
+    registered in tests/conftest.py that shows what adding a backend takes."""
     return backend_setting(request.param, monkeypatch)
 
 def _pool(agent, nbytes=1 << 20):

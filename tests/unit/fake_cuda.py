@@ -1,5 +1,5 @@
 """A stand-in for CuPy that runs on the CPU, so that kvx's GPU plumbing
-(kvx/gpu.py, the staging pipeline in the tcp backend on both sides, the
+(kvx/_datapath/gpu.py, the staging pipeline in the tcp backend on both sides, the
 cuda_ipc pin and copy) runs end to end where there is no GPU.
 
 "Device memory" is host memory; streams are queues that run only when an
@@ -153,7 +153,7 @@ def make(kernel_lib) -> types.ModuleType:
 
 
 def allocation_of(arrays):
-    """A stand-in for kvx.gpu._allocation (cuMemGetAddressRange): each
+    """A stand-in for kvx._datapath.gpu._allocation (cuMemGetAddressRange): each
     registered DeviceArray is one allocation."""
 
     def find(address):

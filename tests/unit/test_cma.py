@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from kvx import _cma_py
+from kvx._datapath import cma_py as _cma_py
 
 try:
-    from kvx import _cma
+    from kvx._datapath import _cma
 except ImportError:  # only allowed when the twin was asked for
     _cma = None
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvx import _staging, gpu
+from kvx._datapath import staging as _staging
+from kvx._datapath import gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).resolve().parent / "cuda_cpu"

@@ -6,10 +6,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvx import _io, _io_py
+from kvx._datapath import io as _io
+from kvx._datapath import io_py as _io_py
 
 try:
-    from kvx import _native
+    from kvx._datapath import _native
 except ImportError:  # only allowed when the twin was asked for
     _native = None
 

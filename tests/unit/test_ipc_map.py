@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from kvx import gpu
+from kvx._datapath import gpu
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx import gpu
+from kvx._datapath import gpu
 from kvx.memory import LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, RegionTable
 
 

@@ -1,4 +1,4 @@
-"""The staging pipeline (kvx/_staging.py) that moves GPU memory over a socket,
+"""The staging pipeline (kvx/_datapath/staging.py) that moves GPU memory over a socket,
 run on the CPU with an engine that copies host memory.
 
 The engine defers every copy until its event is waited for, the way a GPU
@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvx import _staging
+from kvx._datapath import staging as _staging
 
 
 class _Deferred:
@@ -128,11 +128,11 @@ def test_pair_matches_two_different_range_lists():
 def io(request):
     if request.param == "native":
         try:
-            from kvx import _native
+            from kvx._datapath import _native
         except ImportError:
-            pytest.skip("kvx._native is not built")
+            pytest.skip("kvx._datapath._native is not built")
         return _native
-    from kvx import _io_py
+    from kvx._datapath import io_py as _io_py
     return _io_py
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvx import _wire
-from kvx.backends.tcp import plan_cuts
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.link import plan_cuts
 from kvx.descs import Descs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
                                                                 KVConnectorMetadata)
 
-from kvx._wire import PROTOCOL_VERSION
+from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.errors import ConfigError
 
 WIRE_VERSION = 1

@@ -1,14 +1,16 @@
-"""The tcp backend: works everywhere, and is the reference for the others.
+"""The initiator's side of the control connection: a ``Link`` to one peer.
 
-Initiator side: a channel to a peer holds ``streams`` connections. A transfer
-is cut into parts (by the target's per-message limits, and across streams
-when it is large); each part is one request. Requests are pipelined: each
-connection has a reader thread that takes responses as they come, bytes
-going straight from the socket into registered memory (``_io.recvv``). Small
-requests are sent by the posting thread; large WRITE payloads by a sender
-thread per connection, so that posting never blocks on the network.
-
-Target side: see ``_tcp_serve.py``.
+A link holds ``streams`` authenticated connections to a peer (``dial``: the
+handshake with HMAC authentication and epochs). Every backend builds on it:
+the tcp backend sends its READ and WRITE requests through it, the same-host
+backends their pins (``post_pinned``), and all of them notifications.
+A transfer is cut into parts (by the target's per-message limits, and
+across streams when it is large); each part is one request. Requests are
+pipelined: each connection has a reader thread that takes responses as they
+come, bytes going straight from the socket into registered memory
+(``io.recvv``). Small requests are sent by the posting thread; large WRITE
+payloads by a sender thread per connection, so that posting never blocks on
+the network.
 
 Only the reader thread closes a connection's socket, after the sender is
 done with it: a descriptor number is never reused under a thread still
@@ -30,12 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from kvx import _io, _staging, _wire, gpu
-from kvx._wire import ErrorCode, MsgType
-from kvx.backends._sock import (check_header, format_address, parse_address, recv_exact, recv_header,
-                                tune)
-from kvx.backends._tcp_serve import InboundConnection
-from kvx.backends.base import Backend, Channel
+from kvx._datapath import gpu
+from kvx._datapath import io as _io
+from kvx._datapath import staging as _staging
+from kvx._net import parse_address
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.sock import check_header, recv_exact, recv_header, tune
+from kvx.backends.control.wire import ErrorCode, MsgType
 from kvx.descs import DESC_DTYPE, Descs
 from kvx.errors import (AccessError, AuthError, ClosedError, ConnectError, EpochError, KvxError,
                         LimitError, PeerLostError, ProtocolError, TimeoutError, TransferError,
@@ -44,7 +47,7 @@ from kvx.transfer import Op, Transfer
 from kvx.v1 import handshake_pb2
 
 if TYPE_CHECKING:
-    from kvx.agent import Agent
+    from kvx.backends.base import BackendContext
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,9 @@ logger = logging.getLogger(__name__)
 INLINE_SEND_BYTES = 256 * 1024
 # A transfer is spread over several streams only when each gets this much.
 MIN_STREAM_BYTES = 1 << 20
-# Inbound connections still in their handshake (not yet authenticated) at once.
-MAX_HANDSHAKES = 64
+# A pinned transfer is cut into requests only to spread it over several
+# streams; its bytes never pass through a message.
+_NO_BYTE_LIMIT = 1 << 62
 
 _ERRORS: dict[int, type[KvxError]] = {
     ErrorCode.ACCESS: AccessError,
@@ -73,129 +77,54 @@ def _remote_error(code: int, text: str, peer: str) -> KvxError:
     return _ERRORS.get(code, TransferError)(f"peer {peer!r}: {text}")
 
 
-class TcpBackend(Backend):
-    name = "tcp"
+class Links:
+    """The initiator connections of one agent, so that closing it ends them all."""
 
-    def __init__(self, agent: Agent, host: str, port: int, advertise_host: str | None) -> None:
-        self.agent = agent
-        self.io_ms = max(1, int(agent.timeouts.io_s * 1000))
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as exc:
-            self._listener.close()
-            raise ConnectError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
-        self._listener.listen(128)
-        bound_port = self._listener.getsockname()[1]
-        self._endpoint = format_address(advertise_host or host, bound_port)
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
         self._lock = threading.Lock()
-        self._inbound: set[InboundConnection] = set()
-        self._conns: set[_Connection] = set()  # initiator connections until their reader ends
+        self._conns: set[Connection] = set()  # until their reader ends
         self._closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{agent.name}",
-                                               daemon=True)
-        self._accept_thread.start()
 
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError as exc:
-                with self._lock:
-                    if self._closed:
-                        return
-                # EMFILE, ECONNABORTED, EPROTO...: transient; the listener stays up.
-                logger.warning("accept failed on %s: %s", self._endpoint, exc)
-                time.sleep(0.05)
-                continue
-            address = format_address(*addr[:2])
-            try:
-                with self._lock:
-                    if self._closed:
-                        sock.close()
-                        return
-                    unauthenticated = sum(1 for c in self._inbound if not c.authenticated)
-                    if len(self._inbound) >= self.agent.limits.max_connections or \
-                            unauthenticated >= MAX_HANDSHAKES:
-                        logger.warning("refusing connection from %s: %d open, %d in handshake "
-                                       "(Limits.max_connections)", address, len(self._inbound), unauthenticated)
-                        sock.close()
-                        continue
-                    tune(sock, self.agent.timeouts.connect_s)
-                    conn = InboundConnection(self, sock, address)
-                    self._inbound.add(conn)
-                conn.start()
-            except Exception:  # a failure with one connection must not stop the listener
-                logger.exception("could not serve connection from %s", address)
-                sock.close()
-
-    def _inbound_done(self, conn: InboundConnection) -> None:
-        with self._lock:
-            self._inbound.discard(conn)
-
-    def connect(self, target_name: str, target_epoch: int, address: str, streams: int,
-                channel: Callable[..., TcpChannel] | None = None) -> TcpChannel:
+    def open(self, target_name: str, target_epoch: int, address: str, streams: int) -> Link:
+        """Dial ``streams`` connections and run the handshake on each. The
+        link's readers start with ``link.start()``; until then the caller may
+        send control requests on it (``link.request``)."""
         with self._lock:
             if self._closed:
-                raise ClosedError(f"agent {self.agent.name!r} is closed")
-        conns: list[_Connection] = []
+                raise ClosedError(f"agent {self.ctx.agent_name!r} is closed")
+        conns: list[Connection] = []
         try:
             for index in range(streams):
-                sock, limits = _dial(self.agent, target_name, target_epoch, address)
-                conns.append(_Connection(self, sock, target_name, index))
+                sock, limits = dial(self.ctx, target_name, target_epoch, address)
+                conns.append(Connection(self, sock, target_name, index))
         except BaseException:
             for conn in conns:
-                conn.shutdown(ClosedError("connect failed"))
-            raise
-        try:
-            made = (channel or TcpChannel)(self, target_name, conns, *limits)
-        except BaseException:
-            for conn in conns:
-                conn.shutdown(ClosedError("connect failed"))
+                conn.abandon()
             raise
         with self._lock:
             self._conns.update(conns)
-        for conn in conns:
-            conn.start()
-        return made
+        return Link(self.ctx, target_name, conns, *limits)
 
-    def _connection_closed(self, conn: _Connection) -> None:
+    def _connection_closed(self, conn: Connection) -> None:
         with self._lock:
             self._conns.discard(conn)
 
-    def close(self) -> None:
+    def close(self) -> list[threading.Thread]:
+        """Fail everything in flight; returns the threads to join."""
         with self._lock:
             self._closed = True
-            inbound, conns = list(self._inbound), list(self._conns)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        for conn in inbound:
-            conn.shutdown()
-        deadline = time.monotonic() + self.agent.timeouts.close_s
+            conns = list(self._conns)
         for conn in conns:
-            conn.shutdown(ClosedError(f"agent {self.agent.name!r} was closed"))
-        threads = [self._accept_thread] + [c.thread for c in inbound]
-        threads += [t for conn in conns for t in (conn.reader, conn.sender) if t is not None]
-        for thread in threads:
-            if thread.is_alive():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
-        if stuck:
-            logger.warning("threads still running after close: %s", ", ".join(stuck))
+            conn.shutdown(ClosedError(f"agent {self.ctx.agent_name!r} was closed"))
+        return [t for conn in conns for t in (conn.reader, conn.sender) if t is not None]
 
 
-def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tuple[socket.socket, tuple[int, int]]:
+def dial(ctx: BackendContext, target_name: str, target_epoch: int,
+         address: str) -> tuple[socket.socket, tuple[int, int]]:
     """Connect and run the handshake; returns the socket and the target's limits."""
     host, port = parse_address(address)
-    timeout_s = agent.timeouts.connect_s
+    timeout_s = ctx.timeouts.connect_s
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
@@ -203,16 +132,16 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
     try:
         tune(sock, timeout_s)
         nonce = os.urandom(_wire.NONCE_BYTES)
-        hello = handshake_pb2.Hello(name=agent.name, epoch=agent.epoch, target_name=target_name,
+        hello = handshake_pb2.Hello(name=ctx.agent_name, epoch=ctx.epoch, target_name=target_name,
                                     target_epoch=target_epoch, nonce=nonce).SerializeToString()
         deadline = time.monotonic() + timeout_s
         sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
         reply = handshake_pb2.HelloReply.FromString(
-            _handshake_reply(sock, MsgType.HELLO_REPLY, target_name, deadline))
+            handshake_reply(sock, MsgType.HELLO_REPLY, target_name, deadline))
         if len(reply.nonce) != _wire.NONCE_BYTES or reply.name != target_name or reply.epoch != target_epoch:
             raise ProtocolError(f"peer {target_name!r} answered the handshake with another identity or nonce")
-        ids = (agent.name, target_name, agent.epoch, target_epoch)
-        secret = agent._secret
+        ids = (ctx.agent_name, target_name, ctx.epoch, target_epoch)
+        secret = ctx.secret
         if reply.auth_required and secret is None:
             raise AuthError(f"peer {target_name!r} requires authentication; configure the cluster's auth_secret")
         if secret is not None:
@@ -226,10 +155,10 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         auth = handshake_pb2.Auth(proof=proof).SerializeToString()
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(_wire.pack(MsgType.AUTH, payload_len=len(auth)) + auth)
-        _handshake_reply(sock, MsgType.AUTH_OK, target_name, deadline)
+        handshake_reply(sock, MsgType.AUTH_OK, target_name, deadline)
         if reply.max_message_bytes <= 0 or reply.max_descs_per_message <= 0:
             raise ProtocolError(f"peer {target_name!r} announced invalid limits")
-        sock.settimeout(agent.timeouts.io_s)
+        sock.settimeout(ctx.timeouts.io_s)
         return sock, (reply.max_message_bytes, reply.max_descs_per_message)
     except KvxError:
         sock.close()
@@ -239,7 +168,8 @@ def _dial(agent: Agent, target_name: str, target_epoch: int, address: str) -> tu
         raise ConnectError(f"handshake with peer {target_name!r} at {address} failed: {exc}") from exc
 
 
-def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str, deadline: float) -> bytes:
+def handshake_reply(sock: socket.socket, expect: MsgType, peer: str, deadline: float) -> bytes:
+    """The answer to a request sent before the connection's reader started."""
     try:
         msg_type, _, payload_len, aux, data_len = check_header(recv_exact(sock, _wire.HEADER_SIZE, deadline))
     except PeerLostError as exc:
@@ -256,7 +186,7 @@ def _handshake_reply(sock: socket.socket, expect: MsgType, peer: str, deadline: 
     return payload
 
 
-class _Part:
+class Part:
     """One request of a transfer.
 
     ``holds`` counts what must end before the part may finish: its response
@@ -300,7 +230,7 @@ def _translate(exc: BaseException, peer: str, io_s: float) -> KvxError:
     return TransferError(f"internal error: {exc!r}")
 
 
-class _Connection:
+class Connection:
     """One initiator connection: pipelined requests, one reader thread, and a
     sender thread for large payloads and for sends that would have to wait.
 
@@ -308,17 +238,17 @@ class _Connection:
     once goes to the sender thread.
     """
 
-    def __init__(self, backend: TcpBackend, sock: socket.socket, peer: str, index: int) -> None:
-        self.backend = backend
+    def __init__(self, links: Links, sock: socket.socket, peer: str, index: int) -> None:
+        self.links = links
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
-        self.io_ms = backend.io_ms
-        self.io_s = backend.agent.timeouts.io_s
+        self.io_ms = links.ctx.io_ms
+        self.io_s = links.ctx.timeouts.io_s
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
-        self.pending: dict[int, _Part] = {}
-        self.receiving: _Part | None = None  # the part the reader is moving bytes into
+        self.pending: dict[int, Part] = {}
+        self.receiving: Part | None = None  # the part the reader is moving bytes into
         self.copying = False  # the reader is moving bytes of a pinned shm range: keep the pin
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
@@ -327,23 +257,31 @@ class _Connection:
         self.queue: collections.deque = collections.deque()
         self.queue_cv = threading.Condition(self.lock)
         self.sender: threading.Thread | None = None
-        self.on_break = None  # set by the channel
-        self.on_closed: Callable[[_Connection], None] | None = None  # set by a channel: after the reader ended
+        self.on_break: Callable[[KvxError], None] | None = None  # set by the link
+        self.on_closed: Callable[[Connection], None] | None = None  # set by the link: after the reader ended
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
         self.reader.start()
 
-    def _release(self, part: _Part, error: KvxError | None = None) -> None:
+    def abandon(self) -> None:
+        """Close a connection whose reader never started."""
+        assert not self.reader.is_alive()
+        self.error = self.error or ClosedError("connect failed")
+        self.closed = True
+        self.sock.close()
+        self.links._connection_closed(self)
+
+    def _release(self, part: Part, error: KvxError | None = None) -> None:
         with self.lock:
             if error is not None and part.error is None:
                 part.error = error
             part.holds -= 1
             last = part.holds == 0
         if last:
-            part.transfer._part_finished(part.error)
+            part.transfer.part_finished(part.error)
 
-    def submit(self, part: _Part, prefix: bytes, request_id: int) -> None:
+    def submit(self, part: Part, prefix: bytes, request_id: int) -> None:
         """Send one request now if the socket is free, else queue it."""
         with self.lock:
             if self.error is not None:
@@ -360,11 +298,11 @@ class _Connection:
                     return
         if error is not None:
             part.holds = 0
-            part.transfer._part_finished(_again(error))
+            part.transfer.part_finished(_again(error))
             return
         self._send_locked(part, prefix)
 
-    def _send_locked(self, part: _Part, prefix: bytes) -> None:
+    def _send_locked(self, part: Part, prefix: bytes) -> None:
         """Send with send_lock held (released here); then release the send hold."""
         sends_data = part is not None and part.sends_data
         error = None
@@ -475,7 +413,7 @@ class _Connection:
         with self.lock:
             return not self.pending or time.monotonic() - self.last_progress < self.io_s
 
-    def _read_response(self, part: _Part, request_id: int, msg_type: int, payload_len: int, aux: int,
+    def _read_response(self, part: Part, request_id: int, msg_type: int, payload_len: int, aux: int,
                        data_len: int) -> KvxError | None:
         if msg_type == MsgType.ERROR:
             if payload_len > _wire.MAX_ERROR_TEXT_BYTES or data_len:
@@ -497,7 +435,7 @@ class _Connection:
             raise ProtocolError(f"peer {self.peer!r} sent data with {MsgType(msg_type).name}")
         return None
 
-    def _copy_pinned(self, part: _Part, request_id: int, payload_len: int, data_len: int) -> KvxError | None:
+    def _copy_pinned(self, part: Part, request_id: int, payload_len: int, data_len: int) -> KvxError | None:
         """SHM_PIN_OK: move the bytes of a pinned range, then unpin it."""
         if data_len or payload_len % 8 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
             raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_PIN_OK")
@@ -532,7 +470,7 @@ class _Connection:
                 return
         self._send_locked(None, prefix)
 
-    def _enqueue(self, part: _Part | None, prefix: bytes) -> None:
+    def _enqueue(self, part: Part | None, prefix: bytes) -> None:
         """Queue for the sender thread (started on first use); self.lock held."""
         self.queue.append((part, prefix))
         if self.sender is None:
@@ -543,11 +481,11 @@ class _Connection:
     def _close_socket(self) -> None:
         sender = self.sender
         if sender is not None and sender is not threading.current_thread():
-            sender.join(self.backend.agent.timeouts.close_s)
+            sender.join(self.links.ctx.timeouts.close_s)
         with self.send_lock:
             self.closed = True
             self.sock.close()
-        self.backend._connection_closed(self)
+        self.links._connection_closed(self)
         if self.on_closed is not None:
             self.on_closed(self)
 
@@ -559,20 +497,25 @@ def _again(error: KvxError) -> KvxError:
     return fresh
 
 
-class TcpChannel(Channel):
-    """Connections to one peer; cuts transfers into parts and spreads them."""
+class Link:
+    """The authenticated control connections to one peer, which every
+    backend's channel builds on; cuts transfers into parts and spreads them."""
 
-    def __init__(self, backend: TcpBackend, peer: str, conns: list[_Connection], max_message_bytes: int,
+    def __init__(self, ctx: BackendContext, peer: str, conns: list[Connection], max_message_bytes: int,
                  max_descs: int) -> None:
-        self.backend = backend
+        self.ctx = ctx
         self.peer = peer
         self.conns = conns
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes  # the target's limits
         self.max_descs = max_descs
         self._next_conn = itertools.count()
         self._error: KvxError | None = None
+        self._readers_left = len(conns)
+        self._hooks_lock = threading.Lock()
+        self._close_hooks: list[Callable[[], None]] = []
         for conn in conns:
             conn.on_break = self._on_break
+            conn.on_closed = self._reader_ended
 
     @property
     def alive(self) -> bool:
@@ -581,6 +524,35 @@ class TcpChannel(Channel):
     @property
     def error(self) -> KvxError | None:
         return self._error
+
+    def start(self) -> None:
+        """Start the readers: from now on responses are taken as they come."""
+        for conn in self.conns:
+            conn.start()
+
+    def abandon(self) -> None:
+        """Close a link whose readers never started (its channel was not made)."""
+        self._error = self._error or ClosedError(f"link to peer {self.peer!r} was not used")
+        for conn in self.conns:
+            conn.abandon()
+
+    def when_closed(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the last reader has ended: no copy can run any more
+        (copies of pinned ranges run on the readers)."""
+        with self._hooks_lock:
+            self._close_hooks.append(fn)
+
+    def _reader_ended(self, conn: Connection) -> None:
+        with self._hooks_lock:
+            self._readers_left -= 1
+            if self._readers_left:
+                return
+            hooks, self._close_hooks = self._close_hooks, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # a reader thread must end cleanly
+                logger.exception("cleaning up after peer %s failed", self.peer)
 
     def _on_break(self, error: KvxError) -> None:
         if self._error is not None:
@@ -592,38 +564,59 @@ class TcpChannel(Channel):
     def close(self) -> None:
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
 
-    def _conn(self) -> _Connection:
+    def conn(self) -> Connection:
+        """The connection for the next request (round robin)."""
         if len(self.conns) == 1:
             return self.conns[0]
         return self.conns[next(self._next_conn) % len(self.conns)]
 
+    def request(self, msg_type: MsgType, expect: MsgType) -> bytes:
+        """A control request with no payload, answered before ``start()``
+        (the reader would take the answer otherwise); returns the payload."""
+        sock = self.conns[0].sock
+        io_timeout = sock.gettimeout()  # the reader's stall detection relies on it: restore it after
+        try:
+            sock.sendall(_wire.pack(msg_type))
+            return handshake_reply(sock, expect, self.peer, time.monotonic() + self.ctx.timeouts.connect_s)
+        except OSError as exc:
+            raise ConnectError(f"peer {self.peer!r}: {msg_type.name} failed: {exc}") from exc
+        finally:
+            sock.settimeout(io_timeout)
+
     def notify(self, transfer: Transfer, data: bytes) -> None:
+        """A notification with no data, as one part of ``transfer``."""
         conn = self.conns[0]
         request_id = next(conn.ids)
         prefix = _wire.pack(MsgType.NOTIFY, request_id, payload_len=len(data)) + data
-        conn.submit(_Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, request_id)
+        conn.submit(Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, request_id)
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
-        parts = self.split(local_addrs, local_lens, total, remote, self.max_message_bytes)
-        attach_notify = notify is not None and len(parts) == 1 and op is Op.WRITE
-        if notify is not None and not attach_notify:
-            transfer._on_parts_done = lambda t: self.notify(t, notify)
-        transfer._parts_left = len(parts)
+    def notify_after(self, notify: bytes | None) -> Callable[[Transfer], None] | None:
+        """For ``transfer.expect_parts``: the notification as a trailing part,
+        sent once every byte has landed."""
+        if notify is None:
+            return None
+        return lambda t: self.notify(t, notify)
+
+    def post_pinned(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
+                    remote: np.ndarray, notify: bytes | None, flags: int,
+                    make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[np.ndarray], None]]) -> None:
+        """A transfer whose bytes the initiator moves itself: per part, the
+        target checks and pins the regions (SHM_PIN), then the reader calls
+        ``make_copy(addrs, lens, remote descs, region ids)(pinned)`` with
+        the (base, size, ...) the target answered, and unpins."""
+        parts = self.split(local_addrs, local_lens, total, remote, _NO_BYTE_LIMIT)
+        transfer.expect_parts(len(parts), self.notify_after(notify))
+        aux = (_wire.PIN_WRITE if op is Op.WRITE else _wire.PIN_READ) | flags
         for wire, addrs, lens, nbytes in parts:
-            conn = self._conn()
+            conn = self.conn()
             request_id = next(conn.ids)
-            payload = wire.tobytes()
-            if op is Op.READ:
-                prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
-                conn.submit(_Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes, local_device), prefix, request_id)
-            else:
-                extra = notify if attach_notify else b""
-                prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
-                                    aux=len(extra), data_len=nbytes) + payload + extra
-                conn.submit(_Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, local_device), prefix,
-                            request_id)
+            ids = wire["region"]
+            regions = (ids[:1] if (ids == ids[0]).all() else np.unique(ids)).astype("<u4")
+            payload = regions.tobytes()
+            part = Part(transfer, MsgType.SHM_PIN, addrs, lens, nbytes)
+            part.copy = make_copy(addrs, lens, wire, regions)
+            prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
+            conn.submit(part, prefix, request_id)
 
     def split(self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray,
               max_bytes: int) -> list[tuple[np.ndarray, Any, Any, int]]:

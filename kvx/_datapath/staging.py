@@ -13,7 +13,7 @@ So the device copies hide behind the network and a GPU-to-GPU transfer runs
 at about the host tcp rate. The wire format is unchanged: the peer sees the
 same bytes in the same order as from host memory.
 
-The engine (kvx.gpu.Engine on a GPU) does the device work and returns an
+The engine (kvx._datapath.gpu.Engine on a GPU) does the device work and returns an
 event per chunk; this module only orders it. It imports no CUDA library, and
 tests/unit/test_staging.py runs it on the CPU with a host-memory engine.
 

@@ -1,37 +1,15 @@
-"""Socket helpers shared by both sides of the tcp backend."""
+"""Socket helpers shared by both sides of the control connection."""
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import time
 from typing import Callable
 
-from kvx import _wire
-from kvx.errors import ConfigError, PeerLostError, ProtocolError, TimeoutError, VersionError
+from kvx.backends.control import wire as _wire
+from kvx.errors import PeerLostError, ProtocolError, TimeoutError, VersionError
 
 _SCRATCH_BYTES = 1 << 20
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" -> (host, port)."""
-    host, sep, port = str(text).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"address must be host:port, not {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def tune(sock: socket.socket, timeout_s: float) -> None:

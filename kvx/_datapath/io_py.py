@@ -1,4 +1,4 @@
-"""Pure-Python twin of kvx._native (csrc/kvx_io.c).
+"""Pure-Python twin of kvx._datapath._native (csrc/kvx_io.c).
 
 Same functions, same semantics, same exceptions; slower (one Python object
 per descriptor). Selected with KVX_NATIVE=0, or used when the C extension was

@@ -1,4 +1,4 @@
-"""The data-plane wire format of the tcp backend.
+"""The wire format of the control connection (and of the tcp backend's bytes).
 
 Every message is a fixed 32-byte little-endian header, then ``payload_len``
 bytes of payload (descriptors, a protobuf handshake message, a notification,
@@ -35,7 +35,7 @@ cudaIpcMemHandle. The initiator opens each handle once, caches the mapping
 for the life of the connection to that epoch, and copies with its own GPU.
 
 Where cross-memory attach is refused, the shm backend maps the target's
-shared segments (kvx/segments.py) instead: SEG_TOKEN (no payload) asks for a
+shared segments (kvx/backends/shm/segments.py) instead: SEG_TOKEN (no payload) asks for a
 single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
 presents it on the target's Unix socket to receive the segments' file
 descriptors. Sent only to an agent whose metadata names a segment socket.

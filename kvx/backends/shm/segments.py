@@ -13,14 +13,13 @@ listens on an abstract one (``segment_socket`` in its metadata; abstract
 sockets live in the network namespace, so containers of one pod reach each
 other's). That socket is not authenticated by itself: the initiator first
 asks for a single-use random token over its authenticated tcp connection
-(SEG_TOKEN, kvx/_wire.py) and presents it on the Unix socket, so only a
+(SEG_TOKEN, kvx/backends/control/wire.py) and presents it on the Unix socket, so only a
 peer that passed the HMAC challenge gets descriptors, and only of regions
 registered with remote access.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import mmap
 import os
@@ -29,15 +28,13 @@ import socket
 import struct
 import threading
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvx.errors import AccessError, ConfigError, ConnectError, ProtocolError
-
-if TYPE_CHECKING:
-    from kvx.agent import Agent
+from kvx.backends.base import BackendContext
+from kvx.backends.control.sock import recv_exact
+from kvx.errors import AccessError, ConnectError, PeerLostError, ProtocolError, TimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -50,53 +47,6 @@ _ENTRY = struct.Struct("<IQQ")
 _IO_TIMEOUT_S = 5.0
 
 
-@dataclasses.dataclass
-class _Segment:
-    fd: int
-    size: int
-    address: int
-
-
-_segments: dict[int, _Segment] = {}  # address -> segment
-_lock = threading.Lock()
-
-
-def alloc_shared(nbytes: int) -> np.ndarray:
-    """Host memory that same-host peers can map even where cross-memory
-    attach is not permitted: a zeroed uint8 numpy array of ``nbytes`` in a
-    memfd segment. Register it as any array; it is freed with the array."""
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        raise ConfigError(f"alloc_shared takes a positive size in bytes, not {nbytes!r}")
-    fd = os.memfd_create("kvx-segment", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    array = np.frombuffer(mapping, dtype=np.uint8)
-    address = array.ctypes.data
-    with _lock:
-        _segments[address] = _Segment(fd, nbytes, address)
-    weakref.finalize(array, _forget, address, fd)
-    return array
-
-
-def _forget(address: int, fd: int) -> None:
-    with _lock:
-        _segments.pop(address, None)
-    os.close(fd)
-
-
-def find(address: int, size: int) -> tuple[int, int] | None:
-    """(fd, offset) when [address, address + size) lies in one kvx segment."""
-    with _lock:
-        for seg in _segments.values():
-            if seg.address <= address and address + size <= seg.address + seg.size:
-                return seg.fd, address - seg.address
-    return None
-
-
 def socket_name(pid: int, epoch: int) -> str:
     return f"kvx-seg-{pid}-{epoch:016x}"
 
@@ -104,16 +54,16 @@ def socket_name(pid: int, epoch: int) -> str:
 class SegmentServer:
     """The target's side: hands segment descriptors to token holders."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.name = socket_name(os.getpid(), agent.epoch)
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.name = socket_name(os.getpid(), ctx.epoch)
         self._tokens: dict[bytes, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name=f"kvx-segments-{agent.name}", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvx-segments-{ctx.agent_name}", daemon=True)
         self._thread.start()
 
     def issue(self, peer: str) -> bytes:
@@ -152,18 +102,18 @@ class SegmentServer:
                 conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        head = _recv_exact(conn, TOKEN_BYTES + 4)
+        head = _recv(conn, TOKEN_BYTES + 4)
         token, count = head[:TOKEN_BYTES], struct.unpack("<I", head[TOKEN_BYTES:])[0]
         if count > MAX_REGIONS_PER_REQUEST:
             raise ProtocolError(f"{count} regions in one segment request")
-        ids = np.frombuffer(_recv_exact(conn, 4 * count), dtype="<u4")
+        ids = np.frombuffer(_recv(conn, 4 * count), dtype="<u4")
         peer = self._redeem(token)
         if peer is None:
             conn.sendall(struct.pack("<I", 1))  # refused: no answer beyond that
             raise AccessError("a segment request presented an unknown or expired token")
         entries, fds = [], []
         for rid in ids.tolist():
-            region = self.agent._regions.get(rid)
+            region = self.ctx.regions.get(rid)
             if region is None or region.segment_fd < 0 or not (region.remote_read or region.remote_write):
                 entries.append(_ENTRY.pack(1, 0, 0))
                 continue
@@ -182,14 +132,11 @@ class SegmentServer:
         self._sock.close()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise ProtocolError("segment socket closed early")
-        out += chunk
-    return bytes(out)
+def _recv(sock: socket.socket, n: int) -> bytes:
+    try:
+        return bytes(recv_exact(sock, n))
+    except (PeerLostError, TimeoutError) as exc:
+        raise ProtocolError(f"segment request cut short: {exc}") from None
 
 
 class Mapping:

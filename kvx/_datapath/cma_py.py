@@ -1,4 +1,4 @@
-"""Pure-Python twin of kvx._cma (csrc/kvx_cma.c), through ctypes.
+"""Pure-Python twin of kvx._datapath._cma (csrc/kvx_cma.c), through ctypes.
 
 Same functions, same errors; one Python object per range. Tests run both.
 """
@@ -9,7 +9,7 @@ import ctypes
 import ctypes.util
 import os
 
-from kvx._io_py import IOV_MAX
+from kvx._datapath.io_py import IOV_MAX
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from kvx import _cma_py, _io_py
+from kvx._datapath import cma_py as _cma_py
+from kvx._datapath import io_py as _io_py
 from kvx.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -25,14 +26,14 @@ def _select(choice: str):  # -> ((socket I/O module, cross-memory module), name)
     if choice == "0":
         return (_io_py, _cma_py), "python"
     try:
-        from kvx import _cma, _native
+        from kvx._datapath import _cma, _native
     except ImportError as exc:
         if choice == "1":
             raise ConfigError(
-                "KVX_NATIVE=1 but the C extensions kvx._native/kvx._cma are not built "
+                "KVX_NATIVE=1 but the C extensions kvx._datapath._native/_cma are not built "
                 f"({exc}); reinstall kvx with a C compiler present"
             ) from exc
-        logger.warning("kvx._native is not built (%s); using the pure-Python twin", exc)
+        logger.warning("kvx._datapath._native is not built (%s); using the pure-Python twin", exc)
         return (_io_py, _cma_py), "python"
     return (_native, _cma), "native"
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvx import _staging
+from kvx._datapath import staging as _staging
 from kvx.errors import ConfigError, RegionError, TransferError
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,12 @@ THREADS = 256
 # or one cudaMemcpyAsync per triple ("memcpy"). KVX_CUDA_COPY overrides.
 COPY_METHODS = ("kernel", "memcpy")
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "kvx_copy.cu"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"
 
 
 def kernel_source() -> str:
     """csrc/kvx_copy.cu: installed inside the package, or beside it in a checkout."""
-    for path in (_SOURCE, Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"):
+    for path in (_SOURCE, Path(__file__).resolve().parents[2] / "csrc" / "kvx_copy.cu"):
         if path.exists():
             return path.read_text()
     raise TransferError(f"kvx's CUDA kernel source is missing ({_SOURCE}); reinstall kvx")
@@ -295,7 +295,7 @@ class Engine:
             slot.event = self._event()
             return slot.event
 
-    # The staging engine (kvx/_staging.py).
+    # The staging engine (kvx/_datapath/staging.py).
 
     def _staging(self) -> None:
         if not self._pinned:

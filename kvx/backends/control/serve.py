@@ -1,0 +1,405 @@
+"""The serving side of the control connection: the listener, and one thread
+per inbound connection.
+
+The remote application does nothing for a one-sided READ or WRITE; this
+code (with the handlers the backends add: ``Backend.handlers``) does it on
+its behalf, and it is the wall between a peer and local memory. Every
+request is validated against the region table before a byte moves. A request that is wrong but well framed (a descriptor out of bounds,
+an unknown region) gets an ERROR response and the connection stays up; a
+message that breaks the framing (garbage, a wrong version, a size over the
+limits) gets an ERROR where possible and the connection is closed. Either
+way the agent goes on serving every other peer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from kvx._net import format_address
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.sock import check_header, recv_exact, recv_header, tune
+from kvx.backends.control.wire import ErrorCode, MsgType
+from kvx.config import check_name
+from kvx.descs import DESC_DTYPE
+from kvx.errors import (AccessError, AuthError, ConfigError, ConnectError, EpochError, KvxError, LimitError,
+                        PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.memory import REMOTE_READ, REMOTE_WRITE
+from kvx.v1 import handshake_pb2
+
+if TYPE_CHECKING:
+    from kvx.backends.base import BackendContext
+
+logger = logging.getLogger(__name__)
+
+DESC_SIZE = DESC_DTYPE.itemsize
+# SHM_PIN ranges one connection may hold at once (the initiator holds one per
+# request in flight, and Limits.max_inflight_per_peer bounds those).
+MAX_PINS = 4096
+# Inbound connections still in their handshake (not yet authenticated) at once.
+MAX_HANDSHAKES = 64
+# How long and how much a connection closed for a protocol error is drained.
+_LINGER_S = 0.5
+_LINGER_BYTES = 1 << 20
+
+_ERROR_CODES: list[tuple[type[KvxError], ErrorCode]] = [
+    (AccessError, ErrorCode.ACCESS),
+    (LimitError, ErrorCode.LIMIT),
+    (VersionError, ErrorCode.VERSION),
+    (EpochError, ErrorCode.EPOCH),
+    (AuthError, ErrorCode.AUTH),
+    (ProtocolError, ErrorCode.PROTOCOL),
+]
+
+
+def error_code(exc: KvxError) -> ErrorCode:
+    for cls, code in _ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return ErrorCode.INTERNAL
+
+
+class Fatal(Exception):
+    """Ends a connection; carries the error to report to the peer first."""
+
+    def __init__(self, error: KvxError, request_id: int = 0) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.request_id = request_id
+
+
+# fn(connection, request id, payload length, aux, data length): serves one
+# request whose header was read; raises Fatal to end the connection.
+Handler = Callable[["InboundConnection", int, int, int, int], None]
+
+
+class Listener:
+    """Accepts peers' control connections and serves them."""
+
+    def __init__(self, ctx: BackendContext, host: str, port: int, advertise_host: str | None,
+                 handlers: dict[int, Handler]) -> None:
+        self.ctx = ctx
+        self.handlers: dict[int, Handler] = {MsgType.NOTIFY: _on_notify, MsgType.SHM_PIN: _on_pin,
+                                             MsgType.SHM_UNPIN: _on_unpin, **handlers}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise ConnectError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
+        self._listener.listen(128)
+        bound_port = self._listener.getsockname()[1]
+        self.endpoint = format_address(advertise_host or host, bound_port)
+        self._lock = threading.Lock()
+        self._inbound: set[InboundConnection] = set()
+        self._closed = False
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}",
+                                               daemon=True)
+        self._accept_thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                # EMFILE, ECONNABORTED, EPROTO...: transient; the listener stays up.
+                logger.warning("accept failed on %s: %s", self.endpoint, exc)
+                time.sleep(0.05)
+                continue
+            address = format_address(*addr[:2])
+            try:
+                with self._lock:
+                    if self._closed:
+                        sock.close()
+                        return
+                    unauthenticated = sum(1 for c in self._inbound if not c.authenticated)
+                    if len(self._inbound) >= self.ctx.limits.max_connections or \
+                            unauthenticated >= MAX_HANDSHAKES:
+                        logger.warning("refusing connection from %s: %d open, %d in handshake "
+                                       "(Limits.max_connections)", address, len(self._inbound), unauthenticated)
+                        sock.close()
+                        continue
+                    tune(sock, self.ctx.timeouts.connect_s)
+                    conn = InboundConnection(self, sock, address)
+                    self._inbound.add(conn)
+                conn.start()
+            except Exception:  # a failure with one connection must not stop the listener
+                logger.exception("could not serve connection from %s", address)
+                sock.close()
+
+    def _inbound_done(self, conn: InboundConnection) -> None:
+        with self._lock:
+            self._inbound.discard(conn)
+
+    def close(self) -> list[threading.Thread]:
+        """Stop accepting and end every inbound connection; returns the threads to join."""
+        with self._lock:
+            self._closed = True
+            inbound = list(self._inbound)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in inbound:
+            conn.shutdown()
+        return [self._accept_thread] + [c.thread for c in inbound]
+
+
+class InboundConnection:
+    """Serves one initiator's requests until it leaves or breaks the protocol."""
+
+    def __init__(self, listener: Listener, sock: socket.socket, address: str) -> None:
+        self.listener = listener
+        self.ctx = listener.ctx
+        self.sock = sock
+        self.address = address
+        self.peer_name = f"<unauthenticated {address}>"
+        self.authenticated = False
+        self._deadline: float | None = None  # of the handshake
+        self.closing = False
+        self.pins: dict[int, int] = {}  # SHM_PIN request id -> region table token
+        self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        self.closing = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._handshake()
+            self._serve()
+        except Fatal as fatal:
+            if not self.closing:
+                logger.warning("closing connection from %s: %s", self.peer_name, fatal.error)
+                self.send_error(fatal.request_id, fatal.error)
+                self._linger()
+        except (PeerLostError, TimeoutError, OSError) as exc:
+            if not self.closing:
+                logger.info("connection from %s ended: %s", self.peer_name, exc)
+        except Exception:  # never let one peer's bug take the agent down
+            logger.exception("internal error serving %s", self.peer_name)
+        finally:
+            # The initiator cannot copy through a pin once its connection is gone
+            # (it keeps the connection up while it copies).
+            for token in self.pins.values():
+                self.ctx.regions.release(token)
+            self.pins.clear()
+            try:
+                self.sock.close()
+            finally:
+                self.listener._inbound_done(self)
+
+    # Handshake.
+
+    def _recv_message(self, expect: MsgType) -> bytes:
+        header = recv_exact(self.sock, _wire.HEADER_SIZE, self._deadline)
+        try:
+            msg_type, _, payload_len, _, data_len = check_header(header)
+        except (ProtocolError, VersionError) as exc:
+            raise Fatal(exc) from None
+        if msg_type != expect or data_len or payload_len > _wire.MAX_HANDSHAKE_BYTES:
+            raise Fatal(ProtocolError(f"expected {expect.name} during the handshake, got type {msg_type}"))
+        return bytes(recv_exact(self.sock, payload_len, self._deadline))
+
+    def _handshake(self) -> None:
+        ctx = self.ctx
+        # One deadline for the whole handshake: a trickling peer cannot hold a slot.
+        self._deadline = time.monotonic() + ctx.timeouts.connect_s
+        try:
+            hello = handshake_pb2.Hello.FromString(self._recv_message(MsgType.HELLO))
+        except Fatal:
+            raise
+        except Exception as exc:  # protobuf DecodeError and friends
+            raise Fatal(ProtocolError(f"malformed HELLO: {exc}")) from None
+        if hello.target_name != ctx.agent_name or hello.target_epoch != ctx.epoch:
+            raise Fatal(EpochError(
+                f"this is agent {ctx.agent_name!r} epoch {ctx.epoch:#x}; the initiator addressed "
+                f"{hello.target_name!r} epoch {hello.target_epoch:#x} (the agent restarted, or "
+                "the metadata is stale): fetch its metadata again"))
+        if len(hello.nonce) != _wire.NONCE_BYTES:
+            raise Fatal(ProtocolError("HELLO nonce must be 32 bytes"))
+        try:
+            check_name(hello.name)
+        except ConfigError as exc:
+            raise Fatal(ProtocolError(f"HELLO: {exc}")) from None
+        secret = ctx.secret
+        nonce = os.urandom(_wire.NONCE_BYTES)
+        ids = (hello.name, ctx.agent_name, hello.epoch, ctx.epoch)
+        reply = handshake_pb2.HelloReply(
+            name=ctx.agent_name, epoch=ctx.epoch, nonce=nonce, auth_required=secret is not None,
+            proof=_wire.target_proof(secret, hello.nonce, nonce, *ids) if secret else b"",
+            max_message_bytes=ctx.limits.max_message_bytes,
+            max_descs_per_message=ctx.limits.max_descs_per_message,
+        ).SerializeToString()
+        self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
+        self.sock.sendall(_wire.pack(MsgType.HELLO_REPLY, payload_len=len(reply)) + reply)
+        try:
+            auth = handshake_pb2.Auth.FromString(self._recv_message(MsgType.AUTH))
+        except Fatal:
+            raise
+        except Exception as exc:
+            raise Fatal(ProtocolError(f"malformed AUTH: {exc}")) from None
+        if secret is not None:
+            expected = _wire.initiator_proof(secret, hello.nonce, nonce, *ids)
+            if not hmac.compare_digest(auth.proof, expected):
+                raise Fatal(AuthError(
+                    f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, "
+                    "auth_secret"))
+        self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
+        self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
+        self.peer_name = hello.name
+        self.authenticated = True
+        self.sock.settimeout(ctx.timeouts.io_s)
+        logger.debug("peer %s (epoch %#x) connected from %s", hello.name, hello.epoch, self.address)
+
+    # Requests.
+
+    def _serve(self) -> None:
+        handlers = self.listener.handlers
+        while not self.closing:
+            header = recv_header(self.sock, lambda: not self.closing)
+            if header is None:
+                return
+            try:
+                msg_type, request_id, payload_len, aux, data_len = check_header(header)
+            except (ProtocolError, VersionError) as exc:
+                raise Fatal(exc) from None
+            handler = handlers.get(msg_type)
+            if handler is None:
+                raise Fatal(ProtocolError(f"unexpected message type {msg_type}"), request_id)
+            handler(self, request_id, payload_len, aux, data_len)
+
+    def recv_descs(self, request_id: int, nbytes: int) -> np.ndarray:
+        """A request's descriptor payload, within the limits."""
+        limits = self.ctx.limits
+        if nbytes % DESC_SIZE:
+            raise Fatal(ProtocolError(f"descriptor payload of {nbytes} bytes is not a whole number "
+                                       "of descriptors"), request_id)
+        if nbytes // DESC_SIZE > limits.max_descs_per_message:
+            raise Fatal(LimitError(f"{nbytes // DESC_SIZE} descriptors in one request; this agent "
+                                    f"takes at most {limits.max_descs_per_message}"), request_id)
+        if not nbytes:
+            return np.zeros(0, dtype=DESC_DTYPE)
+        return np.frombuffer(recv_exact(self.sock, nbytes), dtype=DESC_DTYPE)
+
+    def check_size(self, request_id: int, data_len: int) -> None:
+        limit = self.ctx.limits.max_message_bytes
+        if data_len > limit:
+            raise Fatal(LimitError(f"request of {data_len} bytes; this agent takes at most {limit} "
+                                    "per message"), request_id)
+
+    def deliver(self, request_id: int, data: bytes) -> bool:
+        """Hand a notification to the application; False (and an ERROR sent)
+        when its queue is full."""
+        if self.ctx.deliver(self.peer_name, data):
+            return True
+        self.send_error(request_id, LimitError(
+            f"agent {self.ctx.agent_name!r} has {self.ctx.limits.max_pending_notifications} notifications "
+            "its application has not taken; the notification was refused"))
+        return False
+
+    def _linger(self) -> None:
+        """Close gently: closing with unread input sends a reset, which can
+        destroy the ERROR before the peer reads it. Bounded in bytes and time."""
+        deadline = time.monotonic() + _LINGER_S
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            left = _LINGER_BYTES
+            while left > 0 and time.monotonic() < deadline:
+                self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                got = len(self.sock.recv(min(left, 65536)))
+                if not got:
+                    break
+                left -= got
+        except OSError:
+            pass
+
+    def send_error(self, request_id: int, error: KvxError) -> None:
+        """An ERROR response; the connection stays up."""
+        text = str(error).encode()[: _wire.MAX_ERROR_TEXT_BYTES]
+        try:
+            self.sock.sendall(_wire.pack(MsgType.ERROR, request_id, len(text), error_code(error)) + text)
+        except OSError:
+            pass
+
+
+# The handlers every agent serves: notifications, and pins for the backends
+# whose initiators move the bytes themselves (Link.post_pinned).
+
+
+def _on_notify(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+    if data_len or aux:
+        raise Fatal(ProtocolError("NOTIFY carries no data"), request_id)
+    if payload_len > conn.ctx.limits.max_notify_bytes:
+        raise Fatal(LimitError(f"notification of {payload_len} bytes; at most "
+                               f"{conn.ctx.limits.max_notify_bytes}"), request_id)
+    data = bytes(recv_exact(conn.sock, payload_len))
+    if conn.deliver(request_id, data):
+        conn.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
+
+
+def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+    ctx = conn.ctx
+    ipc = bool(aux & _wire.PIN_IPC)
+    aux &= ~_wire.PIN_IPC
+    if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4:
+        raise Fatal(ProtocolError("SHM_PIN carries region ids, no data, and says read or write"), request_id)
+    if payload_len // 4 > ctx.limits.max_descs_per_message:
+        raise Fatal(LimitError(f"{payload_len // 4} regions in one SHM_PIN"), request_id)
+    if request_id in conn.pins:
+        raise Fatal(ProtocolError(f"SHM_PIN reuses request id {request_id}"), request_id)
+    if len(conn.pins) >= MAX_PINS:
+        raise Fatal(LimitError(f"{MAX_PINS} shm pins held by one connection; unpin first"), request_id)
+    ids = np.frombuffer(recv_exact(conn.sock, payload_len), dtype="<u4").astype(np.intp)
+    if not ctx.serves_pins:
+        conn.send_error(request_id, AccessError(
+            f"agent {ctx.agent_name!r} does not offer shm (backend={ctx.setting!r})"))
+        return
+    writing = aux == _wire.PIN_WRITE
+    who = "remote write" if writing else "remote read"
+    try:
+        bases, sizes, token = ctx.regions.pin_regions(ids, REMOTE_WRITE if writing else REMOTE_READ, who)
+    except AccessError as exc:
+        conn.send_error(request_id, exc)
+        return
+    body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
+    if ipc:
+        try:
+            body += ctx.regions.ipc_export(ids, who)
+        except AccessError as exc:
+            ctx.regions.release(token)
+            conn.send_error(request_id, exc)
+            return
+    conn.pins[request_id] = token
+    try:
+        conn.sock.sendall(_wire.pack(MsgType.SHM_PIN_OK, request_id, payload_len=len(body)) + body)
+    except OSError:
+        raise PeerLostError("connection lost while answering SHM_PIN") from None
+
+
+def _on_unpin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+    if payload_len or aux or data_len:
+        raise Fatal(ProtocolError("SHM_UNPIN carries nothing but the pin's request id"), request_id)
+    token = conn.pins.pop(request_id, None)
+    if token is None:
+        raise Fatal(ProtocolError(f"SHM_UNPIN of request {request_id}, which holds no pin"), request_id)
+    conn.ctx.regions.release(token)

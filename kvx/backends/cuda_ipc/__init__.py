@@ -1,0 +1,175 @@
+"""The cuda_ipc backend: same-host GPU-to-GPU copies through CUDA IPC.
+
+Like shm, the initiator moves the bytes itself after the target has checked
+and pinned the regions over the control connection; the pin (with the
+``PIN_IPC`` flag) also answers each region's offset in its CUDA allocation
+and the allocation's ``cudaIpcMemHandle``. The initiator opens each handle
+once (``kvx._datapath.gpu.IpcMap``: CUDA refuses a second open in one
+context), copies with one kernel launch on its own GPU, waits for the
+event, then unpins. Handles travel only over the authenticated connection,
+never in the metadata, and never outlive a pin.
+
+Host memory on the same link goes through cross-memory attach when the
+kernel allows it (as on shm), else through shared segments or tcp; host
+memory paired with GPU memory is staged through pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvx._datapath import gpu
+from kvx.backends.base import Backend, Channel, same_host
+from kvx.backends.control import wire as _wire
+from kvx.backends.control.link import Link
+from kvx.backends.shm import LANES, ShmChannel, cma_problem, map_segments
+from kvx.backends.shm.copy import PinnedCopy
+from kvx.backends.tcp import TcpChannel
+from kvx.errors import KvxError, TransferError
+from kvx.transfer import Op, Transfer
+from kvx.v1 import agent_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class CudaIpcBackend(Backend):
+    name = "cuda_ipc"
+    priority = 20
+
+    @property
+    def offered(self) -> bool:
+        return self.ctx.setting in ("auto", "cuda_ipc")
+
+    def offer(self, md: agent_pb2.AgentMetadata) -> None:
+        if not self.offered:
+            return
+        for pb in md.regions:
+            region = self.ctx.regions.get(pb.id)
+            pb.cuda_ipc = region is not None and bool(region.ipc_handle)
+
+    def applies(self, md: agent_pb2.AgentMetadata) -> bool:
+        """Only when either side has registered GPU memory."""
+        return self.ctx.regions.has_cuda or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions)
+
+    def streams(self, md: agent_pb2.AgentMetadata, streams: int) -> int:
+        if md.shm_probe_address and same_host(md):
+            return max(streams, LANES)
+        return streams
+
+    def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
+        if not same_host(md):
+            return f"peer {md.name!r} is on another host ({md.host_name or 'unknown'})", ""
+        why = ipc_problem(md)
+        if why is not None:
+            return why, ""
+        cma_why = cma_problem(md)
+        if cma_why is None:
+            return None, (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach to pid "
+                          f"{md.pid} permitted; GPU-to-GPU through CUDA IPC, host memory through cross-memory "
+                          "attach, host with GPU through pinned host buffers")
+        if not md.shm_probe_address:
+            return cma_why, ""  # the peer serves no pins
+        # CUDA IPC needs no attach: only the pins, over the authenticated connection.
+        return None, f"same host ({md.host_name}), GPU-to-GPU through CUDA IPC; host memory over tcp, as {cma_why}"
+
+    def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
+        if cma_problem(md) is None:
+            return CudaIpcChannel(link, md.pid, ShmChannel(link, md.pid, cma=True)), ""
+        maps = map_segments(md, link)
+        if maps:
+            return CudaIpcChannel(link, md.pid, ShmChannel(link, md.pid, cma=False, segment_maps=maps)), (
+                f"; {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through shared segments")
+        return CudaIpcChannel(link, md.pid, TcpChannel(link)), ""
+
+
+def ipc_problem(md: agent_pb2.AgentMetadata) -> str | None:
+    """None when GPU memory can move to and from the peer through CUDA IPC; else why not."""
+    if md.pid == os.getpid():
+        return None  # one process: the peer's device addresses are valid here
+    if not gpu.available():
+        return "this process has no CUDA device, or no CuPy (" + gpu.EXTRA + ")"
+    if any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions) and \
+            not any(r.cuda_ipc for r in md.regions):
+        return f"peer {md.name!r} offers none of its GPU memory through CUDA IPC"
+    return None
+
+
+class CudaIpcChannel(Channel):
+    """GPU-to-GPU bytes through CUDA IPC; everything else through ``host``."""
+
+    def __init__(self, link: Link, pid: int, host: Channel) -> None:
+        self._link = link
+        self.pid = pid
+        self.host = host
+        self._maps: dict[int, Any] = {}  # local device -> gpu.IpcMap
+        self._lock = threading.Lock()
+        link.when_closed(self._close_maps)  # after the last reader: no copy can run
+
+    @property
+    def link(self) -> Link:
+        return self._link
+
+    @property
+    def cma(self) -> bool:
+        return isinstance(self.host, ShmChannel) and self.host.cma
+
+    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
+             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
+             remote_ipc: bool = False) -> None:
+        if local_device >= 0 and remote_device >= 0 and remote_ipc:
+            ipc_map, pid, peer = self._map(local_device), self.pid, self._link.peer
+            self._link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_IPC,
+                                   lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part))
+        else:
+            self.host.post(transfer, op, local_addrs, local_lens, total, remote, notify, local_device,
+                           remote_device, remote_ipc)
+
+    def _map(self, device: int) -> Any:
+        with self._lock:
+            found = self._maps.get(device)
+            if found is None:
+                found = self._maps[device] = gpu.IpcMap(device)
+            return found
+
+    def _close_maps(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for ipc_map in maps:
+            ipc_map.close()
+
+
+class IpcCopy(PinnedCopy):
+    """Between GPUs, once the target has pinned its regions and sent their
+    CUDA IPC handles: per region its uint64 offset in its allocation and the
+    64-byte handle."""
+
+    __slots__ = ("device", "ipc_map", "pid")
+    extra_bytes = _wire.PIN_IPC_REPLY_BYTES - 16
+
+    def __init__(self, device: int, ipc_map: Any, pid: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.device = device
+        self.ipc_map = ipc_map
+        self.pid = pid
+
+    def move(self, bases: np.ndarray, sizes: np.ndarray, extra: np.ndarray) -> None:
+        n = len(self.regions)
+        tail = extra.reshape(n, 9)
+        if self.pid == os.getpid():
+            mapped = bases  # the same process: the peer's device addresses are ours
+        else:
+            # Where each region starts in this process: its allocation, opened once, plus its offset.
+            mapped = np.array([self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)],
+                              np.uint64)
+        dsts, srcs, lens = self.triples(mapped)
+        try:
+            gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()
+        except KvxError:
+            raise
+        except Exception as exc:  # CuPy's CUDA errors
+            raise TransferError(f"CUDA IPC copy with peer {self.peer!r} failed: {exc}") from exc
