@@ -1,5 +1,6 @@
 """The C data path and its pure-Python twin: same bytes, same errors."""
 
+import os
 import socket
 import threading
 
@@ -8,6 +9,7 @@ import pytest
 
 from kvx._datapath import io as _io
 from kvx._datapath import io_py as _io_py
+from kvx.errors import ConfigError
 
 try:
     from kvx._datapath import _native
@@ -19,11 +21,20 @@ if _native is not None:
     IMPLS.append(pytest.param(_native, id="native"))
 
 
-def test_native_is_built_when_required():
-    if _io.IMPL == "native" or _native is not None:
-        assert _native is not None
-    else:
-        pytest.skip("this run uses the pure-Python twin (KVX_NATIVE=0)")
+def test_the_implementation_follows_kvx_native():
+    """KVX_NATIVE=1: the C extension, which must be built; 0: the twin;
+    unset: the C extension when it was built."""
+    choice = os.environ.get("KVX_NATIVE", "")
+    want_native = choice == "1" or (choice == "" and _native is not None)
+    assert _io.IMPL == ("native" if want_native else "python")
+    expected = _native if want_native else _io_py
+    assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
+    assert (_io.sendv, _io.recvv) == (expected.sendv, expected.recvv)
+
+
+def test_kvx_native_takes_only_0_1_or_nothing():
+    with pytest.raises(ConfigError, match="KVX_NATIVE must be 0, 1 or unset"):
+        _io.use("yes")
 
 
 def _pieces(buf: np.ndarray, rng, count: int):
