@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from kvx._net import parse_address
 from kvx.errors import ConfigError
 from kvx.metadata.store import WATCH_QUEUE_MAX, AgentRecord, Event, EventType, Store
 from kvx.metadata.store import StoreError, WatchLagError
@@ -58,11 +59,13 @@ def parse_etcd_url(url: str) -> list[tuple[str, int]]:
         raise ConfigError(f"etcd URL {url!r} must look like etcd://host:port[,host:port...]")
     endpoints = []
     for part in url.removeprefix("etcd://").rstrip("/").split(","):
-        host, sep, port = part.strip().rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:2379
-        if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:
+            host, port = parse_address(part.strip())  # [::1]:2379 too
+        except ConfigError:
+            host, port = "", 0  # refused below, with this function's message
+        if "/" in host or port == 0:
             raise ConfigError(f"bad etcd endpoint {part!r} in {url!r}: expected host:port, port in 1..65535")
-        endpoints.append((host, int(port)))
+        endpoints.append((host, port))
     return endpoints
 
 

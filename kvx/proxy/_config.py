@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from urllib.parse import urlsplit
 
+from kvx._net import parse_address, parse_listen_address
 from kvx.errors import ConfigError
 from kvx.metadata.client import MetadataOptions
 
@@ -73,8 +74,12 @@ class ProxyConfig:
             raise ConfigError(f"ProxyConfig.cooldown_s must not be negative, not {self.cooldown_s!r}")
         if self.max_body_bytes <= 0 or self.max_connections <= 0:
             raise ConfigError("ProxyConfig.max_body_bytes and max_connections must be positive")
-        if self.metadata_target is not None and ":" not in self.metadata_target:
-            raise ConfigError(f"metadata service {self.metadata_target!r}: expected host:port")
-        _, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ConfigError(f"listen address {self.listen!r}: expected host:port")
+        if self.metadata_target is not None:
+            try:
+                parse_address(self.metadata_target)
+            except ConfigError:
+                raise ConfigError(f"metadata service {self.metadata_target!r}: expected host:port") from None
+        try:
+            parse_listen_address(self.listen)
+        except ConfigError:
+            raise ConfigError(f"listen address {self.listen!r}: expected host:port") from None
