@@ -13,18 +13,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 
 from kvx.config import read_file
 from kvx.errors import ConfigError, ConnectError, MetadataError
+from kvx.metadata.roles import role_filter
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 AgentRecord = metadata_pb2.AgentRecord
-ROLES = {"prefill": metadata_pb2.ROLE_PREFILL, "decode": metadata_pb2.ROLE_DECODE, "other": metadata_pb2.ROLE_OTHER}
+_Response = TypeVar("_Response")
 
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 5000),
@@ -85,7 +87,7 @@ class MetadataClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _unary(self, method: Callable, request: object) -> object:
+    def _unary(self, method: Callable[..., _Response], request: object) -> _Response:
         try:
             return method(request, timeout=self.options.timeout_s, metadata=self.call_metadata)
         except grpc.RpcError as exc:
@@ -103,7 +105,7 @@ class MetadataClient:
             raise
 
     def list(self, role: str | None = None, labels: dict[str, str] | None = None) -> list[AgentRecord]:
-        request = metadata_pb2.ListAgentsRequest(role=ROLES[role] if role else 0, labels=labels or {},
+        request = metadata_pb2.ListAgentsRequest(role=role_filter(role), labels=labels or {},
                                                  page_size=1000)
         out: list[AgentRecord] = []
         while True:
@@ -130,7 +132,7 @@ class Registration:
         self._lock = threading.Lock()  # one registration call at a time
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._stream: grpc.Future | None = None
+        self._stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse] | None = None
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
     def start(self) -> None:
@@ -217,9 +219,10 @@ class Registration:
                 yield metadata_pb2.KeepAliveRequest(lease_id=lease_id)
                 self._wake.wait(interval_s)
 
-        self._stream = self.client.stub.KeepAlive(requests(), metadata=self.client.call_metadata)
+        stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse]
+        self._stream = stream = self.client.stub.KeepAlive(requests(), metadata=self.client.call_metadata)
         try:
-            for response in self._stream:
+            for response in stream:
                 if response.ttl_s == 0:
                     if self.lease_id != lease_id:
                         return  # update() registered again under a new lease
@@ -227,7 +230,7 @@ class Registration:
                     self.lease_id = None
                     return
         finally:
-            self._stream.cancel()
+            stream.cancel()
             self._stream = None
 
 
@@ -241,10 +244,10 @@ class Watcher:
                  role: str | None = None, labels: dict[str, str] | None = None) -> None:
         self.client = client
         self.on_event = on_event
-        self.request = metadata_pb2.WatchAgentsRequest(role=ROLES[role] if role else 0, labels=labels or {})
+        self.request = metadata_pb2.WatchAgentsRequest(role=role_filter(role), labels=labels or {})
         self.synced = threading.Event()
         self._stop = threading.Event()
-        self._stream = None
+        self._stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse] | None = None
         self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
         self._thread.start()
 
@@ -252,8 +255,9 @@ class Watcher:
         attempt = 0
         while not self._stop.is_set():
             try:
-                self._stream = self.client.stub.WatchAgents(self.request, metadata=self.client.call_metadata)
-                for event in self._stream:
+                stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse]
+                self._stream = stream = self.client.stub.WatchAgents(self.request, metadata=self.client.call_metadata)
+                for event in stream:
                     attempt = 0
                     if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED:
                         self.synced.set()

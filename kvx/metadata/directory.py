@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvx.errors import ConfigError, ConnectError
-from kvx.metadata.client import ROLES, MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.metadata.roles import ROLES
 from kvx.v1 import metadata_pb2
 
 if TYPE_CHECKING:

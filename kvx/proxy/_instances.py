@@ -16,11 +16,13 @@ from typing import Iterable
 
 from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import MetadataClient, MetadataOptions
+from kvx.metadata.roles import RoleName
 from kvx.proxy._config import normalize_url
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
+# The roles of the two legs of a completion; agents of the third role, "other", serve neither.
+ROLES: tuple[RoleName, ...] = ("prefill", "decode")
 API_URL_KEY = "api_url"  # engine_info key under which an engine publishes its OpenAI server
 MAX_WARNED_RECORDS = 1000  # bad api_url values warned about once each, up to this many remembered
 
