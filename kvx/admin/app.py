@@ -26,7 +26,7 @@ import contextlib
 import hmac
 import logging
 import socket
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 import uvicorn
@@ -37,8 +37,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-import kvx
-from kvx.metadata.service import _Refused
+from kvx._net import bind_listener, format_address
+from kvx._version import __version__
+from kvx.metadata.refused import Refused
+from kvx.metadata.roles import RoleName, role_filter
 from kvx.metadata.store import StoreError
 from kvx.v1 import metadata_pb2
 
@@ -46,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
-ROLES = {"prefill": metadata_pb2.ROLE_PREFILL, "decode": metadata_pb2.ROLE_DECODE,
-         "other": metadata_pb2.ROLE_OTHER}
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.ABORTED: 409,
                 grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
@@ -83,11 +83,11 @@ def create_app(server: Any) -> FastAPI:
     reads = [Depends(require_reader)] if server.admin_reads_need_token else []
     admin = [Depends(require_admin)]
 
-    app = FastAPI(title="kvx metadata admin", version=kvx.__version__,
+    app = FastAPI(title="kvx metadata admin", version=__version__,
                   description="Admin REST API of the kvx metadata service.")
 
-    @app.exception_handler(_Refused)
-    async def _refused(request: Request, exc: _Refused) -> JSONResponse:
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, exc: Refused) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=_HTTP_STATUS.get(exc.code, 500))
 
     @app.exception_handler(StoreError)
@@ -112,12 +112,12 @@ def create_app(server: Any) -> FastAPI:
 
     @app.get("/v1/agents", tags=["agents"], dependencies=reads, summary="List agents")
     async def list_agents(
-        role: Literal["prefill", "decode", "other"] | None = Query(None, description="Only this role"),
+        role: RoleName | None = Query(None, description="Only this role"),
         label: list[str] = Query([], description="key=value; repeat for several (all must match)"),
         page_size: int = Query(0, ge=0, description="0 means the service default"),
         page_token: str = Query("", description="next_page_token of the previous page"),
     ) -> dict[str, Any]:
-        request = metadata_pb2.ListAgentsRequest(role=ROLES[role] if role else 0, page_size=page_size,
+        request = metadata_pb2.ListAgentsRequest(role=role_filter(role), page_size=page_size,
                                                  page_token=page_token)
         for item in label:
             key, eq, value = item.partition("=")
@@ -163,28 +163,6 @@ class _Uvicorn(uvicorn.Server):
         pass
 
 
-def _bind(listen: str) -> socket.socket:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"admin listen address {listen!r}: expected host:port")
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise OSError(exc.errno, f"admin API cannot listen on {listen}: {exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"admin API cannot listen on {listen}: {exc.strerror or exc}") from None
-    return sock
-
-
 class AdminServer:
     """The running admin API; ``await stop()`` shuts it down."""
 
@@ -210,9 +188,10 @@ class AdminServer:
 async def serve_admin(server: Any) -> AdminServer:
     """Start the admin API of ``server`` on ``server.admin_listen`` (port 0: any free port)
     on the running event loop; sets ``server.admin_address`` to the bound "host:port"."""
-    sock = _bind(server.admin_listen)
+    sock = bind_listener(server.admin_listen, what="admin API", backlog=128,
+                         hint="pick another with --admin-listen, or turn it off with --admin-listen off")
     host, port = sock.getsockname()[:2]
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = format_address(host, port)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", log_config=None,
                             lifespan="off", access_log=False)
     uv = _Uvicorn(config)

@@ -22,16 +22,19 @@ import hmac
 import logging
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvx._net import format_address, parse_listen_address
 from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
+from kvx.metadata.refused import Refused
 from kvx.metadata.store import EventType, MemoryStore, Store, StoreError, WatchLagError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 Event = metadata_pb2.WatchAgentsResponse
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +69,6 @@ class TlsConfig:
     client_ca: str | None = None
 
 
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _matches(record: metadata_pb2.AgentRecord, role: int, labels: Any) -> bool:
     if role and record.role != role:
         return False
@@ -94,7 +91,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         try:
             self._authorize(context)
             return await fn()
-        except _Refused as refused:
+        except Refused as refused:
             await context.abort(refused.code, str(refused))
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
@@ -106,8 +103,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             return
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
-            raise _Refused(grpc.StatusCode.UNAUTHENTICATED,
-                           "missing or wrong token: send 'authorization: Bearer <token>' metadata")
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token: send 'authorization: Bearer <token>' metadata")
 
     # RPCs.
 
@@ -119,13 +116,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self._validate(record)
         ttl = request.ttl_s or self.limits.default_ttl_s
         if not self.limits.min_ttl_s <= ttl <= self.limits.max_ttl_s:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"ttl_s {ttl} outside [{self.limits.min_ttl_s}, {self.limits.max_ttl_s}]")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"ttl_s {ttl} outside [{self.limits.min_ttl_s}, {self.limits.max_ttl_s}]")
         for _ in range(8):
             current = await self.store.get(record.name)
             if current is not None and current.epoch != record.epoch:
                 if current.started_unix_ms >= record.started_unix_ms:
-                    raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, (
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, (
                         f"agent {record.name!r} is registered by epoch {current.epoch:#x} (started "
                         f"{current.started_unix_ms} ms), not older than this epoch {record.epoch:#x} "
                         f"(started {record.started_unix_ms} ms): refusing the stale registration"))
@@ -145,7 +142,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             logger.info("registered %s epoch %#x role %s lease %#x", record.name, record.epoch,
                         metadata_pb2.Role.Name(record.role), lease_id)
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
-        raise _Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
+        raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
 
     def _revoke_later(self, lease_id: int) -> None:
         async def revoke() -> None:
@@ -164,7 +161,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         task.add_done_callback(self._background.discard)
 
     def _validate(self, record: metadata_pb2.AgentRecord) -> None:
-        bad = lambda msg: _Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
+        bad = lambda msg: Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
         lim = self.limits
         try:
             check_name(record.name)
@@ -195,7 +192,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def KeepAlive(self, request_iterator, context):  # noqa: N802
         try:
             self._authorize(context)
-        except _Refused as refused:
+        except Refused as refused:
             await context.abort(refused.code, str(refused))
         try:
             async for request in request_iterator:
@@ -216,7 +213,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 await self.store.revoke_lease(current.lease_id)
                 logger.info("unregistered %s epoch %#x", name, current.epoch)
                 return metadata_pb2.UnregisterAgentResponse(existed=True)
-        raise _Refused(grpc.StatusCode.ABORTED, f"{name!r} kept changing; retry")
+        raise Refused(grpc.StatusCode.ABORTED, f"{name!r} kept changing; retry")
 
     async def GetAgent(self, request, context):  # noqa: N802
         return await self._call("GetAgent", context, lambda: self.get(request.name))
@@ -224,7 +221,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def get(self, name: str) -> metadata_pb2.GetAgentResponse:
         record = await self.store.get(name)
         if record is None:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
         return metadata_pb2.GetAgentResponse(record=record)
 
     async def ListAgents(self, request, context):  # noqa: N802
@@ -232,7 +229,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     async def list(self, request: metadata_pb2.ListAgentsRequest) -> metadata_pb2.ListAgentsResponse:
         if request.page_size < 0:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
         size = min(request.page_size or self.limits.default_page_size, self.limits.max_page_size)
         after = ""
         if request.page_token:
@@ -240,7 +237,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 after = base64.urlsafe_b64decode(request.page_token.encode()).decode()
                 check_name(after)
             except (ValueError, ConfigError):
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
         records = [r for r in await self.store.list()
                    if r.name > after and _matches(r, request.role, request.labels)]
         page, more = records[:size], len(records) > size
@@ -250,7 +247,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def WatchAgents(self, request, context):  # noqa: N802
         try:
             self._authorize(context)
-        except _Refused as refused:
+        except Refused as refused:
             await context.abort(refused.code, str(refused))
         sent: set[str] = set()  # names this stream has shown as present
         try:
@@ -258,6 +255,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 if event.type is EventType.SYNCED:
                     yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision)
                     continue
+                assert event.record is not None, event  # every event but SYNCED carries its record
                 name = event.record.name
                 if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
                     sent.add(name)
@@ -309,6 +307,11 @@ class MetadataServer:
             raise
 
     async def _start_serving(self) -> None:
+        try:
+            host, _ = parse_listen_address(self.listen)
+        except ConfigError:
+            raise ConfigError(f"metadata service listen address {self.listen!r}: expected host:port, "
+                              "e.g. 127.0.0.1:50051") from None
         options = [("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
                    ("grpc.so_reuseport", 0)]
         self._server = aio.server(options=options)
@@ -316,27 +319,36 @@ class MetadataServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        if self.tls is None:
-            port = self._server.add_insecure_port(self.listen)
-        else:
-            creds = grpc.ssl_server_credentials(
-                [(read_file(self.tls.key), read_file(self.tls.cert))],
-                root_certificates=read_file(self.tls.client_ca) if self.tls.client_ca else None,
-                require_client_auth=self.tls.client_ca is not None)
-            port = self._server.add_secure_port(self.listen, creds)
-        if not port:
-            raise ConfigError(f"cannot listen on {self.listen}")
-        host = self.listen.rpartition(":")[0]
-        self.address = f"{host}:{port}"
+        self.address = format_address(host, self._add_port(self._server))
         await self._server.start()
         await self._update_health()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="kvx-metadata-health"))
         if self.admin_listen:
+            # Here, not at the top: FastAPI takes about half a second to import, paid only
+            # when the admin API is on. kvx.admin does not import this module (no cycle).
             from kvx.admin.app import serve_admin
 
             self._admin = await serve_admin(self)
         logger.info("kvx metadata service on %s (store: %s)%s", self.address, self.store.name,
                     f", admin API on {self.admin_address}" if self.admin_address else "")
+
+    def _add_port(self, server: aio.Server) -> int:
+        """Binds ``self.listen``; the port bound."""
+        try:
+            if self.tls is None:
+                port = server.add_insecure_port(self.listen)
+            else:
+                creds = grpc.ssl_server_credentials(
+                    [(read_file(self.tls.key), read_file(self.tls.cert))],
+                    root_certificates=read_file(self.tls.client_ca) if self.tls.client_ca else None,
+                    require_client_auth=self.tls.client_ca is not None)
+                port = server.add_secure_port(self.listen, creds)
+        except RuntimeError:  # how grpcio reports a port it cannot bind (older ones returned 0)
+            port = 0
+        if not port:
+            raise ConfigError(f"the metadata service cannot listen on {self.listen} (is another process "
+                              "on that port? pick another with --listen)")
+        return port
 
     async def _update_health(self) -> None:
         try:
@@ -370,6 +382,7 @@ class MetadataServer:
 
     async def serve_forever(self) -> None:
         await self.start()
+        assert self._server is not None  # start() returned: it serves
         try:
             await self._server.wait_for_termination()
         finally:
@@ -408,7 +421,7 @@ class ThreadedServer:
         self._started.set()
         self._loop.run_forever()
 
-    def call(self, coro: Awaitable[Any], timeout_s: float = 30.0) -> Any:
+    def call(self, coro: Coroutine[Any, Any, _T], timeout_s: float = 30.0) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def stop(self) -> None:

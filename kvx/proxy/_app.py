@@ -20,7 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import kvx
+from kvx._version import __version__
 from kvx.errors import ConfigError
 from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
@@ -339,7 +339,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="kvx proxy", version=kvx.__version__, lifespan=lifespan,
+    app = FastAPI(title="kvx proxy", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible router: prefill on one vLLM instance, decode on another.")
     app.state.router = router
 
