@@ -1,5 +1,7 @@
 """kvx: KV-cache transfer between the prefill and decode workers of an LLM cluster.
 
+A decode worker pulls a prefill worker's KV blocks into its own pool:
+
     import numpy as np, kvx
 
     with kvx.Agent("decode-0") as agent:
@@ -11,18 +13,33 @@
         t.wait()
 """
 
+from kvx._datapath.shared import alloc_shared
 from kvx._version import __version__ as __version__  # re-exported
-from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.agent import Agent, Peer
+from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.config import Limits, Timeouts
 from kvx.descs import DESC_DTYPE, Descs
-from kvx.errors import (AccessError, AuthError, ClosedError, ConfigError, ConnectError, EpochError,
-                        KvxError, LimitError, MetadataError, PeerLostError, ProtocolError, RegionBusyError,
-                        RegionError, TimeoutError, TransferError, VersionError)
+from kvx.errors import (
+    AccessError,
+    AuthError,
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    EpochError,
+    KvxError,
+    LimitError,
+    MetadataError,
+    PeerLostError,
+    ProtocolError,
+    RegionBusyError,
+    RegionError,
+    TimeoutError,
+    TransferError,
+    VersionError,
+)
 from kvx.layout import KVLayout
-from kvx.metadata.client import MetadataOptions
 from kvx.memory import MemoryKind, Region, RemoteRegion
-from kvx._datapath.shared import alloc_shared
+from kvx.metadata.client import MetadataOptions
 from kvx.transfer import Notification, Op, Transfer, TransferState
 
 __all__ = [

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import io as _io
+from kvx._worker import Worker, WorkerConfig
 from kvx.agent import Agent
 from kvx.descs import Descs
 from kvx.errors import ConfigError
-from kvx._worker import Worker, WorkerConfig
 
 
 def _raw_server(listen_conn: Any, nbytes: int) -> None:
@@ -43,7 +43,7 @@ def _raw_server(listen_conn: Any, nbytes: int) -> None:
     while True:
         try:
             req = sock.recv(9)
-        except socket.timeout:
+        except TimeoutError:
             if os.getppid() != parent:
                 return
             continue
@@ -121,7 +121,9 @@ def _stats(samples_s: list[float], nbytes: int) -> dict[str, float]:
 class CmaLimit:
     """One process_vm_readv/writev of the very ranges a kvx transfer moves."""
 
-    def __init__(self, pid: int, local_base: int, remote_base: int, offsets: np.ndarray, block_size: int) -> None:
+    def __init__(
+        self, pid: int, local_base: int, remote_base: int, offsets: np.ndarray, block_size: int
+    ) -> None:
         self.pid = pid
         self.local = (local_base + offsets).astype(np.uint64)
         self.remote = (remote_base + offsets).astype(np.uint64)
@@ -163,8 +165,17 @@ LIMITS = {"tcp": "raw socket", "shm": "process_vm_readv", "cuda_ipc": "process_v
 MEMORIES = ("host", "cuda")
 
 
-def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup: int,
-        progress: bool, backend: str = "auto", memory: str = "host") -> dict[str, Any]:
+def run(
+    op: str,
+    block_size: int,
+    blocks: int,
+    iters: int,
+    streams: int,
+    warmup: int,
+    progress: bool,
+    backend: str = "auto",
+    memory: str = "host",
+) -> dict[str, Any]:
     nbytes = block_size * blocks
     pool_bytes = block_size * blocks * 2  # every other block: the descriptors are not adjacent
     secret = secrets.token_bytes(32)
@@ -174,7 +185,9 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
         cp = gpu.cupy_module()
         if not gpu.available():
             raise ConfigError("--memory cuda needs a CUDA device, and this process sees none")
-    worker = Worker(WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory))
+    worker = Worker(
+        WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory)
+    )
     limit_path: Any = None
     try:
         with Agent("bench-initiator", auth_secret=secret, streams=streams, backend=backend) as agent:
@@ -188,8 +201,9 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
                 limit_name, limit_path = "cudaMemcpy device to device", CudaCopyLimit(nbytes)
             elif memory == "host" and peer.backend in ("shm", "cuda_ipc"):
                 limit_name = LIMITS[peer.backend]
-                limit_path = CmaLimit(worker.pid, region.address, peer.regions[0].address,
-                                      ids * block_size, block_size)
+                limit_path = CmaLimit(
+                    worker.pid, region.address, peer.regions[0].address, ids * block_size, block_size
+                )
             else:  # tcp, and GPU memory staged over the socket: the host-memory socket rate
                 limit_name, limit_path = "raw socket", RawClient(nbytes)
             post = peer.read if op == "read" else peer.write
@@ -208,7 +222,9 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
                 pool = cp.asnumpy(pool)
             if op == "read":
                 got = pool.reshape(-1, block_size)[ids]
-                verified = bool(np.array_equal(got, worker.expected(0, pool_bytes).reshape(-1, block_size)[ids]))
+                verified = bool(
+                    np.array_equal(got, worker.expected(0, pool_bytes).reshape(-1, block_size)[ids])
+                )
             else:
                 verified = worker.call("peek", 0, block_size) == pool[:block_size].tobytes()
     finally:
@@ -238,17 +254,19 @@ def run(op: str, block_size: int, blocks: int, iters: int, streams: int, warmup:
 
 def render(result: dict[str, Any]) -> str:
     r = result
-    return "\n".join([
-        f"kvx bench: {r['op']} of {r['blocks']} non-adjacent blocks x {r['block_size_bytes']} bytes "
-        f"= {r['bytes_per_transfer'] / 2**20:.1f} MiB per transfer, {r['iters']} transfers, "
-        f"{r['streams']} stream(s), {r['backend']}, {r['memory']} memory ({r['data_path']} data path)",
-        f"  kvx:              {r['throughput_gbps']:7.3f} GB/s   latency p50 {r['latency_us_p50']:9.1f} us   "
-        f"p99 {r['latency_us_p99']:9.1f} us",
-        f"  {r['limit'] + ':':<18}{r['limit_gbps']:7.3f} GB/s   latency p50 {r['limit_latency_us_p50']:9.1f} us",
-        f"  ratio:            {r['ratio']:.2f} of the {r['limit']} limit",
-        f"  backend:          {r['backend']}: {r['backend_reason']}"
-        + ("" if r["verified"] else "   (DATA NOT VERIFIED)"),
-    ])
+    return "\n".join(
+        [
+            f"kvx bench: {r['op']} of {r['blocks']} non-adjacent blocks x {r['block_size_bytes']} bytes "
+            f"= {r['bytes_per_transfer'] / 2**20:.1f} MiB per transfer, {r['iters']} transfers, "
+            f"{r['streams']} stream(s), {r['backend']}, {r['memory']} memory ({r['data_path']} data path)",
+            f"  kvx:              {r['throughput_gbps']:7.3f} GB/s   latency p50 {r['latency_us_p50']:9.1f} us   "
+            f"p99 {r['latency_us_p99']:9.1f} us",
+            f"  {r['limit'] + ':':<18}{r['limit_gbps']:7.3f} GB/s   latency p50 {r['limit_latency_us_p50']:9.1f} us",
+            f"  ratio:            {r['ratio']:.2f} of the {r['limit']} limit",
+            f"  backend:          {r['backend']}: {r['backend_reason']}"
+            + ("" if r["verified"] else "   (DATA NOT VERIFIED)"),
+        ]
+    )
 
 
 def main_json(result: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ every byte it reads without a copy of the pool.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -62,11 +63,18 @@ def _main(conn: Any, config: WorkerConfig) -> None:
         from kvx._datapath import gpu
 
         pool = gpu.cupy_module().asarray(pool)
-    agent = kvx.Agent(config.name, listen=config.listen, auth_secret=config.auth_secret,
-                      streams=config.streams, timeouts=kvx.Timeouts(**config.timeouts),
-                      limits=kvx.Limits(**config.limits), metadata=config.metadata, role=config.role,
-                      metadata_options=kvx.MetadataOptions(lease_ttl_s=config.lease_ttl_s),
-                      backend=config.backend)
+    agent = kvx.Agent(
+        config.name,
+        listen=config.listen,
+        auth_secret=config.auth_secret,
+        streams=config.streams,
+        timeouts=kvx.Timeouts(**config.timeouts),
+        limits=kvx.Limits(**config.limits),
+        metadata=config.metadata,
+        role=config.role,
+        metadata_options=kvx.MetadataOptions(lease_ttl_s=config.lease_ttl_s),
+        backend=config.backend,
+    )
     regions = {0: agent.register(pool, remote_access=config.remote_access)}
     conn.send(("ready", agent.metadata(), os.getpid(), regions[0].id))
     while True:
@@ -93,7 +101,7 @@ def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) 
         return agent.metadata()
     if cmd == "peek":
         offset, length = args
-        view = pool[offset:offset + length]
+        view = pool[offset : offset + length]
         return (view.get() if hasattr(view, "get") else view).tobytes()  # .get(): a CuPy array
     if cmd == "fill":
         pool[:] = args[0]
@@ -113,7 +121,9 @@ def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) 
         # The child as initiator: read from a peer into its own pool.
         peer_md, local_off, remote_id, remote_off, length = args
         peer = agent.add_peer(peer_md)
-        peer.read(regions[0].descs(local_off, length), peer.region(remote_id).descs(remote_off, length)).wait()
+        peer.read(
+            regions[0].descs(local_off, length), peer.region(remote_id).descs(remote_off, length)
+        ).wait()
         return None
     raise ValueError(f"unknown command {cmd!r}")
 
@@ -125,8 +135,9 @@ class Worker:
         self.config = config
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_main, args=(child, config), name=f"kvx-worker-{config.name}",
-                                   daemon=True)
+        self.process = ctx.Process(
+            target=_main, args=(child, config), name=f"kvx-worker-{config.name}", daemon=True
+        )
         self.process.start()
         child.close()
         if not self._conn.poll(START_TIMEOUT_S):
@@ -136,8 +147,9 @@ class Worker:
             _, self.metadata, self.pid, self.region_id = self._conn.recv()
         except EOFError:
             self.process.join(5)
-            raise RuntimeError(f"worker {config.name!r} died while starting "
-                               f"(exit code {self.process.exitcode})") from None
+            raise RuntimeError(
+                f"worker {config.name!r} died while starting (exit code {self.process.exitcode})"
+            ) from None
 
     def __enter__(self) -> Worker:
         return self
@@ -160,7 +172,9 @@ class Worker:
 
     def signal(self, signum: int) -> None:
         if self._alive():
-            os.kill(self.process.pid, signum)
+            pid = self.process.pid
+            assert pid is not None  # started in __init__
+            os.kill(pid, signum)
 
     def freeze(self) -> None:
         """SIGSTOP, and wait until the kernel reports the process stopped."""
@@ -198,7 +212,5 @@ class Worker:
         self.kill()
         self._conn.close()
         if not self._alive():
-            try:
-                self.process.close()
-            except ValueError:
-                pass  # releases its sentinel descriptor
+            with contextlib.suppress(ValueError):
+                self.process.close()  # releases its sentinel descriptor

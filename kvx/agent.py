@@ -17,7 +17,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, overload
 
 import numpy as np
 
@@ -29,10 +30,34 @@ from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.backends.select import Selector
 from kvx.config import Limits, Timeouts, check_backend, check_name
 from kvx.descs import Descs, total_bytes
-from kvx.errors import (AccessError, ClosedError, ConfigError, ConnectError, EpochError, LimitError,
-                        MetadataError, PeerLostError, ProtocolError, TimeoutError, VersionError)
-from kvx.memory import (DEVICE, LOCAL_WRITE, MAX_REGION_ID, REMOTE_IPC, REMOTE_READ, REMOTE_WRITE, VALID,
-                        MemoryKind, Region, RegionTable, RemoteRegion, check_descs, one_device)
+from kvx.errors import (
+    AccessError,
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    EpochError,
+    LimitError,
+    MetadataError,
+    PeerLostError,
+    ProtocolError,
+    TimeoutError,
+    VersionError,
+)
+from kvx.memory import (
+    DEVICE,
+    LOCAL_WRITE,
+    MAX_REGION_ID,
+    REMOTE_IPC,
+    REMOTE_READ,
+    REMOTE_WRITE,
+    VALID,
+    MemoryKind,
+    Region,
+    RegionTable,
+    RemoteRegion,
+    check_descs,
+    one_device,
+)
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
 from kvx.transfer import Notification, Op, Transfer
@@ -116,9 +141,12 @@ class Agent:
                 raise ConfigError(
                     f"agent {name!r} would listen on {listen} without an auth_secret, so any host could "
                     "read and write its registered memory; set auth_secret (recommended), listen on "
-                    "loopback, or pass allow_insecure=True")
+                    "loopback, or pass allow_insecure=True"
+                )
             if not is_loopback(host):
-                logger.warning("agent %s listens on %s WITHOUT authentication (allow_insecure=True)", name, listen)
+                logger.warning(
+                    "agent %s listens on %s WITHOUT authentication (allow_insecure=True)", name, listen
+                )
             else:
                 logger.info("agent %s has no auth_secret: any local process may connect as a peer", name)
         if advertise_host is None and host in ("0.0.0.0", "::", ""):
@@ -131,8 +159,16 @@ class Agent:
         self._lock = threading.Lock()
         self._closed = False
         # What the backends see of this agent, and nothing more.
-        ctx = BackendContext(self.name, self.epoch, self.backend_setting, self._regions, self._secret, self.limits,
-                             self.timeouts, self._deliver)
+        ctx = BackendContext(
+            self.name,
+            self.epoch,
+            self.backend_setting,
+            self._regions,
+            self._secret,
+            self.limits,
+            self.timeouts,
+            self._deliver,
+        )
         self._backends: dict[str, Backend] = {name: backends.load(name)(ctx) for name in backends.names()}
         self._selector = Selector(self._backends)
         self._links = Links(ctx)
@@ -265,15 +301,26 @@ class Agent:
     def metadata_message(self) -> agent_pb2.AgentMetadata:
         """The same, as the protobuf message (for embedding in other messages)."""
         md = agent_pb2.AgentMetadata(
-            protocol_version=PROTOCOL_VERSION, name=self.name, epoch=self.epoch,
-            host_name=socket.gethostname(), boot_id=boot_id(), pid=os.getpid(),
-            auth_required=self._secret is not None)
+            protocol_version=PROTOCOL_VERSION,
+            name=self.name,
+            epoch=self.epoch,
+            host_name=socket.gethostname(),
+            boot_id=boot_id(),
+            pid=os.getpid(),
+            auth_required=self._secret is not None,
+        )
         md.endpoints.add(backend=agent_pb2.BACKEND_TCP, address=self.endpoint)  # the control endpoint
         for r in self._regions.regions():
             if r.remote_read or r.remote_write:
-                md.regions.add(id=r.id, size_bytes=r.size_bytes, memory_kind=_MEMORY_KINDS[r.memory_kind],
-                               device=r.device, address=r.address, remote_read=r.remote_read,
-                               remote_write=r.remote_write)
+                md.regions.add(
+                    id=r.id,
+                    size_bytes=r.size_bytes,
+                    memory_kind=_MEMORY_KINDS[r.memory_kind],
+                    device=r.device,
+                    address=r.address,
+                    remote_read=r.remote_read,
+                    remote_write=r.remote_write,
+                )
         for backend in self._backends.values():
             backend.offer(md)
         return md
@@ -294,8 +341,11 @@ class Agent:
             if old.epoch == md.epoch and old.alive:
                 old._set_regions(md)  # it may have registered or removed regions since
                 return old
-            old._close(EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
-                       if old.epoch != md.epoch else PeerLostError(f"peer {md.name!r} reconnected"))
+            old._close(
+                EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
+                if old.epoch != md.epoch
+                else PeerLostError(f"peer {md.name!r} reconnected")
+            )
         tcp = [e.address for e in md.endpoints if e.backend == agent_pb2.BACKEND_TCP]
         if not tcp:
             raise ConnectError(f"peer {md.name!r} publishes no tcp endpoint")
@@ -304,8 +354,9 @@ class Agent:
         link = self._links.open(md.name, md.epoch, tcp[0], streams)
         try:
             # After the handshake: the peer is who the metadata says (name, epoch, secret).
-            uses_gpu = self._regions.has_cuda or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA
-                                                     for r in md.regions)
+            uses_gpu = self._regions.has_cuda or any(
+                r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions
+            )
             choice = self._selector.choose(md, setting, link, uses_gpu)
         except BaseException:
             link.abandon()
@@ -317,8 +368,16 @@ class Agent:
                 choice.channel.close()
                 raise ClosedError(f"agent {self.name!r} is closed")
             self._peers[md.name] = peer
-        logger.info("agent %s: peer %s epoch %#x over %s (%s), %d stream(s): %s", self.name, md.name,
-                    md.epoch, choice.backend, tcp[0], len(link.conns), choice.reason)
+        logger.info(
+            "agent %s: peer %s epoch %#x over %s (%s), %d stream(s): %s",
+            self.name,
+            md.name,
+            md.epoch,
+            choice.backend,
+            tcp[0],
+            len(link.conns),
+            choice.reason,
+        )
         return peer
 
     def connect(self, name: str, *, streams: int | None = None) -> Peer:
@@ -329,8 +388,10 @@ class Agent:
         """
         self._check_open()
         if self._directory is None:
-            raise ConfigError("connect(name) needs a metadata service: Agent(..., metadata='host:port'); "
-                              "without one, use add_peer(their_metadata)")
+            raise ConfigError(
+                "connect(name) needs a metadata service: Agent(..., metadata='host:port'); "
+                "without one, use add_peer(their_metadata)"
+            )
         with self._lock:
             cached = self._peers.get(name)
         return self._directory.resolve(name, cached, streams)
@@ -386,8 +447,9 @@ class Agent:
         with self._notify_cv:
             if len(self._notifications) >= limit:
                 # Briefly: well inside the initiator's io_s, so it gets a LimitError, not a dead connection.
-                self._notify_cv.wait_for(lambda: len(self._notifications) < limit or self._closed,
-                                         min(1.0, self.timeouts.io_s / 4))
+                self._notify_cv.wait_for(
+                    lambda: len(self._notifications) < limit or self._closed, min(1.0, self.timeouts.io_s / 4)
+                )
             if len(self._notifications) >= limit or self._closed:
                 return False
             self._notifications.append(note)
@@ -403,8 +465,10 @@ def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
     except Exception as exc:
         raise ProtocolError(f"malformed agent metadata: {exc}") from None
     if md.protocol_version != PROTOCOL_VERSION:
-        raise VersionError(f"peer {md.name!r} speaks kvx protocol version {md.protocol_version}, this "
-                           f"agent {PROTOCOL_VERSION}; run the same kvx version on both sides")
+        raise VersionError(
+            f"peer {md.name!r} speaks kvx protocol version {md.protocol_version}, this "
+            f"agent {PROTOCOL_VERSION}; run the same kvx version on both sides"
+        )
     try:
         check_name(md.name)
     except ConfigError as exc:
@@ -415,8 +479,14 @@ def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
 class Peer:
     """A connected remote agent."""
 
-    def __init__(self, agent: Agent, md: agent_pb2.AgentMetadata, channel: Channel, backend: str = "tcp",
-                 backend_reason: str = "") -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        md: agent_pb2.AgentMetadata,
+        channel: Channel,
+        backend: str = "tcp",
+        backend_reason: str = "",
+    ) -> None:
         self.agent = agent
         self.name = md.name
         self.epoch = md.epoch
@@ -431,8 +501,15 @@ class Peer:
 
     def _set_regions(self, md: agent_pb2.AgentMetadata) -> None:
         regions = [
-            RemoteRegion(r.id, r.size_bytes, _MEMORY_FROM_PB.get(r.memory_kind, MemoryKind.HOST), r.device,
-                         r.address, r.remote_read, r.remote_write)
+            RemoteRegion(
+                r.id,
+                r.size_bytes,
+                _MEMORY_FROM_PB.get(r.memory_kind, MemoryKind.HOST),
+                r.device,
+                r.address,
+                r.remote_read,
+                r.remote_write,
+            )
             for r in md.regions
         ]
         # Vectorised view of the published regions, to refuse bad descriptors
@@ -443,10 +520,15 @@ class Peer:
         sizes = np.zeros(top, np.uint64)
         flags = np.zeros(top, np.uint8)
         devices = np.full(top, -1, np.int32)
-        for r, pb in zip(regions, md.regions):
+        for r, pb in zip(regions, md.regions, strict=True):
             sizes[r.id] = r.size_bytes
-            flags[r.id] = (VALID | (REMOTE_READ if r.remote_read else 0) | (REMOTE_WRITE if r.remote_write else 0)
-                           | (DEVICE if r.memory_kind is MemoryKind.CUDA else 0) | (REMOTE_IPC if pb.cuda_ipc else 0))
+            flags[r.id] = (
+                VALID
+                | (REMOTE_READ if r.remote_read else 0)
+                | (REMOTE_WRITE if r.remote_write else 0)
+                | (DEVICE if r.memory_kind is MemoryKind.CUDA else 0)
+                | (REMOTE_IPC if pb.cuda_ipc else 0)
+            )
             if r.memory_kind is MemoryKind.CUDA:
                 devices[r.id] = max(r.device, 0)
         # One reference, swapped at once: a post in another thread sees all old or all new.
@@ -471,11 +553,15 @@ class Peer:
                 return r
         raise AccessError(f"peer {self.name!r} has no region {region_id}")
 
-    def read(self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None) -> Transfer:
+    def read(
+        self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None
+    ) -> Transfer:
         """Copy ``remote`` (the peer's memory) into ``local``; one-sided."""
         return self._post(Op.READ, local, remote, notify)
 
-    def write(self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None) -> Transfer:
+    def write(
+        self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None
+    ) -> Transfer:
         """Copy ``local`` into ``remote`` (the peer's memory); one-sided."""
         return self._post(Op.WRITE, local, remote, notify)
 
@@ -487,6 +573,10 @@ class Peer:
         self._channel.notify(transfer, data)
         return transfer
 
+    @overload
+    def _check_notify(self, notify: bytes) -> bytes: ...
+    @overload
+    def _check_notify(self, notify: None) -> None: ...
     def _check_notify(self, notify: bytes | None) -> bytes | None:
         if notify is None:
             return None
@@ -494,7 +584,9 @@ class Peer:
             raise ConfigError("notify must be bytes")
         notify = bytes(notify)
         if len(notify) > self.agent.limits.max_notify_bytes:
-            raise LimitError(f"notification of {len(notify)} bytes; at most {self.agent.limits.max_notify_bytes}")
+            raise LimitError(
+                f"notification of {len(notify)} bytes; at most {self.agent.limits.max_notify_bytes}"
+            )
         return notify
 
     def _check_alive(self) -> None:
@@ -513,21 +605,30 @@ class Peer:
         remote_a = remote.array if type(remote) is Descs else Descs(remote).array
         if not len(local_a) or not len(remote_a):
             raise ConfigError("empty descriptor list; use peer.notify() to send only a notification")
-        remote_device, remote_ipc = self._check_remote(remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op)
+        remote_device, remote_ipc = self._check_remote(
+            remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op
+        )
         self._check_alive()
         if len(local_a) > 1:
             local_a = Descs(local_a).coalesce().array
         addrs, lens, total, token = self.agent._regions.resolve(
-            local_a, LOCAL_WRITE if op is Op.READ else 0, "local destination" if op is Op.READ else "local source")
+            local_a,
+            LOCAL_WRITE if op is Op.READ else 0,
+            "local destination" if op is Op.READ else "local source",
+        )
         try:
             remote_total = total_bytes(remote_a)
             if remote_total != total:
                 raise ConfigError(f"local descriptors cover {total} bytes, remote ones {remote_total}")
             if total == 0:
-                raise ConfigError("the descriptors cover 0 bytes; use peer.notify() to send only a notification")
+                raise ConfigError(
+                    "the descriptors cover 0 bytes; use peer.notify() to send only a notification"
+                )
             if total > self.agent.limits.max_transfer_bytes:
-                raise LimitError(f"transfer of {total} bytes; at most {self.agent.limits.max_transfer_bytes} "
-                                 "(Limits.max_transfer_bytes)")
+                raise LimitError(
+                    f"transfer of {total} bytes; at most {self.agent.limits.max_transfer_bytes} "
+                    "(Limits.max_transfer_bytes)"
+                )
             local_device = self.agent._regions.device_of(local_a, "local descriptors")
             transfer = self._start(op, total, 0, token)
         except BaseException:
@@ -535,20 +636,25 @@ class Peer:
             raise
         if len(remote_a) > 1:
             remote_a = Descs(remote_a).coalesce().array
-        self._channel.post(transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device,
-                           remote_ipc)
+        self._channel.post(
+            transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device, remote_ipc
+        )
         return transfer
 
     def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:
         timeout_s = self.agent.timeouts.transfer_s
         limit = self.agent.limits.max_inflight_per_peer
         with self._slots:
-            if self._inflight >= limit and not self._slots.wait_for(lambda: self._inflight < limit, timeout_s):
-                raise TimeoutError(f"{limit} transfers to peer {self.name!r} still in flight after "
-                                   f"{timeout_s}s (Limits.max_inflight_per_peer)")
+            if self._inflight >= limit and not self._slots.wait_for(
+                lambda: self._inflight < limit, timeout_s
+            ):
+                raise TimeoutError(
+                    f"{limit} transfers to peer {self.name!r} still in flight after "
+                    f"{timeout_s}s (Limits.max_inflight_per_peer)"
+                )
             self._inflight += 1
         transfer = Transfer(op, self.name, nbytes, parts, timeout_s)
-        transfer._cleanup = (lambda: self._finished(token))
+        transfer._cleanup = lambda: self._finished(token)
         return transfer
 
     def _finished(self, token: int | None) -> None:

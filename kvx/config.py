@@ -15,8 +15,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
 def check_name(name: str) -> str:
     """An agent name: 1-128 characters of letters, digits and ._:/@-."""
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ConfigError(f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
-                          "starting with a letter or digit")
+        raise ConfigError(
+            f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
+            "starting with a letter or digit"
+        )
     return name
 
 
@@ -66,7 +68,9 @@ class Timeouts:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"Timeouts.{field.name} must be a positive number of seconds, not {value!r}")
+                raise ConfigError(
+                    f"Timeouts.{field.name} must be a positive number of seconds, not {value!r}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +109,26 @@ class Limits:
             raise ConfigError("Limits.max_descs_per_message must be at most 16777216")
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB,
-               "MIB": MiB, "G": GiB, "GB": GiB, "GIB": GiB}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": KiB,
+    "KB": KiB,
+    "KIB": KiB,
+    "M": MiB,
+    "MB": MiB,
+    "MIB": MiB,
+    "G": GiB,
+    "GB": GiB,
+    "GIB": GiB,
+}
 
 
 def parse_size(text: str) -> int:
     """Parse "32KiB", "4k", "1M", "4096" into bytes (binary units)."""
     s = str(text).strip().upper().replace(" ", "")
     digits = s.rstrip("KMGIB")
-    unit = s[len(digits):]
+    unit = s[len(digits) :]
     if not digits or unit not in _SIZE_UNITS:
         raise ConfigError(f"not a size: {text!r} (examples: 4096, 32KiB, 1MiB)")
     try:

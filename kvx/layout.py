@@ -10,7 +10,8 @@ inside one shared region.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +87,9 @@ class KVLayout:
         ids = _as_u64(block_ids, "block_ids")
         if ids.size and int(ids.max()) >= self.num_blocks:
             raise ConfigError(f"block id {int(ids.max())} out of range (num_blocks={self.num_blocks})")
-        layer_ids = np.arange(self.num_layers, dtype=np.uint64) if layers is None else _as_u64(layers, "layers")
+        layer_ids = (
+            np.arange(self.num_layers, dtype=np.uint64) if layers is None else _as_u64(layers, "layers")
+        )
         if layer_ids.size and int(layer_ids.max()) >= self.num_layers:
             raise ConfigError(f"layer {int(layer_ids.max())} out of range (num_layers={self.num_layers})")
         nl, nk, nb = layer_ids.size, self.kv_planes, ids.size

@@ -14,7 +14,8 @@ import enum
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -158,8 +159,17 @@ class RegionTable:
     def add(self, obj: Any, *, remote_access: bool, device: int | None = None) -> Region:
         described = describe_memory(obj, device)
         if isinstance(described, gpu.CudaMemory):
-            address, size, writable, owner = described.address, described.size, described.writable, described.owner
-            kind, device, ipc = MemoryKind.CUDA, described.device, (described.ipc_handle, described.ipc_offset)
+            address, size, writable, owner = (
+                described.address,
+                described.size,
+                described.writable,
+                described.owner,
+            )
+            kind, device, ipc = (
+                MemoryKind.CUDA,
+                described.device,
+                (described.ipc_handle, described.ipc_offset),
+            )
         else:
             address, size, writable, owner = described
             kind, device, ipc = MemoryKind.HOST, -1, (b"", 0)
@@ -171,12 +181,24 @@ class RegionTable:
                 raise RegionError(f"too many registered regions (Limits.max_regions={self._max_regions})")
             rid = self._next_id
             if rid >= MAX_REGION_ID:
-                raise RegionError(f"{MAX_REGION_ID} registrations in this epoch: region ids exhausted "
-                                  "(they are never reused); restart the agent")
+                raise RegionError(
+                    f"{MAX_REGION_ID} registrations in this epoch: region ids exhausted "
+                    "(they are never reused); restart the agent"
+                )
             self._next_id += 1
-            region = Region(rid, address, size, kind, device,
-                            remote_access, remote_access and writable, writable, owner, *ipc,
-                            *(segment or (-1, 0)))
+            region = Region(
+                rid,
+                address,
+                size,
+                kind,
+                device,
+                remote_access,
+                remote_access and writable,
+                writable,
+                owner,
+                *ipc,
+                *(segment or (-1, 0)),
+            )
             if rid >= len(self._flags):
                 grow = max(rid + 1, 2 * len(self._flags))
                 self._base = np.resize(self._base, grow)
@@ -187,16 +209,19 @@ class RegionTable:
             self._size[rid] = size
             self._device[rid] = device
             self._cuda += kind is MemoryKind.CUDA
-            self._flags[rid] = (VALID | (REMOTE_READ if region.remote_read else 0)
-                                | (REMOTE_WRITE if region.remote_write else 0)
-                                | (LOCAL_WRITE if writable else 0)
-                                | (DEVICE if kind is MemoryKind.CUDA else 0))
+            self._flags[rid] = (
+                VALID
+                | (REMOTE_READ if region.remote_read else 0)
+                | (REMOTE_WRITE if region.remote_write else 0)
+                | (LOCAL_WRITE if writable else 0)
+                | (DEVICE if kind is MemoryKind.CUDA else 0)
+            )
             self._regions[rid] = region
             return region
 
     def remove(self, region: Region | int, timeout_s: float) -> None:
         """Deregister; waits for accesses that started before, up to timeout_s."""
-        rid = int(getattr(region, "id", region))
+        rid = region.id if isinstance(region, Region) else int(region)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             if rid not in self._regions:
@@ -243,9 +268,9 @@ class RegionTable:
                 rows = descs.tolist()
                 if _small_ok(rows, self._flags, self._size, need | VALID):
                     base = self._base
-                    addrs = array.array("Q", [int(base[r]) + o for r, o, _ in rows])
-                    lens = array.array("Q", [n for _, _, n in rows])
-                    return addrs, lens, sum(lens), self._pin()
+                    small_addrs = array.array("Q", [int(base[r]) + o for r, o, _ in rows])
+                    small_lens = array.array("Q", [n for _, _, n in rows])
+                    return small_addrs, small_lens, sum(small_lens), self._pin()
             check_descs(descs, self._flags, self._size, need, who)
             ids = descs["region"]
             addrs = self._base[ids] + descs["offset"]
@@ -267,8 +292,10 @@ class RegionTable:
         for rid in ids.tolist():
             region = self._regions.get(rid)
             if region is None or not region.ipc_handle:
-                raise AccessError(f"{who}: region {rid} cannot be opened through CUDA IPC (it is host memory, "
-                                  "or CUDA memory that cannot be shared: cudaMallocAsync pools, VMM allocations)")
+                raise AccessError(
+                    f"{who}: region {rid} cannot be opened through CUDA IPC (it is host memory, "
+                    "or CUDA memory that cannot be shared: cudaMallocAsync pools, VMM allocations)"
+                )
             out.append(region.ipc_offset.to_bytes(8, "little") + region.ipc_handle.ljust(64, b"\0")[:64])
         return b"".join(out)
 
@@ -289,7 +316,9 @@ class RegionTable:
                 flags = int(self._flags[rid])
                 if not flags & VALID:
                     raise AccessError(f"{who}: unknown region {rid}")
-                raise AccessError(f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})")
+                raise AccessError(
+                    f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})"
+                )
             return self._base[ids].copy(), self._size[ids].copy(), self._pin()
 
     def _pin(self) -> int:
@@ -309,8 +338,10 @@ def one_device(devices: np.ndarray, who: str) -> int:
     first = int(devices[0])
     if len(devices) > 1 and not (devices == first).all():
         kinds = sorted({"host memory" if d < 0 else f"CUDA device {d}" for d in np.unique(devices).tolist()})
-        raise ConfigError(f"{who}: one transfer's descriptors span {' and '.join(kinds)}; post one transfer per "
-                          "memory (host, or one GPU)")
+        raise ConfigError(
+            f"{who}: one transfer's descriptors span {' and '.join(kinds)}; post one transfer per "
+            "memory (host, or one GPU)"
+        )
     return first
 
 
@@ -331,8 +362,9 @@ def _small_ok(rows: list, flags: np.ndarray, sizes: np.ndarray, need: int) -> bo
     return True
 
 
-def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int,
-                who: str | Callable[[], str]) -> None:
+def check_descs(
+    descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: int, who: str | Callable[[], str]
+) -> None:
     """Raise AccessError unless every descriptor lies inside a valid region
     (flag VALID) that carries the ``need`` flags; vectorised.
 
@@ -355,8 +387,10 @@ def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: i
         i = int(np.argmax(bad))
         if not region_flags[i] & VALID:
             raise AccessError(f"{who}: descriptor {i} names unknown region {int(ids[i])}")
-        raise AccessError(f"{who}: region {int(ids[i])} does not allow this access "
-                          f"({_describe_flags(int(region_flags[i]))})")
+        raise AccessError(
+            f"{who}: region {int(ids[i])} does not allow this access "
+            f"({_describe_flags(int(region_flags[i]))})"
+        )
     region_sizes = sizes[ids]
     offsets, lengths = descs["offset"], descs["length"]
     outside = (offsets > region_sizes) | (lengths > region_sizes - np.minimum(offsets, region_sizes))
@@ -364,12 +398,20 @@ def check_descs(descs: np.ndarray, flags: np.ndarray, sizes: np.ndarray, need: i
         i = int(np.argmax(outside))
         raise AccessError(
             f"{who}: descriptor {i} (region {int(ids[i])}, offset {int(offsets[i])}, "
-            f"length {int(lengths[i])}) is outside the region's {int(region_sizes[i])} bytes")
+            f"length {int(lengths[i])}) is outside the region's {int(region_sizes[i])} bytes"
+        )
 
 
 def _describe_flags(flags: int) -> str:
     if not flags & (REMOTE_READ | REMOTE_WRITE):
         return "registered without remote access"
-    allowed = [name for bit, name in ((REMOTE_READ, "remote read"), (REMOTE_WRITE, "remote write"),
-                                      (LOCAL_WRITE, "local write")) if flags & bit]
+    allowed = [
+        name
+        for bit, name in (
+            (REMOTE_READ, "remote read"),
+            (REMOTE_WRITE, "remote write"),
+            (LOCAL_WRITE, "local write"),
+        )
+        if flags & bit
+    ]
     return "it allows " + ", ".join(allowed) + " only"

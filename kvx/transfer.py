@@ -8,7 +8,8 @@ import enum
 import logging
 import threading
 import time
-from typing import Any, Callable, Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 from kvx.errors import TimeoutError
 
@@ -44,8 +45,22 @@ class Transfer:
     its local memory is free to reuse as soon as ``wait`` returns or raises.
     """
 
-    __slots__ = ("op", "peer", "bytes", "posted_at", "completed_at", "_state", "_error",
-                 "_parts_left", "_lock", "_done", "_callbacks", "_default_timeout_s", "_on_parts_done", "_cleanup")
+    __slots__ = (
+        "op",
+        "peer",
+        "bytes",
+        "posted_at",
+        "completed_at",
+        "_state",
+        "_error",
+        "_parts_left",
+        "_lock",
+        "_done",
+        "_callbacks",
+        "_default_timeout_s",
+        "_on_parts_done",
+        "_cleanup",
+    )
 
     def __init__(self, op: Op, peer: str, nbytes: int, parts: int, default_timeout_s: float) -> None:
         self.op = op
@@ -114,8 +129,12 @@ class Transfer:
             loop = asyncio.get_running_loop()
             future = loop.create_future()
 
+            def settle() -> None:
+                if not future.done():
+                    future.set_result(None)
+
             def wake(_: Transfer) -> None:
-                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+                loop.call_soon_threadsafe(settle)
 
             self.add_done_callback(wake)
             yield from future.__await__()

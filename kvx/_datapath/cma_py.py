@@ -20,8 +20,14 @@ class _Iovec(ctypes.Structure):
 
 for _name in ("process_vm_readv", "process_vm_writev"):
     _fn = getattr(_libc, _name)
-    _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                    ctypes.c_ulong, ctypes.c_ulong]
+    _fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     _fn.restype = ctypes.c_ssize_t
 
 
@@ -29,12 +35,16 @@ def _pairs(addrs, lens) -> list[list[int]]:
     a, b = memoryview(addrs), memoryview(lens)
     if a.itemsize != 8 or b.itemsize != 8 or a.nbytes != b.nbytes:
         raise ValueError("addresses and lengths must be uint64 buffers of equal length")
-    return [[x, n] for x, n in zip(a.cast("B").cast("Q").tolist(), b.cast("B").cast("Q").tolist()) if n]
+    return [
+        [x, n]
+        for x, n in zip(a.cast("B").cast("Q").tolist(), b.cast("B").cast("Q").tolist(), strict=True)
+        if n
+    ]
 
 
 def _batch(ranges: list[list[int]]):
     n = min(len(ranges), IOV_MAX)
-    return (_Iovec * n)(*[(x, n_) for x, n_ in ranges[:n]]), n
+    return (_Iovec * n)(*[_Iovec(x, n_) for x, n_ in ranges[:n]]), n
 
 
 def _advance(ranges: list[list[int]], moved: int) -> None:
@@ -80,5 +90,5 @@ def memcpyv(dsts, srcs, lens) -> None:
     d, s, n = (memoryview(x).cast("B").cast("Q") for x in (dsts, srcs, lens))
     if not (len(d) == len(s) == len(n)):
         raise ValueError("dsts, srcs and lens must be uint64 buffers of equal length")
-    for dst, src, length in zip(d.tolist(), s.tolist(), n.tolist()):
+    for dst, src, length in zip(d.tolist(), s.tolist(), n.tolist(), strict=True):
         ctypes.memmove(dst, src, length)

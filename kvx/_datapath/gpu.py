@@ -75,6 +75,7 @@ def available() -> bool:
     """True when CuPy imports and sees at least one CUDA device (never raises)."""
     try:
         import cupy
+
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
@@ -113,8 +114,13 @@ def interface_extent(cai: dict) -> tuple[int, int, bool]:
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     strides = cai.get("strides")
     if strides is not None and count > 1:
+        strides = tuple(strides)
+        if len(strides) != len(shape):
+            raise ConfigError(
+                f"malformed __cuda_array_interface__: {len(strides)} strides for {len(shape)} dimensions"
+            )
         expected = itemsize
-        for size, stride in zip(reversed(shape), reversed(tuple(strides))):
+        for size, stride in zip(reversed(shape), reversed(strides), strict=True):
             if size != 1 and stride != expected:
                 raise ConfigError("register a contiguous CUDA array (cupy.ascontiguousarray)")
             expected *= size
@@ -162,23 +168,31 @@ def describe(obj: Any, device: int | None) -> CudaMemory:
     except Exception as exc:
         raise ConfigError(f"address {address:#x} is not CUDA memory: {exc}") from None
     if attrs.type not in (_MEMORY_DEVICE, _MEMORY_MANAGED):
-        raise ConfigError(f"address {address:#x} is not CUDA device memory (cudaMemoryType {attrs.type}); "
-                          "register host memory without device=")
+        raise ConfigError(
+            f"address {address:#x} is not CUDA device memory (cudaMemoryType {attrs.type}); "
+            "register host memory without device="
+        )
     if device is not None and attrs.device != device:
         raise ConfigError(f"address {address:#x} is on CUDA device {attrs.device}, not {device}")
     device = int(attrs.device)
     with cp.cuda.Device(device):
         base, length = _allocation(address)
         if address + size > base + length:
-            raise ConfigError(f"{size} bytes at {address:#x} run past the end of their CUDA allocation "
-                              f"({length} bytes at {base:#x})")
+            raise ConfigError(
+                f"{size} bytes at {address:#x} run past the end of their CUDA allocation "
+                f"({length} bytes at {base:#x})"
+            )
         handle = b""
         if attrs.type == _MEMORY_DEVICE:
             try:
                 handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
             except Exception as exc:  # cudaMallocAsync pools, VMM (expandable segments) memory...
-                logger.info("CUDA memory at %#x cannot be shared through CUDA IPC (%s); same-host peers "
-                            "reach it through staging over tcp", address, exc)
+                logger.info(
+                    "CUDA memory at %#x cannot be shared through CUDA IPC (%s); same-host peers "
+                    "reach it through staging over tcp",
+                    address,
+                    exc,
+                )
     return CudaMemory(address, size, device, writable, owner, handle, address - base)
 
 
@@ -243,9 +257,11 @@ class _Slot:
             self.dev = self.cp.cuda.alloc(24 * self.capacity)
         packed = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * self.capacity)).from_address(self.host.ptr))
         packed[:n] = srcs
-        packed[n:2 * n] = dsts
-        packed[2 * n:3 * n] = lens
-        self.cp.cuda.runtime.memcpyAsync(self.dev.ptr, self.host.ptr, 24 * n, _MEMCPY_HOST_TO_DEVICE, stream.ptr)
+        packed[n : 2 * n] = dsts
+        packed[2 * n : 3 * n] = lens
+        self.cp.cuda.runtime.memcpyAsync(
+            self.dev.ptr, self.host.ptr, 24 * n, _MEMCPY_HOST_TO_DEVICE, stream.ptr
+        )
         return self.dev.ptr
 
 
@@ -272,20 +288,25 @@ class Engine:
 
     def _launch(self, slot: _Slot, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:
         """Queue the copies of (dst, src, len) triples on the stream."""
-        dsts, srcs, lens = _staging.pieces(np.asarray(dsts, np.uint64), np.asarray(srcs, np.uint64),
-                                           np.asarray(lens, np.uint64), PIECE_BYTES)
+        dsts, srcs, lens = _staging.pieces(
+            np.asarray(dsts, np.uint64), np.asarray(srcs, np.uint64), np.asarray(lens, np.uint64), PIECE_BYTES
+        )
         n = len(lens)
         if self.method == "memcpy":
             slot.wait()
             memcpy = self.cp.cuda.runtime.memcpyAsync
-            for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist()):
+            for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist(), strict=True):
                 memcpy(d, s, k, _MEMCPY_DEFAULT, self.stream.ptr)
             return
         args = slot.load(dsts, srcs, lens, self.stream)
         grid = min(n, self.grid_limit)
+        assert self.kernel is not None  # compiled in __init__ when the method is "kernel"
         with self.stream:  # launches on the current stream
-            self.kernel((grid,), (THREADS,), (np.uint64(args), np.uint64(args + 8 * n), np.uint64(args + 16 * n),
-                                              np.uint32(n)))
+            self.kernel(
+                (grid,),
+                (THREADS,),
+                (np.uint64(args), np.uint64(args + 8 * n), np.uint64(args + 16 * n), np.uint32(n)),
+            )
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> Any:
         """Start the copies (device or IPC-opened memory on both sides); an event."""
@@ -313,8 +334,9 @@ class Engine:
             self._staging()
             staged = self._staged[slot].ptr
             self._launch(self._slots[slot], _staging.offsets(staged, lens), addrs, lens)
-            self.cp.cuda.runtime.memcpyAsync(self._pinned[slot].ptr, staged, nbytes, _MEMCPY_DEVICE_TO_HOST,
-                                             self.stream.ptr)
+            self.cp.cuda.runtime.memcpyAsync(
+                self._pinned[slot].ptr, staged, nbytes, _MEMCPY_DEVICE_TO_HOST, self.stream.ptr
+            )
             self._slots[slot].event = self._event()
             return self._slots[slot].event
 
@@ -323,8 +345,9 @@ class Engine:
             self._staging()
             staged = self._staged[slot].ptr
             self._slots[slot].wait()
-            self.cp.cuda.runtime.memcpyAsync(staged, self._pinned[slot].ptr, nbytes, _MEMCPY_HOST_TO_DEVICE,
-                                             self.stream.ptr)
+            self.cp.cuda.runtime.memcpyAsync(
+                staged, self._pinned[slot].ptr, nbytes, _MEMCPY_HOST_TO_DEVICE, self.stream.ptr
+            )
             self._launch(self._slots[slot], addrs, _staging.offsets(staged, lens), lens)
             self._slots[slot].event = self._event()
             return self._slots[slot].event
@@ -378,7 +401,8 @@ class IpcMap:
                         except Exception as exc:
                             raise TransferError(
                                 f"cannot open the peer's CUDA IPC handle: {exc} (the peer's GPU is not visible "
-                                "to this process, or a container hides it)") from None
+                                "to this process, or a container hides it)"
+                            ) from None
                     entry = _opened[key] = [opened, 0]
                 entry[1] += 1
             self._held[handle] = entry[0]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 from kvx._datapath import cma_py as _cma_py
 from kvx._datapath import io_py as _io_py
@@ -19,7 +22,17 @@ from kvx.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def _select(choice: str):  # -> ((socket I/O module, cross-memory module), name)
+# Bound by use(): the functions of the implementation in use. Buffers are typed Any because
+# numpy arrays, bytes and memoryviews all pass (the C side takes any uint64 buffer).
+sendv: Callable[[int, bytes, Any, Any, int], None]
+recvv: Callable[[int, Any, Any, int], None]
+vm_readv: Callable[[int, Any, Any, Any, Any], None]
+vm_writev: Callable[[int, Any, Any, Any, Any], None]
+memcpyv: Callable[[Any, Any, Any], None]
+
+
+def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
+    """((socket I/O module, cross-memory module), name) for a KVX_NATIVE value."""
     choice = choice.strip()
     if choice not in ("", "0", "1"):
         raise ConfigError(f"KVX_NATIVE must be 0, 1 or unset, not {choice!r}")
@@ -53,4 +66,3 @@ def use(choice: str) -> str:
 
 IMPL = ""
 use(os.environ.get("KVX_NATIVE", ""))
-

@@ -16,7 +16,7 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 def _views(addrs, lens, writable: bool) -> list[memoryview]:
     views = []
-    for addr, length in zip(addrs.tolist(), lens.tolist()):
+    for addr, length in zip(addrs.tolist(), lens.tolist(), strict=True):
         if length == 0:
             continue
         view = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
@@ -43,14 +43,10 @@ def _move_all(fd: int, views: list[memoryview], sending: bool, timeout_ms: int) 
         except BlockingIOError:
             # Blocking socket: its SO_RCVTIMEO/SO_SNDTIMEO expired; else wait in poll.
             if os.get_blocking(fd) or not _wait(fd, select.POLLOUT if sending else select.POLLIN, timeout_ms):
-                raise TimeoutError(
-                    f"no progress on socket after {moved} of {total} bytes"
-                ) from None
+                raise TimeoutError(f"no progress on socket after {moved} of {total} bytes") from None
             continue
         if n == 0 and not sending:
-            raise ConnectionResetError(
-                f"connection closed by peer after {moved} of {total} bytes"
-            )
+            raise ConnectionResetError(f"connection closed by peer after {moved} of {total} bytes")
         moved += n
         while at < len(views) and n >= len(views[at]):
             n -= len(views[at])

@@ -24,7 +24,8 @@ and a staging buffer is never reused under a copy still reading it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,8 +72,10 @@ def chunks(addrs: Any, lens: Any, chunk: int) -> list[tuple[np.ndarray, np.ndarr
     piece_addrs = addrs[owner] + (points[:-1] - starts[owner])
     piece_lens = np.diff(points)
     at = np.searchsorted(points, bounds)  # piece index where each chunk starts
-    return [(piece_addrs[at[k]:at[k + 1]], piece_lens[at[k]:at[k + 1]], int(bounds[k + 1] - bounds[k]))
-            for k in range(len(bounds) - 1)]
+    return [
+        (piece_addrs[at[k] : at[k + 1]], piece_lens[at[k] : at[k + 1]], int(bounds[k + 1] - bounds[k]))
+        for k in range(len(bounds) - 1)
+    ]
 
 
 def pieces(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, piece: int) -> tuple[np.ndarray, ...]:
@@ -86,8 +89,7 @@ def pieces(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, piece: int) -> 
     owner = np.repeat(np.arange(len(lens)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     within = (np.arange(len(owner)) - first).astype(np.uint64) * np.uint64(piece)
-    return (dsts[owner] + within, srcs[owner] + within,
-            np.minimum(lens[owner] - within, np.uint64(piece)))
+    return (dsts[owner] + within, srcs[owner] + within, np.minimum(lens[owner] - within, np.uint64(piece)))
 
 
 def offsets(base: int, lens: np.ndarray) -> np.ndarray:
@@ -100,7 +102,9 @@ SendV = Callable[[int, bytes, Any, Any, int], None]
 RecvV = Callable[[int, Any, Any, int], None]
 
 
-def send(engine: Engine, sendv: SendV, fd: int, prefix: bytes, addrs: Any, lens: Any, timeout_ms: int) -> None:
+def send(
+    engine: Engine, sendv: SendV, fd: int, prefix: bytes, addrs: Any, lens: Any, timeout_ms: int
+) -> None:
     """Send ``prefix``, then the bytes of the device ranges, in order."""
     parts = chunks(addrs, lens, engine.chunk_bytes)
     if not parts:
@@ -113,9 +117,15 @@ def send(engine: Engine, sendv: SendV, fd: int, prefix: bytes, addrs: Any, lens:
             if k + 1 < len(parts):  # the other buffer's send has returned: refill it
                 pending[1 - slot] = engine.stage_out(1 - slot, *parts[k + 1])
             event, pending[slot] = pending[slot], None
+            assert event is not None  # staged in the previous round (or before the loop)
             event.synchronize()
-            sendv(fd, prefix if k == 0 else b"", np.array([engine.buffer(slot)], np.uint64),
-                  np.array([nbytes], np.uint64), timeout_ms)
+            sendv(
+                fd,
+                prefix if k == 0 else b"",
+                np.array([engine.buffer(slot)], np.uint64),
+                np.array([nbytes], np.uint64),
+                timeout_ms,
+            )
     except BaseException:
         _settle(pending, quiet=True)
         raise
@@ -155,8 +165,9 @@ def _settle(pending: list[Event | None], quiet: bool = False) -> None:
         raise error
 
 
-def pair(dst_addrs: np.ndarray, dst_lens: np.ndarray, src_addrs: np.ndarray,
-         src_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pair(
+    dst_addrs: np.ndarray, dst_lens: np.ndarray, src_addrs: np.ndarray, src_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst, src, len) triples that copy the source ranges, in order, into the
     destination ranges, in order (both cover the same number of bytes): each
     range is cut where a range of the other side ends."""
@@ -168,10 +179,15 @@ def pair(dst_addrs: np.ndarray, dst_lens: np.ndarray, src_addrs: np.ndarray,
     dst_ends = np.cumsum(dst_lens, dtype=np.uint64)
     src_ends = np.cumsum(src_lens, dtype=np.uint64)
     if dst_ends[-1] != src_ends[-1]:
-        raise ValueError(f"destination ranges cover {int(dst_ends[-1])} bytes, source ranges {int(src_ends[-1])}")
+        raise ValueError(
+            f"destination ranges cover {int(dst_ends[-1])} bytes, source ranges {int(src_ends[-1])}"
+        )
     points = np.union1d(np.concatenate(([0], dst_ends)).astype(np.uint64), src_ends)
     starts = points[:-1]
     d = np.searchsorted(dst_ends, starts, side="right")
     s = np.searchsorted(src_ends, starts, side="right")
-    return (dst_addrs[d] + (starts - (dst_ends[d] - dst_lens[d])),
-            src_addrs[s] + (starts - (src_ends[s] - src_lens[s])), np.diff(points))
+    return (
+        dst_addrs[d] + (starts - (dst_ends[d] - dst_lens[d])),
+        src_addrs[s] + (starts - (src_ends[s] - src_lens[s])),
+        np.diff(points),
+    )

@@ -44,4 +44,4 @@ def load(name: str) -> type[Backend]:
         module, _, cls = _REGISTRY[name].partition(":")
     except KeyError:
         raise ConfigError(f"no backend named {name!r}; registered: {', '.join(_REGISTRY)}") from None
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), cls)

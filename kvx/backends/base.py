@@ -21,7 +21,8 @@ import abc
 import dataclasses
 import functools
 import socket
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -89,9 +90,19 @@ class Channel(abc.ABC):
         return self.link.error
 
     @abc.abstractmethod
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int, remote_device: int,
-             remote_ipc: bool) -> None:
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int,
+        remote_device: int,
+        remote_ipc: bool,
+    ) -> None:
         """Start moving ``total`` bytes between local (address, length) pairs
         (uint64 buffers) and ``remote`` descriptors, then deliver ``notify``.
         Completion and errors arrive through ``transfer``'s parts.

@@ -60,17 +60,26 @@ class Selector:
                 else:
                     if not reason and setting != "auto":
                         reason = f"backend={setting} was configured"
-                    choice = Choice(backend.name, self._reason(backend, reason + more, refused, uses_gpu), channel)
+                    choice = Choice(
+                        backend.name, self._reason(backend, reason + more, refused, uses_gpu), channel
+                    )
                     if refused and not reason and same_host(md):
-                        logger.warning("peer %s is on this host, but %s cannot serve it; using %s: %s", md.name,
-                                       refused[-1][0], backend.name, choice.reason)
+                        logger.warning(
+                            "peer %s is on this host, but %s cannot serve it; using %s: %s",
+                            md.name,
+                            refused[-1][0],
+                            backend.name,
+                            choice.reason,
+                        )
                     return choice
             refused.append((backend.name, why_not))
         if setting != "auto":
-            raise ConnectError(f"backend={setting} was configured, but it cannot reach peer {md.name!r}: "
-                               f"{refused[-1][1]}")
-        raise ConnectError(f"no backend can reach peer {md.name!r}: "
-                           + "; ".join(f"{name}: {why}" for name, why in refused))
+            raise ConnectError(
+                f"backend={setting} was configured, but it cannot reach peer {md.name!r}: {refused[-1][1]}"
+            )
+        raise ConnectError(
+            f"no backend can reach peer {md.name!r}: " + "; ".join(f"{name}: {why}" for name, why in refused)
+        )
 
     @staticmethod
     def _reason(backend: Backend, reason: str, refused: list[tuple[str, str]], uses_gpu: bool) -> str:
@@ -79,4 +88,3 @@ class Selector:
             reason, refused = refused[-1][1], refused[:-1]
         reason += "".join(f"; not {name}: {why}" for name, why in refused)
         return reason + (_STAGED if backend.stages_gpu and uses_gpu else "")
-

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import hmac
 import itertools
 import logging
@@ -28,7 +29,8 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,9 +42,20 @@ from kvx.backends.control import wire as _wire
 from kvx.backends.control.sock import check_header, recv_exact, recv_header, tune
 from kvx.backends.control.wire import ErrorCode, MsgType
 from kvx.descs import DESC_DTYPE, Descs
-from kvx.errors import (AccessError, AuthError, ClosedError, ConnectError, EpochError, KvxError,
-                        LimitError, PeerLostError, ProtocolError, TimeoutError, TransferError,
-                        VersionError)
+from kvx.errors import (
+    AccessError,
+    AuthError,
+    ClosedError,
+    ConnectError,
+    EpochError,
+    KvxError,
+    LimitError,
+    PeerLostError,
+    ProtocolError,
+    TimeoutError,
+    TransferError,
+    VersionError,
+)
 from kvx.transfer import Op, Transfer
 from kvx.v1 import handshake_pb2
 
@@ -69,8 +82,12 @@ _ERRORS: dict[int, type[KvxError]] = {
 }
 
 
-_RESPONSE = {MsgType.READ_REQ: MsgType.READ_RESP, MsgType.WRITE_REQ: MsgType.WRITE_RESP,
-             MsgType.NOTIFY: MsgType.NOTIFY_ACK, MsgType.SHM_PIN: MsgType.SHM_PIN_OK}
+_RESPONSE = {
+    MsgType.READ_REQ: MsgType.READ_RESP,
+    MsgType.WRITE_REQ: MsgType.WRITE_RESP,
+    MsgType.NOTIFY: MsgType.NOTIFY_ACK,
+    MsgType.SHM_PIN: MsgType.SHM_PIN_OK,
+}
 
 
 def _remote_error(code: int, text: str, peer: str) -> KvxError:
@@ -120,8 +137,9 @@ class Links:
         return [t for conn in conns for t in (conn.reader, conn.sender) if t is not None]
 
 
-def dial(ctx: BackendContext, target_name: str, target_epoch: int,
-         address: str) -> tuple[socket.socket, tuple[int, int]]:
+def dial(
+    ctx: BackendContext, target_name: str, target_epoch: int, address: str
+) -> tuple[socket.socket, tuple[int, int]]:
     """Connect and run the handshake; returns the socket and the target's limits."""
     host, port = parse_address(address)
     timeout_s = ctx.timeouts.connect_s
@@ -132,22 +150,32 @@ def dial(ctx: BackendContext, target_name: str, target_epoch: int,
     try:
         tune(sock, timeout_s)
         nonce = os.urandom(_wire.NONCE_BYTES)
-        hello = handshake_pb2.Hello(name=ctx.agent_name, epoch=ctx.epoch, target_name=target_name,
-                                    target_epoch=target_epoch, nonce=nonce).SerializeToString()
+        hello = handshake_pb2.Hello(
+            name=ctx.agent_name,
+            epoch=ctx.epoch,
+            target_name=target_name,
+            target_epoch=target_epoch,
+            nonce=nonce,
+        ).SerializeToString()
         deadline = time.monotonic() + timeout_s
         sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
         reply = handshake_pb2.HelloReply.FromString(
-            handshake_reply(sock, MsgType.HELLO_REPLY, target_name, deadline))
+            handshake_reply(sock, MsgType.HELLO_REPLY, target_name, deadline)
+        )
         if len(reply.nonce) != _wire.NONCE_BYTES or reply.name != target_name or reply.epoch != target_epoch:
             raise ProtocolError(f"peer {target_name!r} answered the handshake with another identity or nonce")
         ids = (ctx.agent_name, target_name, ctx.epoch, target_epoch)
         secret = ctx.secret
         if reply.auth_required and secret is None:
-            raise AuthError(f"peer {target_name!r} requires authentication; configure the cluster's auth_secret")
+            raise AuthError(
+                f"peer {target_name!r} requires authentication; configure the cluster's auth_secret"
+            )
         if secret is not None:
             if not reply.auth_required:
-                raise AuthError(f"peer {target_name!r} has no auth_secret while this agent has one; "
-                                "configure the same secret on both")
+                raise AuthError(
+                    f"peer {target_name!r} has no auth_secret while this agent has one; "
+                    "configure the same secret on both"
+                )
             expected = _wire.target_proof(secret, nonce, reply.nonce, *ids)
             if not hmac.compare_digest(reply.proof, expected):
                 raise AuthError(f"peer {target_name!r} failed the HMAC challenge: another auth_secret")
@@ -198,8 +226,9 @@ class Part:
 
     __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy", "device")
 
-    def __init__(self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int,
-                 device: int = -1) -> None:
+    def __init__(
+        self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int, device: int = -1
+    ) -> None:
         self.transfer = transfer
         self.op = op
         self.addrs = addrs  # READ: where the response lands; WRITE: what is sent
@@ -254,7 +283,7 @@ class Connection:
         self.error: KvxError | None = None
         self.closed = False
         self.last_progress = time.monotonic()
-        self.queue: collections.deque = collections.deque()
+        self.queue: collections.deque[tuple[Part | None, bytes]] = collections.deque()
         self.queue_cv = threading.Condition(self.lock)
         self.sender: threading.Thread | None = None
         self.on_break: Callable[[KvxError], None] | None = None  # set by the link
@@ -290,9 +319,11 @@ class Connection:
                 error = None
                 self.pending[request_id] = part
                 self.last_progress = time.monotonic()
-                inline = (not self.queue and not (part.sends_data and (part.nbytes > INLINE_SEND_BYTES
-                                                                       or part.device >= 0))
-                          and self.send_lock.acquire(blocking=False))
+                inline = (
+                    not self.queue
+                    and not (part.sends_data and (part.nbytes > INLINE_SEND_BYTES or part.device >= 0))
+                    and self.send_lock.acquire(blocking=False)
+                )
                 if not inline:
                     self._enqueue(part, prefix)
                     return
@@ -302,19 +333,27 @@ class Connection:
             return
         self._send_locked(part, prefix)
 
-    def _send_locked(self, part: Part, prefix: bytes) -> None:
+    def _send_locked(self, part: Part | None, prefix: bytes) -> None:
         """Send with send_lock held (released here); then release the send hold."""
-        sends_data = part is not None and part.sends_data
+        # The part whose data follows the prefix; None for a message without data.
+        data_part = part if part is not None and part.sends_data else None
         error = None
         try:
             try:
                 if self.closed or self.error is not None:
                     raise self.error or PeerLostError(f"connection to peer {self.peer!r} is closed")
-                if sends_data and part.device >= 0:
-                    _staging.send(gpu.engine(part.device), _io.sendv, self.fd, prefix, part.addrs, part.lens,
-                                  self.io_ms)
-                elif sends_data:
-                    _io.sendv(self.fd, prefix, part.addrs, part.lens, self.io_ms)
+                if data_part is not None and data_part.device >= 0:
+                    _staging.send(
+                        gpu.engine(data_part.device),
+                        _io.sendv,
+                        self.fd,
+                        prefix,
+                        data_part.addrs,
+                        data_part.lens,
+                        self.io_ms,
+                    )
+                elif data_part is not None:
+                    _io.sendv(self.fd, prefix, data_part.addrs, data_part.lens, self.io_ms)
                 else:
                     self.sock.sendall(prefix)
             finally:
@@ -322,8 +361,8 @@ class Connection:
         except BaseException as exc:
             error = _translate(exc, self.peer, self.io_s)
             self.shutdown(error)
-        if sends_data:
-            self._release(part, _again(error) if error is not None else None)
+        if data_part is not None:
+            self._release(data_part, _again(error) if error is not None else None)
 
     def _send_loop(self) -> None:
         while True:
@@ -356,15 +395,13 @@ class Connection:
             # The reader shuts it down when the copy returns.
             copying = self.copying
         if not copying:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for part in failed:
             self._release(part, _again(error))
-        for part, _ in queued:
-            if part is not None and part.sends_data:
-                self._release(part, _again(error))  # its data was never sent
+        for queued_part, _ in queued:
+            if queued_part is not None and queued_part.sends_data:
+                self._release(queued_part, _again(error))  # its data was never sent
         if self.on_break is not None:
             self.on_break(error)
 
@@ -413,8 +450,9 @@ class Connection:
         with self.lock:
             return not self.pending or time.monotonic() - self.last_progress < self.io_s
 
-    def _read_response(self, part: Part, request_id: int, msg_type: int, payload_len: int, aux: int,
-                       data_len: int) -> KvxError | None:
+    def _read_response(
+        self, part: Part, request_id: int, msg_type: int, payload_len: int, aux: int, data_len: int
+    ) -> KvxError | None:
         if msg_type == MsgType.ERROR:
             if payload_len > _wire.MAX_ERROR_TEXT_BYTES or data_len:
                 raise ProtocolError(f"peer {self.peer!r} sent a malformed ERROR")
@@ -454,10 +492,8 @@ class Connection:
                 self.copying = False
                 broken = self.error is not None
             if broken:  # shutdown() came during the copy and left the socket to us
-                try:
+                with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         return result
 
     def send_oneway(self, prefix: bytes) -> None:
@@ -501,8 +537,9 @@ class Link:
     """The authenticated control connections to one peer, which every
     backend's channel builds on; cuts transfers into parts and spreads them."""
 
-    def __init__(self, ctx: BackendContext, peer: str, conns: list[Connection], max_message_bytes: int,
-                 max_descs: int) -> None:
+    def __init__(
+        self, ctx: BackendContext, peer: str, conns: list[Connection], max_message_bytes: int, max_descs: int
+    ) -> None:
         self.ctx = ctx
         self.peer = peer
         self.conns = conns
@@ -597,9 +634,18 @@ class Link:
             return None
         return lambda t: self.notify(t, notify)
 
-    def post_pinned(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-                    remote: np.ndarray, notify: bytes | None, flags: int,
-                    make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[np.ndarray], None]]) -> None:
+    def post_pinned(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        flags: int,
+        make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[np.ndarray], None]],
+    ) -> None:
         """A transfer whose bytes the initiator moves itself: per part, the
         target checks and pins the regions (SHM_PIN), then the reader calls
         ``make_copy(addrs, lens, remote descs, region ids)(pinned)`` with
@@ -618,14 +664,16 @@ class Link:
             prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
             conn.submit(part, prefix, request_id)
 
-    def split(self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray,
-              max_bytes: int) -> list[tuple[np.ndarray, Any, Any, int]]:
+    def split(
+        self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray, max_bytes: int
+    ) -> list[tuple[np.ndarray, Any, Any, int]]:
         """The requests of a transfer: (remote descriptors, local addresses,
         local lengths, bytes) each, within the target's limits and spread over
         the streams when it is large."""
         streams = len(self.conns) if total >= len(self.conns) * MIN_STREAM_BYTES else 1
         if streams == 1 and total <= max_bytes and len(remote) <= self.max_descs:
-            return [(remote, local_addrs, local_lens, total)]  # the common case, and the one latency depends on
+            # The common case, and the one latency depends on.
+            return [(remote, local_addrs, local_lens, total)]
         cuts = plan_cuts(remote, total, max_bytes, self.max_descs, streams)
         remote_cut, remote_idx = Descs(remote).split_at(cuts)
         local = np.zeros(len(local_addrs), dtype=DESC_DTYPE)
@@ -634,9 +682,15 @@ class Link:
         local_cut, local_idx = Descs(local).split_at(cuts)
         parts = []
         for k in range(len(cuts) - 1):
-            mine = local_cut.array[local_idx[k]:local_idx[k + 1]]
-            parts.append((remote_cut.array[remote_idx[k]:remote_idx[k + 1]], np.ascontiguousarray(mine["offset"]),
-                          np.ascontiguousarray(mine["length"]), int(cuts[k + 1] - cuts[k])))
+            mine = local_cut.array[local_idx[k] : local_idx[k + 1]]
+            parts.append(
+                (
+                    remote_cut.array[remote_idx[k] : remote_idx[k + 1]],
+                    np.ascontiguousarray(mine["offset"]),
+                    np.ascontiguousarray(mine["length"]),
+                    int(cuts[k + 1] - cuts[k]),
+                )
+            )
         return parts
 
 

@@ -13,13 +13,15 @@ way the agent goes on serving every other peer.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,8 +31,19 @@ from kvx.backends.control.sock import check_header, recv_exact, recv_header, tun
 from kvx.backends.control.wire import ErrorCode, MsgType
 from kvx.config import check_name
 from kvx.descs import DESC_DTYPE
-from kvx.errors import (AccessError, AuthError, ConfigError, ConnectError, EpochError, KvxError, LimitError,
-                        PeerLostError, ProtocolError, TimeoutError, VersionError)
+from kvx.errors import (
+    AccessError,
+    AuthError,
+    ConfigError,
+    ConnectError,
+    EpochError,
+    KvxError,
+    LimitError,
+    PeerLostError,
+    ProtocolError,
+    TimeoutError,
+    VersionError,
+)
 from kvx.memory import REMOTE_READ, REMOTE_WRITE
 from kvx.v1 import handshake_pb2
 
@@ -83,11 +96,21 @@ Handler = Callable[["InboundConnection", int, int, int, int], None]
 class Listener:
     """Accepts peers' control connections and serves them."""
 
-    def __init__(self, ctx: BackendContext, host: str, port: int, advertise_host: str | None,
-                 handlers: dict[int, Handler]) -> None:
+    def __init__(
+        self,
+        ctx: BackendContext,
+        host: str,
+        port: int,
+        advertise_host: str | None,
+        handlers: dict[int, Handler],
+    ) -> None:
         self.ctx = ctx
-        self.handlers: dict[int, Handler] = {MsgType.NOTIFY: _on_notify, MsgType.SHM_PIN: _on_pin,
-                                             MsgType.SHM_UNPIN: _on_unpin, **handlers}
+        self.handlers: dict[int, Handler] = {
+            MsgType.NOTIFY: _on_notify,
+            MsgType.SHM_PIN: _on_pin,
+            MsgType.SHM_UNPIN: _on_unpin,
+            **handlers,
+        }
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,8 +125,9 @@ class Listener:
         self._lock = threading.Lock()
         self._inbound: set[InboundConnection] = set()
         self._closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}",
-                                               daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}", daemon=True
+        )
         self._accept_thread.start()
 
     def _accept_loop(self) -> None:
@@ -125,10 +149,16 @@ class Listener:
                         sock.close()
                         return
                     unauthenticated = sum(1 for c in self._inbound if not c.authenticated)
-                    if len(self._inbound) >= self.ctx.limits.max_connections or \
-                            unauthenticated >= MAX_HANDSHAKES:
-                        logger.warning("refusing connection from %s: %d open, %d in handshake "
-                                       "(Limits.max_connections)", address, len(self._inbound), unauthenticated)
+                    if (
+                        len(self._inbound) >= self.ctx.limits.max_connections
+                        or unauthenticated >= MAX_HANDSHAKES
+                    ):
+                        logger.warning(
+                            "refusing connection from %s: %d open, %d in handshake (Limits.max_connections)",
+                            address,
+                            len(self._inbound),
+                            unauthenticated,
+                        )
                         sock.close()
                         continue
                     tune(sock, self.ctx.timeouts.connect_s)
@@ -148,10 +178,8 @@ class Listener:
         with self._lock:
             self._closed = True
             inbound = list(self._inbound)
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
         for conn in inbound:
             conn.shutdown()
@@ -178,10 +206,8 @@ class InboundConnection:
 
     def shutdown(self) -> None:
         self.closing = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def _run(self) -> None:
         try:
@@ -231,10 +257,13 @@ class InboundConnection:
         except Exception as exc:  # protobuf DecodeError and friends
             raise Fatal(ProtocolError(f"malformed HELLO: {exc}")) from None
         if hello.target_name != ctx.agent_name or hello.target_epoch != ctx.epoch:
-            raise Fatal(EpochError(
-                f"this is agent {ctx.agent_name!r} epoch {ctx.epoch:#x}; the initiator addressed "
-                f"{hello.target_name!r} epoch {hello.target_epoch:#x} (the agent restarted, or "
-                "the metadata is stale): fetch its metadata again"))
+            raise Fatal(
+                EpochError(
+                    f"this is agent {ctx.agent_name!r} epoch {ctx.epoch:#x}; the initiator addressed "
+                    f"{hello.target_name!r} epoch {hello.target_epoch:#x} (the agent restarted, or "
+                    "the metadata is stale): fetch its metadata again"
+                )
+            )
         if len(hello.nonce) != _wire.NONCE_BYTES:
             raise Fatal(ProtocolError("HELLO nonce must be 32 bytes"))
         try:
@@ -245,7 +274,10 @@ class InboundConnection:
         nonce = os.urandom(_wire.NONCE_BYTES)
         ids = (hello.name, ctx.agent_name, hello.epoch, ctx.epoch)
         reply = handshake_pb2.HelloReply(
-            name=ctx.agent_name, epoch=ctx.epoch, nonce=nonce, auth_required=secret is not None,
+            name=ctx.agent_name,
+            epoch=ctx.epoch,
+            nonce=nonce,
+            auth_required=secret is not None,
             proof=_wire.target_proof(secret, hello.nonce, nonce, *ids) if secret else b"",
             max_message_bytes=ctx.limits.max_message_bytes,
             max_descs_per_message=ctx.limits.max_descs_per_message,
@@ -261,9 +293,11 @@ class InboundConnection:
         if secret is not None:
             expected = _wire.initiator_proof(secret, hello.nonce, nonce, *ids)
             if not hmac.compare_digest(auth.proof, expected):
-                raise Fatal(AuthError(
-                    f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, "
-                    "auth_secret"))
+                raise Fatal(
+                    AuthError(
+                        f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, auth_secret"
+                    )
+                )
         self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
         self.peer_name = hello.name
@@ -292,11 +326,18 @@ class InboundConnection:
         """A request's descriptor payload, within the limits."""
         limits = self.ctx.limits
         if nbytes % DESC_SIZE:
-            raise Fatal(ProtocolError(f"descriptor payload of {nbytes} bytes is not a whole number "
-                                       "of descriptors"), request_id)
+            raise Fatal(
+                ProtocolError(f"descriptor payload of {nbytes} bytes is not a whole number of descriptors"),
+                request_id,
+            )
         if nbytes // DESC_SIZE > limits.max_descs_per_message:
-            raise Fatal(LimitError(f"{nbytes // DESC_SIZE} descriptors in one request; this agent "
-                                    f"takes at most {limits.max_descs_per_message}"), request_id)
+            raise Fatal(
+                LimitError(
+                    f"{nbytes // DESC_SIZE} descriptors in one request; this agent "
+                    f"takes at most {limits.max_descs_per_message}"
+                ),
+                request_id,
+            )
         if not nbytes:
             return np.zeros(0, dtype=DESC_DTYPE)
         return np.frombuffer(recv_exact(self.sock, nbytes), dtype=DESC_DTYPE)
@@ -304,17 +345,23 @@ class InboundConnection:
     def check_size(self, request_id: int, data_len: int) -> None:
         limit = self.ctx.limits.max_message_bytes
         if data_len > limit:
-            raise Fatal(LimitError(f"request of {data_len} bytes; this agent takes at most {limit} "
-                                    "per message"), request_id)
+            raise Fatal(
+                LimitError(f"request of {data_len} bytes; this agent takes at most {limit} per message"),
+                request_id,
+            )
 
     def deliver(self, request_id: int, data: bytes) -> bool:
         """Hand a notification to the application; False (and an ERROR sent)
         when its queue is full."""
         if self.ctx.deliver(self.peer_name, data):
             return True
-        self.send_error(request_id, LimitError(
-            f"agent {self.ctx.agent_name!r} has {self.ctx.limits.max_pending_notifications} notifications "
-            "its application has not taken; the notification was refused"))
+        self.send_error(
+            request_id,
+            LimitError(
+                f"agent {self.ctx.agent_name!r} has {self.ctx.limits.max_pending_notifications} notifications "
+                "its application has not taken; the notification was refused"
+            ),
+        )
         return False
 
     def _linger(self) -> None:
@@ -336,10 +383,8 @@ class InboundConnection:
     def send_error(self, request_id: int, error: KvxError) -> None:
         """An ERROR response; the connection stays up."""
         text = str(error).encode()[: _wire.MAX_ERROR_TEXT_BYTES]
-        try:
+        with contextlib.suppress(OSError):
             self.sock.sendall(_wire.pack(MsgType.ERROR, request_id, len(text), error_code(error)) + text)
-        except OSError:
-            pass
 
 
 # The handlers every agent serves: notifications, and pins for the backends
@@ -350,8 +395,10 @@ def _on_notify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
     if data_len or aux:
         raise Fatal(ProtocolError("NOTIFY carries no data"), request_id)
     if payload_len > conn.ctx.limits.max_notify_bytes:
-        raise Fatal(LimitError(f"notification of {payload_len} bytes; at most "
-                               f"{conn.ctx.limits.max_notify_bytes}"), request_id)
+        raise Fatal(
+            LimitError(f"notification of {payload_len} bytes; at most {conn.ctx.limits.max_notify_bytes}"),
+            request_id,
+        )
     data = bytes(recv_exact(conn.sock, payload_len))
     if conn.deliver(request_id, data):
         conn.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
@@ -371,8 +418,9 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
         raise Fatal(LimitError(f"{MAX_PINS} shm pins held by one connection; unpin first"), request_id)
     ids = np.frombuffer(recv_exact(conn.sock, payload_len), dtype="<u4").astype(np.intp)
     if not ctx.serves_pins:
-        conn.send_error(request_id, AccessError(
-            f"agent {ctx.agent_name!r} does not offer shm (backend={ctx.setting!r})"))
+        conn.send_error(
+            request_id, AccessError(f"agent {ctx.agent_name!r} does not offer shm (backend={ctx.setting!r})")
+        )
         return
     writing = aux == _wire.PIN_WRITE
     who = "remote write" if writing else "remote read"

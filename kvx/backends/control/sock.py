@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import builtins
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvx.backends.control import wire as _wire
 from kvx.errors import PeerLostError, ProtocolError, TimeoutError, VersionError
+
+# TimeoutError in this module is kvx's; the socket's own timeout (socket.timeout) is the
+# builtin one, caught as builtins.TimeoutError.
 
 _SCRATCH_BYTES = 1 << 20
 
@@ -39,7 +43,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
             sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        except (socket.timeout, BlockingIOError):
+        except (builtins.TimeoutError, BlockingIOError):
             raise TimeoutError(f"peer sent {got} of {n} expected bytes, then nothing") from None
         except OSError as exc:
             raise PeerLostError(f"connection lost: {exc}") from exc
@@ -61,7 +65,7 @@ def recv_header(sock: socket.socket, idle_ok: Callable[[], bool]) -> bytearray |
     while got < _wire.HEADER_SIZE:
         try:
             k = sock.recv_into(view[got:], _wire.HEADER_SIZE - got, socket.MSG_WAITALL)
-        except (socket.timeout, BlockingIOError):
+        except (builtins.TimeoutError, BlockingIOError):
             if got == 0 and idle_ok():
                 continue
             raise TimeoutError("no message from the peer within the timeout") from None
@@ -80,7 +84,7 @@ def drain(sock: socket.socket, n: int) -> None:
     while n > 0:
         try:
             k = sock.recv_into(view[: min(n, len(scratch))])
-        except (socket.timeout, BlockingIOError):
+        except (builtins.TimeoutError, BlockingIOError):
             raise TimeoutError("peer stopped sending the data of a refused request") from None
         if k == 0:
             raise PeerLostError("connection closed by peer while draining a refused request")

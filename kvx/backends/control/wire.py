@@ -101,7 +101,9 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 7
 
 
-def pack(msg_type: MsgType, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0) -> bytes:
+def pack(
+    msg_type: MsgType, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0
+) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, payload_len, aux, data_len)
 
 
@@ -110,26 +112,56 @@ def unpack(header: bytes | bytearray | memoryview) -> tuple[bytes, int, int, int
     return HEADER.unpack(header)
 
 
-def _transcript(label: bytes, first: bytes, second: bytes, initiator: str, target: str,
-                initiator_epoch: int, target_epoch: int) -> bytes:
+def _transcript(
+    label: bytes,
+    first: bytes,
+    second: bytes,
+    initiator: str,
+    target: str,
+    initiator_epoch: int,
+    target_epoch: int,
+) -> bytes:
     # Every field length-prefixed: no two different transcripts encode alike.
-    fields = [label, first, second, initiator.encode(), target.encode(),
-              initiator_epoch.to_bytes(8, "little"), target_epoch.to_bytes(8, "little"),
-              PROTOCOL_VERSION.to_bytes(2, "little")]
+    fields = [
+        label,
+        first,
+        second,
+        initiator.encode(),
+        target.encode(),
+        initiator_epoch.to_bytes(8, "little"),
+        target_epoch.to_bytes(8, "little"),
+        PROTOCOL_VERSION.to_bytes(2, "little"),
+    ]
     return b"".join(len(f).to_bytes(4, "little") + f for f in fields)
 
 
-def target_proof(secret: bytes, initiator_nonce: bytes, target_nonce: bytes, initiator: str,
-                 target: str, initiator_epoch: int, target_epoch: int) -> bytes:
+def target_proof(
+    secret: bytes,
+    initiator_nonce: bytes,
+    target_nonce: bytes,
+    initiator: str,
+    target: str,
+    initiator_epoch: int,
+    target_epoch: int,
+) -> bytes:
     """The target's answer to the initiator's challenge."""
-    msg = _transcript(b"kvx-target", initiator_nonce, target_nonce, initiator, target,
-                      initiator_epoch, target_epoch)
+    msg = _transcript(
+        b"kvx-target", initiator_nonce, target_nonce, initiator, target, initiator_epoch, target_epoch
+    )
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def initiator_proof(secret: bytes, initiator_nonce: bytes, target_nonce: bytes, initiator: str,
-                    target: str, initiator_epoch: int, target_epoch: int) -> bytes:
+def initiator_proof(
+    secret: bytes,
+    initiator_nonce: bytes,
+    target_nonce: bytes,
+    initiator: str,
+    target: str,
+    initiator_epoch: int,
+    target_epoch: int,
+) -> bytes:
     """The initiator's answer to the target's challenge."""
-    msg = _transcript(b"kvx-initiator", target_nonce, initiator_nonce, initiator, target,
-                      initiator_epoch, target_epoch)
+    msg = _transcript(
+        b"kvx-initiator", target_nonce, initiator_nonce, initiator, target, initiator_epoch, target_epoch
+    )
     return hmac.new(secret, msg, hashlib.sha256).digest()

@@ -54,7 +54,9 @@ class CudaIpcBackend(Backend):
 
     def applies(self, md: agent_pb2.AgentMetadata) -> bool:
         """Only when either side has registered GPU memory."""
-        return self.ctx.regions.has_cuda or any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions)
+        return self.ctx.regions.has_cuda or any(
+            r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions
+        )
 
     def streams(self, md: agent_pb2.AgentMetadata, streams: int) -> int:
         if md.shm_probe_address and same_host(md):
@@ -69,13 +71,18 @@ class CudaIpcBackend(Backend):
             return why, ""
         cma_why = cma_problem(md)
         if cma_why is None:
-            return None, (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach to pid "
-                          f"{md.pid} permitted; GPU-to-GPU through CUDA IPC, host memory through cross-memory "
-                          "attach, host with GPU through pinned host buffers")
+            return None, (
+                f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach to pid "
+                f"{md.pid} permitted; GPU-to-GPU through CUDA IPC, host memory through cross-memory "
+                "attach, host with GPU through pinned host buffers"
+            )
         if not md.shm_probe_address:
             return cma_why, ""  # the peer serves no pins
         # CUDA IPC needs no attach: only the pins, over the authenticated connection.
-        return None, f"same host ({md.host_name}), GPU-to-GPU through CUDA IPC; host memory over tcp, as {cma_why}"
+        return (
+            None,
+            f"same host ({md.host_name}), GPU-to-GPU through CUDA IPC; host memory over tcp, as {cma_why}",
+        )
 
     def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
         if cma_problem(md) is None:
@@ -83,7 +90,8 @@ class CudaIpcBackend(Backend):
         maps = map_segments(md, link)
         if maps:
             return CudaIpcChannel(link, md.pid, ShmChannel(link, md.pid, cma=False, segment_maps=maps)), (
-                f"; {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through shared segments")
+                f"; {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through shared segments"
+            )
         return CudaIpcChannel(link, md.pid, TcpChannel(link)), ""
 
 
@@ -93,8 +101,9 @@ def ipc_problem(md: agent_pb2.AgentMetadata) -> str | None:
         return None  # one process: the peer's device addresses are valid here
     if not gpu.available():
         return "this process has no CUDA device, or no CuPy (" + gpu.EXTRA + ")"
-    if any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions) and \
-            not any(r.cuda_ipc for r in md.regions):
+    if any(r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions) and not any(
+        r.cuda_ipc for r in md.regions
+    ):
         return f"peer {md.name!r} offers none of its GPU memory through CUDA IPC"
     return None
 
@@ -118,16 +127,45 @@ class CudaIpcChannel(Channel):
     def cma(self) -> bool:
         return isinstance(self.host, ShmChannel) and self.host.cma
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int = -1,
+        remote_device: int = -1,
+        remote_ipc: bool = False,
+    ) -> None:
         if local_device >= 0 and remote_device >= 0 and remote_ipc:
             ipc_map, pid, peer = self._map(local_device), self.pid, self._link.peer
-            self._link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_IPC,
-                                   lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part))
+            self._link.post_pinned(
+                transfer,
+                op,
+                local_addrs,
+                local_lens,
+                total,
+                remote,
+                notify,
+                _wire.PIN_IPC,
+                lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part),
+            )
         else:
-            self.host.post(transfer, op, local_addrs, local_lens, total, remote, notify, local_device,
-                           remote_device, remote_ipc)
+            self.host.post(
+                transfer,
+                op,
+                local_addrs,
+                local_lens,
+                total,
+                remote,
+                notify,
+                local_device,
+                remote_device,
+                remote_ipc,
+            )
 
     def _map(self, device: int) -> Any:
         with self._lock:
@@ -164,8 +202,9 @@ class IpcCopy(PinnedCopy):
             mapped = bases  # the same process: the peer's device addresses are ours
         else:
             # Where each region starts in this process: its allocation, opened once, plus its offset.
-            mapped = np.array([self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)],
-                              np.uint64)
+            mapped = np.array(
+                [self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)], np.uint64
+            )
         dsts, srcs, lens = self.triples(mapped)
         try:
             gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()

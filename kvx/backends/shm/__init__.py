@@ -93,20 +93,26 @@ class ShmBackend(Backend):
             try:
                 self._segment_server = segments.SegmentServer(self.ctx)
             except OSError as exc:
-                logger.warning("agent %s: no shared-segment socket (%s); peers that may not attach to this "
-                               "process will use tcp", self.ctx.agent_name, exc)
+                logger.warning(
+                    "agent %s: no shared-segment socket (%s); peers that may not attach to this "
+                    "process will use tcp",
+                    self.ctx.agent_name,
+                    exc,
+                )
 
     def handlers(self) -> dict[int, Handler]:
         return {MsgType.SEG_TOKEN: self._on_seg_token}
 
-    def _on_seg_token(self, conn: InboundConnection, request_id: int, payload_len: int, aux: int,
-                      data_len: int) -> None:
+    def _on_seg_token(
+        self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
+    ) -> None:
         if payload_len or aux or data_len:
             raise Fatal(ProtocolError("SEG_TOKEN carries nothing"), request_id)
         server = self._segment_server
         if server is None:
-            conn.send_error(request_id, AccessError(
-                f"agent {self.ctx.agent_name!r} does not offer shared segments"))
+            conn.send_error(
+                request_id, AccessError(f"agent {self.ctx.agent_name!r} does not offer shared segments")
+            )
             return
         try:
             token = server.issue(conn.peer_name)
@@ -123,8 +129,10 @@ class ShmBackend(Backend):
     def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
         why = cma_problem(md)
         if why is None:
-            return None, (f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
-                          f"to pid {md.pid} permitted")
+            return None, (
+                f"same host ({md.host_name}, boot id {md.boot_id[:8]}), cross-memory attach "
+                f"to pid {md.pid} permitted"
+            )
         if segments_offered(md):
             return None, why  # connect maps the segments, or finds it cannot
         return why, ""
@@ -134,10 +142,13 @@ class ShmBackend(Backend):
             return ShmChannel(link, md.pid, cma=True), ""
         maps = map_segments(md, link)
         if not maps:
-            raise Unreachable(f"{cma_problem(md)}; peer {md.name!r} offers no shared segment that could be mapped")
+            raise Unreachable(
+                f"{cma_problem(md)}; peer {md.name!r} offers no shared segment that could be mapped"
+            )
         return ShmChannel(link, md.pid, cma=False, segment_maps=maps), (
             f"; instead, {len(maps)} region(s) allocated with kvx.alloc_shared are mapped through "
-            "shared segments, other memory goes over tcp")
+            "shared segments, other memory goes over tcp"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -152,7 +163,9 @@ class ShmChannel(Channel):
     segments; anything else (GPU memory on either side, memory outside the
     segments) over tcp, on the same link."""
 
-    def __init__(self, link: Link, pid: int, *, cma: bool, segment_maps: dict[int, Any] | None = None) -> None:
+    def __init__(
+        self, link: Link, pid: int, *, cma: bool, segment_maps: dict[int, Any] | None = None
+    ) -> None:
         self._link = link
         self.tcp = TcpChannel(link)
         self.pid = pid
@@ -167,20 +180,49 @@ class ShmChannel(Channel):
     def link(self) -> Link:
         return self._link
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int = -1,
+        remote_device: int = -1,
+        remote_ipc: bool = False,
+    ) -> None:
         if local_device < 0 and remote_device < 0 and self.cma:
             pid, peer = self.pid, self._link.peer
-            self._link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
-                                   lambda *part: CmaCopy(pid, op, peer, *part))
+            self._link.post_pinned(
+                transfer,
+                op,
+                local_addrs,
+                local_lens,
+                total,
+                remote,
+                notify,
+                0,
+                lambda *part: CmaCopy(pid, op, peer, *part),
+            )
         elif local_device < 0 and remote_device < 0 and self._in_segments(remote):
             maps, peer = self.segment_maps, self._link.peer
-            self._link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
-                                   lambda *part: SegmentCopy(maps, op, peer, *part))
+            self._link.post_pinned(
+                transfer,
+                op,
+                local_addrs,
+                local_lens,
+                total,
+                remote,
+                notify,
+                0,
+                lambda *part: SegmentCopy(maps, op, peer, *part),
+            )
         else:
-            self.tcp.post(transfer, op, local_addrs, local_lens, total, remote, notify, local_device,
-                          remote_device)
+            self.tcp.post(
+                transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device
+            )
 
     def _in_segments(self, remote: np.ndarray) -> bool:
         if not len(self._segment_ids):
@@ -202,7 +244,9 @@ def map_segments(md: agent_pb2.AgentMetadata, link: Link) -> dict[int, Any]:
         token = link.request(MsgType.SEG_TOKEN, MsgType.SEG_TOKEN_OK)
         if len(token) != segments.TOKEN_BYTES:
             raise ProtocolError(f"peer {md.name!r} sent a {len(token)}-byte segment token")
-        return segments.fetch(md.segment_socket, token, [r.id for r in md.regions if r.shared_segment], md.name)
+        return segments.fetch(
+            md.segment_socket, token, [r.id for r in md.regions if r.shared_segment], md.name
+        )
     except (KvxError, OSError) as exc:
         logger.warning("peer %s offers shared segments, but mapping them failed: %s", md.name, exc)
         return {}
@@ -219,18 +263,26 @@ def probe(md: agent_pb2.AgentMetadata) -> str | None:
     """None when this process may attach to the peer's; else why not, in words
     that say what to change."""
     if not md.shm_probe_address:
-        return (f"peer {md.name!r} does not offer shm (its backend setting is tcp, or it runs a kvx "
-                "without shm)")
+        return (
+            f"peer {md.name!r} does not offer shm (its backend setting is tcp, or it runs a kvx without shm)"
+        )
     local = np.zeros(1, dtype="<u8")
     try:
-        _io.vm_readv(md.pid, np.array([local.ctypes.data], np.uint64), np.array([8], np.uint64),
-                     np.array([md.shm_probe_address], np.uint64), np.array([8], np.uint64))
+        _io.vm_readv(
+            md.pid,
+            np.array([local.ctypes.data], np.uint64),
+            np.array([8], np.uint64),
+            np.array([md.shm_probe_address], np.uint64),
+            np.array([8], np.uint64),
+        )
     except OSError as exc:
         return explain(exc, md.pid)
     if int(local[0]) != md.epoch:
-        return (f"pid {md.pid} in this process's pid namespace is not peer {md.name!r}: the agents run in "
-                "different pid namespaces (containers); share one (Kubernetes: shareProcessNamespace or "
-                "hostPID; docker: --pid=host)")
+        return (
+            f"pid {md.pid} in this process's pid namespace is not peer {md.name!r}: the agents run in "
+            "different pid namespaces (containers); share one (Kubernetes: shareProcessNamespace or "
+            "hostPID; docker: --pid=host)"
+        )
     return None
 
 
@@ -239,18 +291,24 @@ def explain(exc: OSError, pid: int) -> str:
     if exc.errno == errno.EPERM:
         scope = ptrace_scope()
         if scope is not None and scope >= 1:
-            why = (f"kernel.yama.ptrace_scope is {scope}, which allows it only "
-                   + ("on descendants" if scope == 1 else "with CAP_SYS_PTRACE" if scope == 2 else "never"))
-            fix = ("set it to 0 (sysctl kernel.yama.ptrace_scope=0) or give the agents CAP_SYS_PTRACE"
-                   if scope < 3 else "ptrace_scope 3 cannot be lowered without a reboot")
+            why = f"kernel.yama.ptrace_scope is {scope}, which allows it only " + (
+                "on descendants" if scope == 1 else "with CAP_SYS_PTRACE" if scope == 2 else "never"
+            )
+            fix = (
+                "set it to 0 (sysctl kernel.yama.ptrace_scope=0) or give the agents CAP_SYS_PTRACE"
+                if scope < 3
+                else "ptrace_scope 3 cannot be lowered without a reboot"
+            )
         else:
             why = "the processes run as different users, or a container lacks CAP_SYS_PTRACE"
             fix = "run both agents as one user, or add CAP_SYS_PTRACE (docker: --cap-add SYS_PTRACE)"
         return f"cross-memory attach to pid {pid} is not permitted (EPERM): {why}; {fix}"
     if exc.errno == errno.ESRCH:
-        return (f"no process {pid} in this pid namespace: the peer runs in another pid namespace "
-                "(container), or has exited; share the pid namespace (Kubernetes: shareProcessNamespace "
-                "or hostPID; docker: --pid=host)")
+        return (
+            f"no process {pid} in this pid namespace: the peer runs in another pid namespace "
+            "(container), or has exited; share the pid namespace (Kubernetes: shareProcessNamespace "
+            "or hostPID; docker: --pid=host)"
+        )
     if exc.errno == errno.ENOSYS:
         return "process_vm_readv is not available (blocked by a seccomp profile, or an old kernel)"
     if exc.errno == errno.EFAULT:

@@ -24,7 +24,9 @@ class PinnedCopy:
     __slots__ = ("op", "peer", "addrs", "lens", "remote", "regions")
     extra_bytes = 0
 
-    def __init__(self, op: Op, peer: str, addrs: Any, lens: Any, remote: np.ndarray, regions: np.ndarray) -> None:
+    def __init__(
+        self, op: Op, peer: str, addrs: Any, lens: Any, remote: np.ndarray, regions: np.ndarray
+    ) -> None:
         self.op = op
         self.peer = peer
         self.addrs = addrs
@@ -35,10 +37,12 @@ class PinnedCopy:
     def __call__(self, pinned: np.ndarray) -> None:
         n = len(self.regions)
         if len(pinned) * 8 != n * (16 + self.extra_bytes):
-            raise ProtocolError(f"peer {self.peer!r} answered a pin of {n} regions with {len(pinned) * 8} bytes")
-        bases, sizes = pinned[0:2 * n:2], pinned[1:2 * n:2]
+            raise ProtocolError(
+                f"peer {self.peer!r} answered a pin of {n} regions with {len(pinned) * 8} bytes"
+            )
+        bases, sizes = pinned[0 : 2 * n : 2], pinned[1 : 2 * n : 2]
         check_pinned(self.remote, self.regions, sizes, self.peer, self.op is Op.WRITE)
-        self.move(bases, sizes, pinned[2 * n:])
+        self.move(bases, sizes, pinned[2 * n :])
 
     def move(self, bases: np.ndarray, sizes: np.ndarray, extra: np.ndarray) -> None:
         raise NotImplementedError
@@ -69,8 +73,13 @@ class CmaCopy(PinnedCopy):
         at = 0 if len(self.regions) == 1 else np.searchsorted(self.regions, self.remote["region"])
         move = _io.vm_writev if self.op is Op.WRITE else _io.vm_readv
         try:
-            move(self.pid, self.addrs, self.lens, np.ascontiguousarray(self.remote["offset"] + bases[at], np.uint64),
-                 np.ascontiguousarray(self.remote["length"]))
+            move(
+                self.pid,
+                self.addrs,
+                self.lens,
+                np.ascontiguousarray(self.remote["offset"] + bases[at], np.uint64),
+                np.ascontiguousarray(self.remote["length"]),
+            )
         except OSError as exc:
             raise copy_error(exc, self.pid, self.peer) from exc
 
@@ -89,11 +98,16 @@ class SegmentCopy(PinnedCopy):
         if any(m.size != int(size) for m, size in zip(mapped, sizes.tolist(), strict=True)):
             raise ProtocolError(f"peer {self.peer!r} pinned a region whose size differs from its segment")
         dsts, srcs, lens = self.triples(np.array([m.base for m in mapped], np.uint64))
-        _io.memcpyv(np.ascontiguousarray(dsts, np.uint64), np.ascontiguousarray(srcs, np.uint64),
-                    np.ascontiguousarray(lens, np.uint64))
+        _io.memcpyv(
+            np.ascontiguousarray(dsts, np.uint64),
+            np.ascontiguousarray(srcs, np.uint64),
+            np.ascontiguousarray(lens, np.uint64),
+        )
 
 
-def check_pinned(remote: np.ndarray, regions: np.ndarray, sizes: np.ndarray, peer: str, writing: bool) -> None:
+def check_pinned(
+    remote: np.ndarray, regions: np.ndarray, sizes: np.ndarray, peer: str, writing: bool
+) -> None:
     """Every remote descriptor lies inside the size the target pinned."""
     offsets, lengths = remote["offset"], remote["length"]
     size = sizes[0] if len(regions) == 1 else sizes[np.searchsorted(regions, remote["region"])]
@@ -114,6 +128,8 @@ def copy_error(exc: OSError, pid: int, peer: str) -> Exception:
     if exc.errno == errno.EPERM:
         return AccessError(f"cross-memory attach to peer {peer!r} (pid {pid}) is no longer permitted: {exc}")
     if exc.errno == errno.EFAULT:
-        return TransferError(f"peer {peer!r} (pid {pid}): a pinned range is not mapped in its process (EFAULT); "
-                             "was its memory freed without deregister()?")
+        return TransferError(
+            f"peer {peer!r} (pid {pid}): a pinned range is not mapped in its process (EFAULT); "
+            "was its memory freed without deregister()?"
+        )
     return TransferError(f"cross-memory attach to peer {peer!r} (pid {pid}) failed: {exc}")

@@ -20,6 +20,7 @@ registered with remote access.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -63,7 +64,9 @@ class SegmentServer:
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name=f"kvx-segments-{ctx.agent_name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"kvx-segments-{ctx.agent_name}", daemon=True
+        )
         self._thread.start()
 
     def issue(self, peer: str) -> bytes:
@@ -125,10 +128,8 @@ class SegmentServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
 
 
@@ -160,8 +161,9 @@ def fetch(name: str, token: bytes, region_ids: list[int], peer: str) -> dict[int
         try:
             sock.connect("\0" + name)
         except OSError as exc:
-            raise ConnectError(f"cannot reach peer {peer!r}'s segment socket @{name}: {exc} (another network "
-                               "namespace?)") from None
+            raise ConnectError(
+                f"cannot reach peer {peer!r}'s segment socket @{name}: {exc} (another network namespace?)"
+            ) from None
         sock.sendall(token + struct.pack("<I", len(region_ids)) + np.asarray(region_ids, "<u4").tobytes())
         want = 4 + _ENTRY.size * len(region_ids)
         data, fds, _, _ = socket.recv_fds(sock, want, len(region_ids))
@@ -198,7 +200,6 @@ def fetch(name: str, token: bytes, region_ids: list[int], peer: str) -> dict[int
 
 def close_all(maps: dict[int, Any]) -> None:
     for m in maps.values():
-        try:
+        # BufferError: a view is still exported; the mapping goes with it.
+        with contextlib.suppress(BufferError):
             m.mapped.close()
-        except BufferError:  # a view is still exported; the mapping goes with it
-            pass

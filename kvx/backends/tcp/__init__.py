@@ -52,9 +52,19 @@ class TcpChannel(Channel):
     def link(self) -> Link:
         return self._link
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int = -1,
+        remote_device: int = -1,
+        remote_ipc: bool = False,
+    ) -> None:
         link = self._link
         parts = link.split(local_addrs, local_lens, total, remote, link.max_message_bytes)
         attach_notify = notify is not None and len(parts) == 1 and op is Op.WRITE
@@ -65,10 +75,22 @@ class TcpChannel(Channel):
             payload = wire.tobytes()
             if op is Op.READ:
                 prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
-                conn.submit(Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes, local_device), prefix, request_id)
+                conn.submit(
+                    Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes, local_device), prefix, request_id
+                )
             else:
                 extra = notify if attach_notify and notify is not None else b""
-                prefix = _wire.pack(MsgType.WRITE_REQ, request_id, payload_len=len(payload) + len(extra),
-                                    aux=len(extra), data_len=nbytes) + payload + extra
-                conn.submit(Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, local_device), prefix,
-                            request_id)
+                prefix = (
+                    _wire.pack(
+                        MsgType.WRITE_REQ,
+                        request_id,
+                        payload_len=len(payload) + len(extra),
+                        aux=len(extra),
+                        data_len=nbytes,
+                    )
+                    + payload
+                    + extra
+                )
+                conn.submit(
+                    Part(transfer, MsgType.WRITE_REQ, addrs, lens, nbytes, local_device), prefix, request_id
+                )

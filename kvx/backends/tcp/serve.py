@@ -33,13 +33,17 @@ def on_read(conn: InboundConnection, request_id: int, payload_len: int, aux: int
     try:
         limit = conn.ctx.limits.max_message_bytes
         if total > limit:
-            conn.send_error(request_id, LimitError(
-                f"read of {total} bytes in one request; this agent takes at most {limit}"))
+            conn.send_error(
+                request_id,
+                LimitError(f"read of {total} bytes in one request; this agent takes at most {limit}"),
+            )
             return
         header = _wire.pack(MsgType.READ_RESP, request_id, data_len=total)
         device = table.device_of(descs, "remote read")
         if device >= 0:  # CUDA memory: through pinned host buffers
-            _staging.send(gpu.engine(device), _io.sendv, conn.sock.fileno(), header, addrs, lens, conn.ctx.io_ms)
+            _staging.send(
+                gpu.engine(device), _io.sendv, conn.sock.fileno(), header, addrs, lens, conn.ctx.io_ms
+            )
         else:
             _io.sendv(conn.sock.fileno(), header, addrs, lens, conn.ctx.io_ms)
     except ConfigError as exc:  # mixes host and CUDA memory
@@ -52,15 +56,18 @@ def on_write(conn: InboundConnection, request_id: int, payload_len: int, aux: in
     limits = conn.ctx.limits
     notify_len = aux
     if notify_len > payload_len or notify_len > limits.max_notify_bytes:
-        raise Fatal(LimitError(f"notification of {notify_len} bytes; at most {limits.max_notify_bytes}"),
-                    request_id)
+        raise Fatal(
+            LimitError(f"notification of {notify_len} bytes; at most {limits.max_notify_bytes}"), request_id
+        )
     conn.check_size(request_id, data_len)
     descs = conn.recv_descs(request_id, payload_len - notify_len)
     notify = bytes(recv_exact(conn.sock, notify_len)) if notify_len else None
     total = total_bytes(descs)
     if total != data_len:
-        raise Fatal(ProtocolError(f"WRITE_REQ announces {data_len} bytes but its descriptors cover {total}"),
-                    request_id)
+        raise Fatal(
+            ProtocolError(f"WRITE_REQ announces {data_len} bytes but its descriptors cover {total}"),
+            request_id,
+        )
     table = conn.ctx.regions
     try:
         addrs, lens, _, token = table.resolve(descs, REMOTE_WRITE, "remote write")
