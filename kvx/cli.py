@@ -151,10 +151,10 @@ def _run_metadata(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvx.metadata.service import MetadataServer, ServiceLimits, TlsConfig
-    from kvx.metadata.store import MemoryStore
+    from kvx.metadata.store import MemoryStore, Store
 
     if args.store == "memory":
-        store = MemoryStore()
+        store: Store = MemoryStore()
     elif args.store.startswith("etcd://"):
         from kvx.metadata.etcd import EtcdStore
 
