@@ -358,11 +358,11 @@ class Agent:
                 r.memory_kind == agent_pb2.MEMORY_KIND_CUDA for r in md.regions
             )
             choice = self._selector.choose(md, setting, link, uses_gpu)
+            peer = Peer(self, md, choice.channel, choice.backend, choice.reason)
         except BaseException:
             link.abandon()
             raise
         link.start()
-        peer = Peer(self, md, choice.channel, choice.backend, choice.reason)
         with self._lock:
             if self._closed:
                 choice.channel.close()

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvx.backends.base import Backend, Channel, Unreachable, same_host
-from kvx.errors import ConnectError
+from kvx.errors import ConfigError, ConnectError
 from kvx.v1 import agent_pb2
 
 if TYPE_CHECKING:
@@ -39,6 +39,11 @@ class Selector:
 
     def candidates(self, md: agent_pb2.AgentMetadata, setting: str) -> list[Backend]:
         if setting != "auto":
+            if setting not in self.backends:
+                raise ConfigError(
+                    f"backend {setting!r} was registered after this agent started; "
+                    "register backends before creating agents"
+                )
             return [self.backends[setting]]
         return [b for b in self._auto if b.applies(md)]
 

@@ -300,6 +300,8 @@ class Connection:
         self.closed = True
         self.sock.close()
         self.links._connection_closed(self)
+        if self.on_closed is not None:
+            self.on_closed(self)
 
     def _release(self, part: Part, error: KvxError | None = None) -> None:
         with self.lock:
@@ -568,7 +570,8 @@ class Link:
             conn.start()
 
     def abandon(self) -> None:
-        """Close a link whose readers never started (its channel was not made)."""
+        """Close a link whose readers never started (no peer was made of it);
+        what channels hooked on its end (``when_closed``) runs."""
         self._error = self._error or ClosedError(f"link to peer {self.peer!r} was not used")
         for conn in self.conns:
             conn.abandon()
