@@ -196,7 +196,7 @@ def dial(
         raise ConnectError(f"handshake with peer {target_name!r} at {address} failed: {exc}") from exc
 
 
-def handshake_reply(sock: socket.socket, expect: MsgType, peer: str, deadline: float) -> bytes:
+def handshake_reply(sock: socket.socket, expect: int, peer: str, deadline: float) -> bytes:
     """The answer to a request sent before the connection's reader started."""
     try:
         msg_type, _, payload_len, aux, data_len = check_header(recv_exact(sock, _wire.HEADER_SIZE, deadline))
@@ -610,16 +610,20 @@ class Link:
             return self.conns[0]
         return self.conns[next(self._next_conn) % len(self.conns)]
 
-    def request(self, msg_type: MsgType, expect: MsgType) -> bytes:
-        """A control request with no payload, answered before ``start()``
-        (the reader would take the answer otherwise); returns the payload."""
+    def request(self, msg_type: int, expect: int, payload: bytes = b"") -> bytes:
+        """A control request answered before ``start()`` (the reader would
+        take the answer otherwise): a backend's set-up exchange (a segment
+        token; a backend's own types from ``wire.BACKEND_TYPES``). Returns the
+        answer's payload; both are at most ``wire.MAX_HANDSHAKE_BYTES``."""
+        if len(payload) > _wire.MAX_HANDSHAKE_BYTES:
+            raise LimitError(f"a control request carries at most {_wire.MAX_HANDSHAKE_BYTES} bytes")
         sock = self.conns[0].sock
         io_timeout = sock.gettimeout()  # the reader's stall detection relies on it: restore it after
         try:
-            sock.sendall(_wire.pack(msg_type))
+            sock.sendall(_wire.pack(msg_type, payload_len=len(payload)) + payload)
             return handshake_reply(sock, expect, self.peer, time.monotonic() + self.ctx.timeouts.connect_s)
         except OSError as exc:
-            raise ConnectError(f"peer {self.peer!r}: {msg_type.name} failed: {exc}") from exc
+            raise ConnectError(f"peer {self.peer!r}: control request {msg_type} failed: {exc}") from exc
         finally:
             sock.settimeout(io_timeout)
 

@@ -39,6 +39,12 @@ shared segments (kvx/backends/shm/segments.py) instead: SEG_TOKEN (no payload) a
 single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
 presents it on the target's Unix socket to receive the segments' file
 descriptors. Sent only to an agent whose metadata names a segment socket.
+
+Types 64 to 127 (BACKEND_TYPES) are left to backends for their own control
+requests (say, exchanging queue pairs); kvx's own types stay below 64. A
+target that serves no handler for a type ends the connection with a
+PROTOCOL error, so a backend sends its types only to peers whose metadata
+offers it.
 """
 
 from __future__ import annotations
@@ -84,6 +90,10 @@ class MsgType(enum.IntEnum):
     SEG_TOKEN_OK = 16
 
 
+# Message types a backend may define for its own control requests (sent with
+# Link.request, served through Backend.handlers); kvx's own stay below.
+BACKEND_TYPES = range(64, 128)
+
 # SHM_PIN aux values.
 PIN_READ = 1
 PIN_WRITE = 2
@@ -101,9 +111,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 7
 
 
-def pack(
-    msg_type: MsgType, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0
-) -> bytes:
+def pack(msg_type: int, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, request_id, payload_len, aux, data_len)
 
 
