@@ -48,10 +48,15 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
-_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-                grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.ABORTED: 409,
-                grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
-                grpc.StatusCode.UNAVAILABLE: 503}
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
 _bearer = HTTPBearer(auto_error=False, description="The admin token the service was started with.")
 
 
@@ -64,11 +69,17 @@ def create_app(server: Any) -> FastAPI:
 
     def check_token(creds: HTTPAuthorizationCredentials | None) -> None:
         if not server.admin_token:
-            raise HTTPException(403, "this endpoint is disabled: start the metadata service with an "
-                                     "admin token (kvx metadata --admin-token-file FILE) to enable it")
+            raise HTTPException(
+                403,
+                "this endpoint is disabled: start the metadata service with an "
+                "admin token (kvx metadata --admin-token-file FILE) to enable it",
+            )
         if creds is None:
-            raise HTTPException(401, "missing token: send 'Authorization: Bearer <admin token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "missing token: send 'Authorization: Bearer <admin token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not hmac.compare_digest(creds.credentials.encode(), server.admin_token.encode()):
             raise HTTPException(403, "wrong admin token")
 
@@ -83,8 +94,11 @@ def create_app(server: Any) -> FastAPI:
     reads = [Depends(require_reader)] if server.admin_reads_need_token else []
     admin = [Depends(require_admin)]
 
-    app = FastAPI(title="kvx metadata admin", version=__version__,
-                  description="Admin REST API of the kvx metadata service.")
+    app = FastAPI(
+        title="kvx metadata admin",
+        version=__version__,
+        description="Admin REST API of the kvx metadata service.",
+    )
 
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused) -> JSONResponse:
@@ -96,16 +110,22 @@ def create_app(server: Any) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{' '.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}"
-                             for err in exc.errors())
+        problems = "; ".join(
+            f"{' '.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}"
+            for err in exc.errors()
+        )
         return JSONResponse({"detail": f"bad request: {problems}"}, status_code=400)
 
     @app.get("/healthz", tags=["health"], summary="Liveness: the process runs")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Readiness: the store answers",
-             responses={503: {"description": "The store does not answer"}})
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="Readiness: the store answers",
+        responses={503: {"description": "The store does not answer"}},
+    )
     async def readyz() -> JSONResponse:
         ready = bool(server.ready)
         return JSONResponse({"ready": ready, "store": server.store.name}, status_code=200 if ready else 503)
@@ -117,8 +137,9 @@ def create_app(server: Any) -> FastAPI:
         page_size: int = Query(0, ge=0, description="0 means the service default"),
         page_token: str = Query("", description="next_page_token of the previous page"),
     ) -> dict[str, Any]:
-        request = metadata_pb2.ListAgentsRequest(role=role_filter(role), page_size=page_size,
-                                                 page_token=page_token)
+        request = metadata_pb2.ListAgentsRequest(
+            role=role_filter(role), page_size=page_size, page_token=page_token
+        )
         for item in label:
             key, eq, value = item.partition("=")
             if not eq or not key:
@@ -129,22 +150,40 @@ def create_app(server: Any) -> FastAPI:
         response = await server.servicer.list(request)
         return {"agents": [_record(r) for r in response.records], "next_page_token": response.next_page_token}
 
-    @app.get("/v1/agents/{name}", tags=["agents"], dependencies=reads, summary="Get one agent",
-             responses={404: {"description": "No such agent"}})
+    @app.get(
+        "/v1/agents/{name}",
+        tags=["agents"],
+        dependencies=reads,
+        summary="Get one agent",
+        responses={404: {"description": "No such agent"}},
+    )
     async def get_agent(name: str = Path(description="Agent name")) -> dict[str, Any]:
         return _record((await server.servicer.get(name)).record)
 
-    @app.delete("/v1/agents/{name}", tags=["agents"], dependencies=admin,
-                summary="Evict an agent (its record and lease)",
-                responses={401: {"description": "No token"}, 403: {"description": "Wrong token, or none configured"}})
+    @app.delete(
+        "/v1/agents/{name}",
+        tags=["agents"],
+        dependencies=admin,
+        summary="Evict an agent (its record and lease)",
+        responses={401: {"description": "No token"}, 403: {"description": "Wrong token, or none configured"}},
+    )
     async def evict_agent(name: str = Path(description="Agent name")) -> dict[str, bool]:
         response = await server.servicer.unregister(name)
-        logger.log(logging.WARNING if response.existed else logging.INFO, "admin API: evict %r: %s", name,
-                   "evicted" if response.existed else "no such agent")
+        logger.log(
+            logging.WARNING if response.existed else logging.INFO,
+            "admin API: evict %r: %s",
+            name,
+            "evicted" if response.existed else "no such agent",
+        )
         return {"evicted": response.existed}
 
-    @app.get("/metrics", tags=["metrics"], dependencies=reads, summary="Prometheus metrics",
-             response_class=Response)
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        dependencies=reads,
+        summary="Prometheus metrics",
+        response_class=Response,
+    )
     async def metrics() -> Response:
         await server.metrics.store_collector.refresh()
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -173,7 +212,7 @@ class AdminServer:
         self._uv.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), STOP_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("admin API did not stop within %s s; cancelling it", STOP_TIMEOUT_S)
             self._uv.force_exit = True
             self._task.cancel()
@@ -188,12 +227,23 @@ class AdminServer:
 async def serve_admin(server: Any) -> AdminServer:
     """Start the admin API of ``server`` on ``server.admin_listen`` (port 0: any free port)
     on the running event loop; sets ``server.admin_address`` to the bound "host:port"."""
-    sock = bind_listener(server.admin_listen, what="admin API", backlog=128,
-                         hint="pick another with --admin-listen, or turn it off with --admin-listen off")
+    sock = bind_listener(
+        server.admin_listen,
+        what="admin API",
+        backlog=128,
+        hint="pick another with --admin-listen, or turn it off with --admin-listen off",
+    )
     host, port = sock.getsockname()[:2]
     address = format_address(host, port)
-    config = uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", log_config=None,
-                            lifespan="off", access_log=False)
+    config = uvicorn.Config(
+        create_app(server),
+        host=host,
+        port=port,
+        log_level="warning",
+        log_config=None,
+        lifespan="off",
+        access_log=False,
+    )
     uv = _Uvicorn(config)
 
     async def run() -> None:

@@ -57,7 +57,6 @@ class MetadataOptions:
     timeout_s: float = 5.0
 
 
-
 def translate(exc: grpc.RpcError, target: str) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
@@ -77,7 +76,8 @@ class MetadataClient:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=read_file(opts.tls_ca) if opts.tls_ca else None,
                 private_key=read_file(opts.tls_key) if opts.tls_key else None,
-                certificate_chain=read_file(opts.tls_cert) if opts.tls_cert else None)
+                certificate_chain=read_file(opts.tls_cert) if opts.tls_cert else None,
+            )
             self._channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
@@ -94,7 +94,9 @@ class MetadataClient:
             raise translate(exc, self.target) from None
 
     def register(self, record: AgentRecord, ttl_s: int = 0) -> metadata_pb2.RegisterAgentResponse:
-        return self._unary(self.stub.RegisterAgent, metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s))
+        return self._unary(
+            self.stub.RegisterAgent, metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s)
+        )
 
     def get(self, name: str) -> AgentRecord | None:
         try:
@@ -105,8 +107,7 @@ class MetadataClient:
             raise
 
     def list(self, role: str | None = None, labels: dict[str, str] | None = None) -> list[AgentRecord]:
-        request = metadata_pb2.ListAgentsRequest(role=role_filter(role), labels=labels or {},
-                                                 page_size=1000)
+        request = metadata_pb2.ListAgentsRequest(role=role_filter(role), labels=labels or {}, page_size=1000)
         out: list[AgentRecord] = []
         while True:
             response = self._unary(self.stub.ListAgents, request)
@@ -116,8 +117,9 @@ class MetadataClient:
             request.page_token = response.next_page_token
 
     def unregister(self, name: str, epoch: int = 0) -> bool:
-        return self._unary(self.stub.UnregisterAgent,
-                           metadata_pb2.UnregisterAgentRequest(name=name, epoch=epoch)).existed
+        return self._unary(
+            self.stub.UnregisterAgent, metadata_pb2.UnregisterAgentRequest(name=name, epoch=epoch)
+        ).existed
 
 
 class Registration:
@@ -240,8 +242,13 @@ class Watcher:
     After a reconnection the snapshot comes again (PUT events, then SYNCED).
     """
 
-    def __init__(self, client: MetadataClient, on_event: Callable[[metadata_pb2.WatchAgentsResponse], None],
-                 role: str | None = None, labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        client: MetadataClient,
+        on_event: Callable[[metadata_pb2.WatchAgentsResponse], None],
+        role: str | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self.client = client
         self.on_event = on_event
         self.request = metadata_pb2.WatchAgentsRequest(role=role_filter(role), labels=labels or {})
@@ -256,7 +263,9 @@ class Watcher:
         while not self._stop.is_set():
             try:
                 stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse]
-                self._stream = stream = self.client.stub.WatchAgents(self.request, metadata=self.client.call_metadata)
+                self._stream = stream = self.client.stub.WatchAgents(
+                    self.request, metadata=self.client.call_metadata
+                )
                 for event in stream:
                     attempt = 0
                     if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED:

@@ -27,8 +27,15 @@ _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
 
 
 class Directory:
-    def __init__(self, agent: Agent, target: str, role: str, labels: dict[str, str] | None,
-                 engine_info: dict[str, str] | None, options: MetadataOptions | None) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        target: str,
+        role: str,
+        labels: dict[str, str] | None,
+        engine_info: dict[str, str] | None,
+        options: MetadataOptions | None,
+    ) -> None:
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self.agent = agent
@@ -52,10 +59,15 @@ class Directory:
             raise
 
     def record(self) -> metadata_pb2.AgentRecord:
-        return metadata_pb2.AgentRecord(name=self.agent.name, epoch=self.agent.epoch, role=self.role,
-                                        labels=self.labels, metadata=self.agent.metadata_message(),
-                                        engine_info=self.engine_info,
-                                        started_unix_ms=self.started_unix_ms)
+        return metadata_pb2.AgentRecord(
+            name=self.agent.name,
+            epoch=self.agent.epoch,
+            role=self.role,
+            labels=self.labels,
+            metadata=self.agent.metadata_message(),
+            engine_info=self.engine_info,
+            started_unix_ms=self.started_unix_ms,
+        )
 
     def regions_changed(self) -> None:
         self.registration.update()
@@ -63,14 +75,17 @@ class Directory:
     def resolve(self, name: str, cached: Peer | None, streams: int | None) -> Peer:
         self._ensure_watch()
         with self._lock:
-            fresh = name not in self._stale and (cached is None or self._known.get(name, cached.epoch) == cached.epoch)
+            fresh = name not in self._stale and (
+                cached is None or self._known.get(name, cached.epoch) == cached.epoch
+            )
         if cached is not None and cached.alive and fresh:
             return cached
         for _ in range(5):
             record = self.client.get(name)
             if record is None:
-                raise ConnectError(f"no agent named {name!r} is registered with the metadata service "
-                                   f"at {self.client.target}")
+                raise ConnectError(
+                    f"no agent named {name!r} is registered with the metadata service at {self.client.target}"
+                )
             with self._lock:
                 # A watch event newer than this answer means the answer is already old: ask again.
                 if self._seen_revision.get(name, 0) > record.revision:
@@ -104,8 +119,12 @@ class Directory:
             except ConnectError:
                 return
             if peer.epoch != epoch:
-                logger.info("peer %s restarted (epoch %#x -> %#x): closing the old connection",
-                            name, peer.epoch, epoch)
+                logger.info(
+                    "peer %s restarted (epoch %#x -> %#x): closing the old connection",
+                    name,
+                    peer.epoch,
+                    epoch,
+                )
                 self.agent._replace_stale_peer(name, epoch)
 
     def close(self) -> None:

@@ -34,14 +34,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from kvx._net import parse_address
 from kvx.errors import ConfigError
-from kvx.metadata.store import WATCH_QUEUE_MAX, AgentRecord, Event, EventType, Store
-from kvx.metadata.store import StoreError, WatchLagError
+from kvx.metadata.store import (
+    WATCH_QUEUE_MAX,
+    AgentRecord,
+    Event,
+    EventType,
+    Store,
+    StoreError,
+    WatchLagError,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ class _StoreCollector:
         self.by_role: dict[str, int] = {}
 
     async def refresh(self) -> None:
-        tally = Tally(metadata_pb2.Role.Name(r.role).removeprefix("ROLE_").lower()
-                      for r in await self.store.list())
+        tally = Tally(
+            metadata_pb2.Role.Name(r.role).removeprefix("ROLE_").lower() for r in await self.store.list()
+        )
         self.by_role = {role: tally.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
 
     def collect(self):
@@ -32,18 +33,28 @@ class _StoreCollector:
         for role, count in sorted(self.by_role.items()):
             agents.add_metric([role], count)
         yield agents
-        yield CounterMetricFamily("kvx_metadata_lease_expiries", "Leases that expired without renewal",
-                                  value=getattr(self.store, "expired_leases", 0))
+        yield CounterMetricFamily(
+            "kvx_metadata_lease_expiries",
+            "Leases that expired without renewal",
+            value=getattr(self.store, "expired_leases", 0),
+        )
 
 
 class ServiceMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
-        self.registrations = Counter("kvx_metadata_registrations", "Successful RegisterAgent calls",
-                                     registry=self.registry)
+        self.registrations = Counter(
+            "kvx_metadata_registrations", "Successful RegisterAgent calls", registry=self.registry
+        )
         self.request_seconds = Histogram(
-            "kvx_metadata_request_seconds", "Time to serve a metadata RPC", ["method"], registry=self.registry,
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0))
-        self.store_ready = Gauge("kvx_metadata_store_ready", "1 when the store answers", registry=self.registry)
+            "kvx_metadata_request_seconds",
+            "Time to serve a metadata RPC",
+            ["method"],
+            registry=self.registry,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
+        )
+        self.store_ready = Gauge(
+            "kvx_metadata_store_ready", "1 when the store answers", registry=self.registry
+        )
         self.store_collector = _StoreCollector(store)
         self.registry.register(self.store_collector)

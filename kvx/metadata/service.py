@@ -76,8 +76,9 @@ def _matches(record: metadata_pb2.AgentRecord, role: int, labels: Any) -> bool:
 
 
 class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
-    def __init__(self, store: Store, limits: ServiceLimits, metrics: ServiceMetrics,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, store: Store, limits: ServiceLimits, metrics: ServiceMetrics, token: str | None = None
+    ) -> None:
         self.store = store
         self.limits = limits
         self.metrics = metrics
@@ -103,29 +104,42 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             return
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {self._token}".encode()):
-            raise Refused(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong token: send 'authorization: Bearer <token>' metadata")
+            raise Refused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong token: send 'authorization: Bearer <token>' metadata",
+            )
 
     # RPCs.
 
     async def RegisterAgent(self, request, context):  # noqa: N802 - gRPC names
         return await self._call("RegisterAgent", context, lambda: self.register(request))
 
-    async def register(self, request: metadata_pb2.RegisterAgentRequest) -> metadata_pb2.RegisterAgentResponse:
+    async def register(
+        self, request: metadata_pb2.RegisterAgentRequest
+    ) -> metadata_pb2.RegisterAgentResponse:
         record = request.record
         self._validate(record)
         ttl = request.ttl_s or self.limits.default_ttl_s
         if not self.limits.min_ttl_s <= ttl <= self.limits.max_ttl_s:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"ttl_s {ttl} outside [{self.limits.min_ttl_s}, {self.limits.max_ttl_s}]")
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ttl_s {ttl} outside [{self.limits.min_ttl_s}, {self.limits.max_ttl_s}]",
+            )
         for _ in range(8):
             current = await self.store.get(record.name)
-            if current is not None and current.epoch != record.epoch:
-                if current.started_unix_ms >= record.started_unix_ms:
-                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, (
+            if (
+                current is not None
+                and current.epoch != record.epoch
+                and current.started_unix_ms >= record.started_unix_ms
+            ):
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    (
                         f"agent {record.name!r} is registered by epoch {current.epoch:#x} (started "
                         f"{current.started_unix_ms} ms), not older than this epoch {record.epoch:#x} "
-                        f"(started {record.started_unix_ms} ms): refusing the stale registration"))
+                        f"(started {record.started_unix_ms} ms): refusing the stale registration"
+                    ),
+                )
             lease_id = await self.store.grant_lease(ttl)
             stored = metadata_pb2.AgentRecord()
             stored.CopyFrom(record)
@@ -139,8 +153,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 # instance (its keep-alives get ttl 0). Retried until it goes through.
                 self._revoke_later(current.lease_id)
             self.metrics.registrations.inc()
-            logger.info("registered %s epoch %#x role %s lease %#x", record.name, record.epoch,
-                        metadata_pb2.Role.Name(record.role), lease_id)
+            logger.info(
+                "registered %s epoch %#x role %s lease %#x",
+                record.name,
+                record.epoch,
+                metadata_pb2.Role.Name(record.role),
+                lease_id,
+            )
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
 
@@ -180,9 +199,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             raise bad("metadata.name and metadata.epoch must equal the record's name and epoch")
         if len(md.regions) > lim.max_regions:
             raise bad(f"{len(md.regions)} regions; at most {lim.max_regions}")
-        for what, entries, count, size in (("labels", record.labels, lim.max_labels, lim.max_label_bytes),
-                                           ("engine_info", record.engine_info, lim.max_engine_info,
-                                            lim.max_engine_info_bytes)):
+        for what, entries, count, size in (
+            ("labels", record.labels, lim.max_labels, lim.max_label_bytes),
+            ("engine_info", record.engine_info, lim.max_engine_info, lim.max_engine_info_bytes),
+        ):
             if len(entries) > count:
                 raise bad(f"{len(entries)} {what}; at most {count}")
             for key, value in entries.items():
@@ -202,7 +222,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
 
     async def UnregisterAgent(self, request, context):  # noqa: N802
-        return await self._call("UnregisterAgent", context, lambda: self.unregister(request.name, request.epoch))
+        return await self._call(
+            "UnregisterAgent", context, lambda: self.unregister(request.name, request.epoch)
+        )
 
     async def unregister(self, name: str, epoch: int = 0) -> metadata_pb2.UnregisterAgentResponse:
         for _ in range(8):
@@ -238,8 +260,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 check_name(after)
             except (ValueError, ConfigError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
-        records = [r for r in await self.store.list()
-                   if r.name > after and _matches(r, request.role, request.labels)]
+        records = [
+            r for r in await self.store.list() if r.name > after and _matches(r, request.role, request.labels)
+        ]
         page, more = records[:size], len(records) > size
         token = base64.urlsafe_b64encode(page[-1].name.encode()).decode() if more else ""
         return metadata_pb2.ListAgentsResponse(records=page, next_page_token=token)
@@ -273,10 +296,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 class MetadataServer:
     """The gRPC service, health, reflection and (optionally) the admin API, on one event loop."""
 
-    def __init__(self, listen: str = "127.0.0.1:50051", store: Store | None = None, *,
-                 admin_listen: str | None = None, admin_token: str | None = None,
-                 admin_reads_need_token: bool = False, token: str | None = None,
-                 tls: TlsConfig | None = None, limits: ServiceLimits | None = None) -> None:
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:50051",
+        store: Store | None = None,
+        *,
+        admin_listen: str | None = None,
+        admin_token: str | None = None,
+        admin_reads_need_token: bool = False,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        limits: ServiceLimits | None = None,
+    ) -> None:
         self.listen = listen
         self.store = store or MemoryStore()
         self.limits = limits or ServiceLimits()
@@ -310,15 +341,19 @@ class MetadataServer:
         try:
             host, _ = parse_listen_address(self.listen)
         except ConfigError:
-            raise ConfigError(f"metadata service listen address {self.listen!r}: expected host:port, "
-                              "e.g. 127.0.0.1:50051") from None
-        options = [("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
-                   ("grpc.so_reuseport", 0)]
+            raise ConfigError(
+                f"metadata service listen address {self.listen!r}: expected host:port, e.g. 127.0.0.1:50051"
+            ) from None
+        options = [
+            ("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
+            ("grpc.so_reuseport", 0),
+        ]
         self._server = aio.server(options=options)
         metadata_pb2_grpc.add_MetadataServiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
         self.address = format_address(host, self._add_port(self._server))
         await self._server.start()
         await self._update_health()
@@ -329,8 +364,12 @@ class MetadataServer:
             from kvx.admin.app import serve_admin
 
             self._admin = await serve_admin(self)
-        logger.info("kvx metadata service on %s (store: %s)%s", self.address, self.store.name,
-                    f", admin API on {self.admin_address}" if self.admin_address else "")
+        logger.info(
+            "kvx metadata service on %s (store: %s)%s",
+            self.address,
+            self.store.name,
+            f", admin API on {self.admin_address}" if self.admin_address else "",
+        )
 
     def _add_port(self, server: aio.Server) -> int:
         """Binds ``self.listen``; the port bound."""
@@ -341,26 +380,34 @@ class MetadataServer:
                 creds = grpc.ssl_server_credentials(
                     [(read_file(self.tls.key), read_file(self.tls.cert))],
                     root_certificates=read_file(self.tls.client_ca) if self.tls.client_ca else None,
-                    require_client_auth=self.tls.client_ca is not None)
+                    require_client_auth=self.tls.client_ca is not None,
+                )
                 port = server.add_secure_port(self.listen, creds)
         except RuntimeError:  # how grpcio reports a port it cannot bind (older ones returned 0)
             port = 0
         if not port:
-            raise ConfigError(f"the metadata service cannot listen on {self.listen} (is another process "
-                              "on that port? pick another with --listen)")
+            raise ConfigError(
+                f"the metadata service cannot listen on {self.listen} (is another process "
+                "on that port? pick another with --listen)"
+            )
         return port
 
     async def _update_health(self) -> None:
         try:
             ready = await asyncio.wait_for(self.store.ready(), 5)
-        except (asyncio.TimeoutError, StoreError):
+        except (TimeoutError, StoreError):
             ready = False
         if ready != self.ready:
-            logger.log(logging.INFO if ready else logging.WARNING, "metadata store %s",
-                       "ready" if ready else "NOT ready")
+            logger.log(
+                logging.INFO if ready else logging.WARNING,
+                "metadata store %s",
+                "ready" if ready else "NOT ready",
+            )
         self.ready = ready
         self.metrics.store_ready.set(1 if ready else 0)
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in ("", SERVICE_NAME):
             result = self._health.set(service, status)
             if asyncio.iscoroutine(result):
@@ -438,4 +485,3 @@ class ThreadedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
 import secrets
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from kvx.errors import KvxError
 from kvx.v1 import metadata_pb2
@@ -140,10 +141,8 @@ class MemoryStore(Store):
     async def close(self) -> None:
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
-            except asyncio.CancelledError:
-                pass
         for queue in list(self._watchers):
             self._cut_off(queue, StoreError("the metadata store is closing"))
 

@@ -14,7 +14,8 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -34,8 +35,12 @@ CLOSE_TIMEOUT_S = 5.0  # closing an upstream stream
 # What vLLM's KV connectors read on the prefill leg: compute the KV cache and
 # hold it for a decode elsewhere, which fills in the remote_* fields it returns.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 
@@ -91,8 +96,9 @@ class _LegFailed(Exception):
 class _Stream(StreamingResponse):
     """A relayed stream; ``on_close`` runs however it ends: done, failed, or the client gone."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
@@ -107,26 +113,36 @@ class _Router:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.httpx = require_httpx()
-        self.pools = {role: InstancePool(role, urls, config.cooldown_s)
-                      for role, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls))}
-        self.discovery = (Discovery(config.metadata_target, config.metadata_options, self.pools, config.refresh_s)
-                          if config.metadata_target else None)
+        self.pools = {
+            role: InstancePool(role, urls, config.cooldown_s)
+            for role, urls in (("prefill", config.prefill_urls), ("decode", config.decode_urls))
+        }
+        self.discovery = (
+            Discovery(config.metadata_target, config.metadata_options, self.pools, config.refresh_s)
+            if config.metadata_target
+            else None
+        )
         self.client: Any = None
 
     async def start(self) -> None:
         httpx = self.httpx
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=self.config.max_connections,
-                                max_keepalive_connections=self.config.max_connections),
+            limits=httpx.Limits(
+                max_connections=self.config.max_connections,
+                max_keepalive_connections=self.config.max_connections,
+            ),
             # The instances are cluster-local: an HTTP(S)_PROXY meant for the internet must not apply.
-            trust_env=False)
+            trust_env=False,
+        )
         if self.discovery is not None:
             await self.discovery.start()
-        logger.info("kvx proxy: prefill %s; decode %s%s",
-                    ", ".join(i.url for i in self.pools["prefill"].instances()) or "none yet",
-                    ", ".join(i.url for i in self.pools["decode"].instances()) or "none yet",
-                    f"; discovering more at {self.config.metadata_target}" if self.discovery else "")
+        logger.info(
+            "kvx proxy: prefill %s; decode %s%s",
+            ", ".join(i.url for i in self.pools["prefill"].instances()) or "none yet",
+            ", ".join(i.url for i in self.pools["decode"].instances()) or "none yet",
+            f"; discovering more at {self.config.metadata_target}" if self.discovery else "",
+        )
 
     async def stop(self) -> None:
         if self.discovery is not None:
@@ -139,15 +155,35 @@ class _Router:
     def _transport_error(self, exc: Exception, leg: str, url: str) -> JSONResponse:
         name = type(exc).__name__
         if isinstance(exc, self.httpx.TimeoutException):
-            limit_s = (self.config.connect_timeout_s if isinstance(exc, self.httpx.ConnectTimeout)
-                       else self.config.timeout_s)
-            return _error(504, f"the {leg} instance {url} did not answer within {limit_s} s ({name}); "
-                          "if it is only busy, raise --timeout-s", "upstream_timeout", leg)
-        return _error(502, f"the {leg} instance {url} is unavailable ({name}: {str(exc) or 'connection failed'})",
-                      "upstream_unavailable", leg)
+            limit_s = (
+                self.config.connect_timeout_s
+                if isinstance(exc, self.httpx.ConnectTimeout)
+                else self.config.timeout_s
+            )
+            return _error(
+                504,
+                f"the {leg} instance {url} did not answer within {limit_s} s ({name}); "
+                "if it is only busy, raise --timeout-s",
+                "upstream_timeout",
+                leg,
+            )
+        return _error(
+            502,
+            f"the {leg} instance {url} is unavailable ({name}: {str(exc) or 'connection failed'})",
+            "upstream_unavailable",
+            leg,
+        )
 
-    async def send(self, leg: str, method: str, path: str, headers: dict[str, str], request_id: str,
-                   content: bytes | None = None, stream: bool = False) -> tuple[Instance, Any]:
+    async def send(
+        self,
+        leg: str,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        request_id: str,
+        content: bytes | None = None,
+        stream: bool = False,
+    ) -> tuple[Instance, Any]:
         """Send to the least loaded instance of ``leg``, moving on to another
         while one cannot be reached. The instance comes back acquired: release it."""
         pool = self.pools[leg]
@@ -166,8 +202,14 @@ class _Router:
                 pool.cool_down(instance)
                 tried.append(instance)
                 failure = self._transport_error(exc, leg, instance.url)
-                logger.warning("request %s: cannot reach %s instance %s (%s); skipping it for %s s",
-                               request_id, leg, instance.url, exc, pool.cooldown_s)
+                logger.warning(
+                    "request %s: cannot reach %s instance %s (%s); skipping it for %s s",
+                    request_id,
+                    leg,
+                    instance.url,
+                    exc,
+                    pool.cooldown_s,
+                )
             except self.httpx.RequestError as exc:
                 pool.release(instance)
                 if not isinstance(exc, self.httpx.TimeoutException):
@@ -183,38 +225,62 @@ class _Router:
         source = f" and none registered at {self.config.metadata_target}" if self.discovery else ""
         return _error(503, f"no {leg} instance: none given (--{leg} URL){source}", "no_instance", leg)
 
-    async def _call(self, leg: str, method: str, path: str, headers: dict[str, str], request_id: str,
-                    content: bytes | None = None) -> tuple[str, Any]:
+    async def _call(
+        self,
+        leg: str,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        request_id: str,
+        content: bytes | None = None,
+    ) -> tuple[str, Any]:
         """One whole exchange; an HTTP error status from the instance becomes the client's answer."""
         instance, response = await self.send(leg, method, path, headers, request_id, content)
         self.pools[leg].release(instance)
         if response.status_code >= 400:
-            logger.warning("request %s: %s instance %s answered %s", request_id, leg, instance.url,
-                           response.status_code)
+            logger.warning(
+                "request %s: %s instance %s answered %s", request_id, leg, instance.url, response.status_code
+            )
             raise _LegFailed(_passthrough(response, leg))
         return instance.url, response
 
-    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                       request_id: str) -> dict[str, Any]:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> dict[str, Any]:
         content = json.dumps(prefill_body(body)).encode()
         url, response = await self._call("prefill", "POST", path, headers, request_id, content)
         try:
             answer = response.json()
         except ValueError:
-            raise _LegFailed(_error(502, f"the prefill instance {url} answered with invalid JSON",
-                                    "bad_upstream_response", "prefill")) from None
+            raise _LegFailed(
+                _error(
+                    502,
+                    f"the prefill instance {url} answered with invalid JSON",
+                    "bad_upstream_response",
+                    "prefill",
+                )
+            ) from None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
-            raise _LegFailed(_error(
-                502, f"the prefill instance {url} returned no kv_transfer_params: start it with a KV "
-                "connector that produces the KV cache (--kv-transfer-config with kv_role kv_producer "
-                "or kv_both)", "bad_upstream_response", "prefill"))
+            raise _LegFailed(
+                _error(
+                    502,
+                    f"the prefill instance {url} returned no kv_transfer_params: start it with a KV "
+                    "connector that produces the KV cache (--kv-transfer-config with kv_role kv_producer "
+                    "or kv_both)",
+                    "bad_upstream_response",
+                    "prefill",
+                )
+            )
         logger.debug("request %s: prefilled on %s", request_id, url)
         return params
 
-    async def _decode_stream(self, path: str, content: bytes, headers: dict[str, str],
-                             request_id: str) -> Response:
-        instance, response = await self.send("decode", "POST", path, headers, request_id, content, stream=True)
+    async def _decode_stream(
+        self, path: str, content: bytes, headers: dict[str, str], request_id: str
+    ) -> Response:
+        instance, response = await self.send(
+            "decode", "POST", path, headers, request_id, content, stream=True
+        )
 
         async def close() -> None:
             self.pools["decode"].release(instance)
@@ -227,15 +293,23 @@ class _Router:
                     await response.aread()
                 except self.httpx.RequestError as exc:
                     raise _LegFailed(self._transport_error(exc, "decode", instance.url)) from None
-                logger.warning("request %s: decode instance %s answered %s", request_id, instance.url,
-                               response.status_code)
+                logger.warning(
+                    "request %s: decode instance %s answered %s",
+                    request_id,
+                    instance.url,
+                    response.status_code,
+                )
                 raise _LegFailed(_passthrough(response, "decode"))
         except BaseException:
             await close()
             raise
         headers_out = {"content-type": response.headers.get("content-type", "text/event-stream")}
-        return _Stream(self._relay(response, instance.url, request_id), close,
-                       status_code=response.status_code, headers=headers_out)
+        return _Stream(
+            self._relay(response, instance.url, request_id),
+            close,
+            status_code=response.status_code,
+            headers=headers_out,
+        )
 
     async def _relay(self, response: Any, url: str, request_id: str) -> AsyncIterator[bytes]:
         at_boundary = True
@@ -261,16 +335,24 @@ class _Router:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise _LegFailed(_error(413, f"request body over {limit} bytes", "invalid_request_error"))
+                        raise _LegFailed(
+                            _error(413, f"request body over {limit} bytes", "invalid_request_error")
+                        )
                     chunks.append(chunk)
         except TimeoutError:
-            raise _LegFailed(_error(408, f"request body not received within {self.config.timeout_s} s",
-                                    "invalid_request_error")) from None
+            raise _LegFailed(
+                _error(
+                    408,
+                    f"request body not received within {self.config.timeout_s} s",
+                    "invalid_request_error",
+                )
+            ) from None
         try:
             body = json.loads(b"".join(chunks))
         except ValueError as exc:
-            raise _LegFailed(_error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")) \
-                from None
+            raise _LegFailed(
+                _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
+            ) from None
         if not isinstance(body, dict):
             raise _LegFailed(_error(400, "request body must be a JSON object", "invalid_request_error"))
         return body
@@ -339,8 +421,12 @@ def build_app(config: ProxyConfig) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="kvx proxy", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible router: prefill on one vLLM instance, decode on another.")
+    app = FastAPI(
+        title="kvx proxy",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible router: prefill on one vLLM instance, decode on another.",
+    )
     app.state.router = router
 
     @app.post("/v1/completions", tags=["openai"], summary="Completion: prefill, then decode")
@@ -355,8 +441,12 @@ def build_app(config: ProxyConfig) -> FastAPI:
     async def models(request: Request) -> Response:
         return await router.models(request)
 
-    @app.get("/healthz", tags=["health"], summary="The instances and their requests in flight",
-             responses={503: {"description": "No prefill or no decode instance"}})
+    @app.get(
+        "/healthz",
+        tags=["health"],
+        summary="The instances and their requests in flight",
+        responses={503: {"description": "No prefill or no decode instance"}},
+    )
     async def healthz() -> JSONResponse:
         return router.health()
 

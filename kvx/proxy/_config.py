@@ -19,7 +19,9 @@ def normalize_url(url: str, what: str = "instance URL") -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{what} {url!r}: expected http://host:port (the vLLM server's base URL)")
     if parts.query or parts.fragment:
-        raise ConfigError(f"{what} {url!r}: no query or fragment, only scheme, host, port (and a path prefix)")
+        raise ConfigError(
+            f"{what} {url!r}: no query or fragment, only scheme, host, port (and a path prefix)"
+        )
     try:
         parts.port  # noqa: B018 - parsing the port is the check
     except ValueError:

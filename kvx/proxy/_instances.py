@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import MetadataClient, MetadataOptions
@@ -40,9 +41,14 @@ class Instance:
         return self.cooldown_until_s > now_s
 
     def to_json(self, now_s: float) -> dict:
-        return {"url": self.url, "source": self.source, "in_flight": self.in_flight,
-                "requests": self.requests, "failures": self.failures,
-                "cooling_down": self.cooling_down(now_s)}
+        return {
+            "url": self.url,
+            "source": self.source,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "failures": self.failures,
+            "cooling_down": self.cooling_down(now_s),
+        }
 
 
 class InstancePool:
@@ -113,8 +119,9 @@ class Discovery:
     the last answer stays in use.
     """
 
-    def __init__(self, target: str, options: MetadataOptions | None, pools: dict[str, InstancePool],
-                 refresh_s: float) -> None:
+    def __init__(
+        self, target: str, options: MetadataOptions | None, pools: dict[str, InstancePool], refresh_s: float
+    ) -> None:
         self.target = target
         self.options = options or MetadataOptions()
         self.pools = pools
@@ -136,10 +143,8 @@ class Discovery:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if self._executor is not None:
             # A call in progress ends within its gRPC timeout; nobody waits for it.
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -160,7 +165,7 @@ class Discovery:
         guard_s = 2 * self.options.timeout_s + 1
         try:
             found = await asyncio.wait_for(loop.run_in_executor(self._executor, self._list), guard_s)
-        except (ConnectError, MetadataError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConnectError, MetadataError) as exc:
             self.error = str(exc) or f"no answer within {guard_s} s"
             if not self._failing:
                 logger.warning("instance discovery: %s; keeping the last known instances", self.error)
@@ -174,7 +179,9 @@ class Discovery:
         for role, urls in found.items():
             pool = self.pools[role]
             if pool.set_discovered(urls):
-                logger.info("%s instances now: %s", role, ", ".join(i.url for i in pool.instances()) or "none")
+                logger.info(
+                    "%s instances now: %s", role, ", ".join(i.url for i in pool.instances()) or "none"
+                )
         return True
 
     def _list(self) -> dict[str, list[str]]:
@@ -203,5 +210,9 @@ class Discovery:
             return None
 
     def to_json(self) -> dict:
-        return {"target": self.target, "ok": self.error is None, "error": self.error,
-                "refreshed_unix_ms": self.refreshed_unix_ms}
+        return {
+            "target": self.target,
+            "ok": self.error is None,
+            "error": self.error,
+            "refreshed_unix_ms": self.refreshed_unix_ms,
+        }

@@ -25,8 +25,11 @@ def serve(config: ProxyConfig) -> None:
     except OSError as exc:  # to the kvx error `kvx proxy` reports; the message says what to change
         raise ConfigError(exc.strerror or str(exc)) from None
     host, port = sock.getsockname()[:2]
-    uv = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                       timeout_graceful_shutdown=STOP_TIMEOUT_S))
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=STOP_TIMEOUT_S
+        )
+    )
     logger.info("kvx proxy on http://%s", format_address(host, port))
     try:
         uv.run(sockets=[sock])
