@@ -39,14 +39,26 @@ def _record(i: int):
     from kvx.v1 import metadata_pb2
 
     name = f"agent-{i:05d}"
-    rec = metadata_pb2.AgentRecord(name=name, epoch=i + 1, role=1 + i % 2, started_unix_ms=1,
-                                   labels={"model": "llama-3-8b", "zone": f"z{i % 4}"},
-                                   engine_info={"url": f"http://10.0.{i // 250}.{i % 250}:8000"})
+    rec = metadata_pb2.AgentRecord(
+        name=name,
+        epoch=i + 1,
+        role=1 + i % 2,
+        started_unix_ms=1,
+        labels={"model": "llama-3-8b", "zone": f"z{i % 4}"},
+        engine_info={"url": f"http://10.0.{i // 250}.{i % 250}:8000"},
+    )
     rec.metadata.name, rec.metadata.epoch, rec.metadata.protocol_version = name, i + 1, 1
     rec.metadata.endpoints.add(backend=1, address=f"10.0.{i // 250}.{i % 250}:40000")
     for r in range(4):
-        rec.metadata.regions.add(id=r + 1, size_bytes=1 << 30, memory_kind=2, device=r, address=0x7F0000000000 + r,
-                                 remote_read=True, remote_write=True)
+        rec.metadata.regions.add(
+            id=r + 1,
+            size_bytes=1 << 30,
+            memory_kind=2,
+            device=r,
+            address=0x7F0000000000 + r,
+            remote_read=True,
+            remote_write=True,
+        )
     return rec
 
 
@@ -59,9 +71,14 @@ async def _register_all(address: str, agents: int) -> list[int]:
         stub = metadata_pb2_grpc.MetadataServiceStub(channel)
         leases: list[int] = []
         for start in range(0, agents, 200):
-            replies = await asyncio.gather(*(
-                stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(i), ttl_s=30), timeout=30)
-                for i in range(start, min(start + 200, agents))))
+            replies = await asyncio.gather(
+                *(
+                    stub.RegisterAgent(
+                        metadata_pb2.RegisterAgentRequest(record=_record(i), ttl_s=30), timeout=30
+                    )
+                    for i in range(start, min(start + 200, agents))
+                )
+            )
             leases += [r.lease_id for r in replies]
         return leases
 
@@ -127,8 +144,9 @@ def _lookup_proc(address: str, agents: int, rate: float, duration_s: float, out)
             async def one(at: float) -> None:
                 nonlocal errors
                 try:
-                    await stub.GetAgent(metadata_pb2.GetAgentRequest(name=f"agent-{random.randrange(agents):05d}"),
-                                        timeout=10)
+                    await stub.GetAgent(
+                        metadata_pb2.GetAgentRequest(name=f"agent-{random.randrange(agents):05d}"), timeout=10
+                    )
                     latencies.append(time.monotonic() - at)
                 except grpc.RpcError:
                     errors += 1
@@ -143,9 +161,14 @@ def _lookup_proc(address: str, agents: int, rate: float, duration_s: float, out)
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - start
         arr = np.asarray(latencies) * 1e3
-        return {"lookups": len(latencies), "errors": errors, "rate": len(latencies) / elapsed,
-                "p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
-                "max_ms": float(arr.max())}
+        return {
+            "lookups": len(latencies),
+            "errors": errors,
+            "rate": len(latencies) / elapsed,
+            "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99)),
+            "max_ms": float(arr.max()),
+        }
 
     result = asyncio.run(main())
     result["cpu_s"] = time.process_time()
@@ -165,7 +188,9 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--lookups-per-s", type=float, default=1000)
     parser.add_argument("--keepalive-s", type=float, default=5.0)
@@ -176,9 +201,23 @@ def main() -> int:
     args = parser.parse_args()
 
     address = f"127.0.0.1:{_free_port()}"
-    server = subprocess.Popen([sys.executable, "-m", "kvx.cli", "--log-level", "WARNING", "metadata",
-                               "--listen", address, "--admin-listen", "off", "--store", args.store],
-                              stdin=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvx.cli",
+            "--log-level",
+            "WARNING",
+            "metadata",
+            "--listen",
+            address,
+            "--admin-listen",
+            "off",
+            "--store",
+            args.store,
+        ],
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -195,23 +234,47 @@ def main() -> int:
 
         ctx = mp.get_context("spawn")
         out_k, out_l = ctx.Queue(), ctx.Queue()
-        procs = [ctx.Process(target=_lookup_proc, args=(address, args.agents, args.lookups_per_s, args.duration_s,
-                                                        out_l))]
+        procs = [
+            ctx.Process(
+                target=_lookup_proc, args=(address, args.agents, args.lookups_per_s, args.duration_s, out_l)
+            )
+        ]
         if not args.no_keepalive:
-            procs.append(ctx.Process(target=_keepalive_proc,
-                                     args=(address, leases, args.keepalive_s, args.duration_s, out_k)))
+            procs.append(
+                ctx.Process(
+                    target=_keepalive_proc, args=(address, leases, args.keepalive_s, args.duration_s, out_k)
+                )
+            )
         cpu0, wall0 = _cpu_s(server.pid), time.monotonic()
         for p in procs:
             p.start()
         profile = None
         if args.profile and shutil.which("py-spy"):
             time.sleep(2)
-            raw = subprocess.run(["py-spy", "record", "--pid", str(server.pid), "--duration",
-                                  str(int(args.duration_s) - 4), "--format", "raw", "--output", "/dev/stdout",
-                                  "--nonblocking"], capture_output=True, text=True).stdout
+            raw = subprocess.run(
+                [
+                    "py-spy",
+                    "record",
+                    "--pid",
+                    str(server.pid),
+                    "--duration",
+                    str(int(args.duration_s) - 4),
+                    "--format",
+                    "raw",
+                    "--output",
+                    "/dev/stdout",
+                    "--nonblocking",
+                ],
+                capture_output=True,
+                text=True,
+            ).stdout
             profile = _top_self(raw)
         look = out_l.get(timeout=args.duration_s + 120)
-        keep = {"sent": 0, "lost": 0, "cpu_s": 0.0} if args.no_keepalive else out_k.get(timeout=args.duration_s + 120)
+        keep = (
+            {"sent": 0, "lost": 0, "cpu_s": 0.0}
+            if args.no_keepalive
+            else out_k.get(timeout=args.duration_s + 120)
+        )
         elapsed = time.monotonic() - wall0
         cpu = (_cpu_s(server.pid) - cpu0) / elapsed
         load_cpu = (look["cpu_s"] + keep["cpu_s"]) / elapsed  # including their start-up
@@ -221,13 +284,19 @@ def main() -> int:
         server.terminate()
         server.wait(10)
     result = {
-        "date": time.strftime("%Y-%m-%d"), "store": args.store, "agents": args.agents,
+        "date": time.strftime("%Y-%m-%d"),
+        "store": args.store,
+        "agents": args.agents,
         "register_all_s": round(register_s, 2),
-        "lookups_per_s_target": args.lookups_per_s, "lookups_per_s": round(look["rate"], 1),
-        "lookup_p50_ms": round(look["p50_ms"], 3), "lookup_p99_ms": round(look["p99_ms"], 3),
-        "lookup_max_ms": round(look["max_ms"], 3), "lookup_errors": look["errors"],
+        "lookups_per_s_target": args.lookups_per_s,
+        "lookups_per_s": round(look["rate"], 1),
+        "lookup_p50_ms": round(look["p50_ms"], 3),
+        "lookup_p99_ms": round(look["p99_ms"], 3),
+        "lookup_max_ms": round(look["max_ms"], 3),
+        "lookup_errors": look["errors"],
         "keepalives_per_s_target": 0 if args.no_keepalive else round(args.agents / args.keepalive_s, 1),
-        "keepalives_per_s": round(keep["sent"] / args.duration_s, 1), "leases_lost": keep["lost"],
+        "keepalives_per_s": round(keep["sent"] / args.duration_s, 1),
+        "leases_lost": keep["lost"],
         "server_cpu_cores": round(cpu, 2),
         "load_generators_cpu_cores": round(load_cpu, 2),
     }

@@ -71,15 +71,22 @@ def _drop_ptrace() -> None:
 
 
 def run(md: bytes, iters: int, unprivileged: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", _INITIATOR, md.hex(), str(iters)], capture_output=True, text=True,
-                         timeout=600, preexec_fn=_drop_ptrace if unprivileged else None)
+    out = subprocess.run(
+        [sys.executable, "-c", _INITIATOR, md.hex(), str(iters)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_drop_ptrace if unprivileged else None,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"initiator failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
@@ -96,18 +103,26 @@ def main() -> int:
                 if result["segments"] != unprivileged:
                     raise RuntimeError(f"{name}: expected segments={unprivileged}, got {result}")
                 rows[name].append(result)
-                print(f"round {r}: {name}: kvx {result['kvx_gbps']:.2f} GB/s, limit {result['limit_gbps']:.2f}",
-                      file=sys.stderr)
-    print(f"Shared segments, {datetime.date.today()}, {platform.node()}, {args.rounds} rounds x {args.iters} READs "
-          "of 1,000 x 32 KiB\n")
+                print(
+                    f"round {r}: {name}: kvx {result['kvx_gbps']:.2f} GB/s, limit {result['limit_gbps']:.2f}",
+                    file=sys.stderr,
+                )
+    print(
+        f"Shared segments, {datetime.date.today()}, {platform.node()}, {args.rounds} rounds x {args.iters} READs "
+        "of 1,000 x 32 KiB\n"
+    )
     print("| path | kvx GB/s | limit | limit GB/s | ratio (median of rounds) |")
     print("|---|---|---|---|---|")
     for name, limit in (("segments", "memcpy of the ranges"), ("attach", "process_vm_readv")):
         ratios = [x["kvx_gbps"] / x["limit_gbps"] for x in rows[name]]
-        print(f"| {name} | {statistics.median(x['kvx_gbps'] for x in rows[name]):.2f} | {limit} | "
-              f"{statistics.median(x['limit_gbps'] for x in rows[name]):.2f} | {statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    seg_vs_attach = statistics.median(s["kvx_gbps"] / a["kvx_gbps"] for s, a in zip(rows["segments"], rows["attach"]))
+        print(
+            f"| {name} | {statistics.median(x['kvx_gbps'] for x in rows[name]):.2f} | {limit} | "
+            f"{statistics.median(x['limit_gbps'] for x in rows[name]):.2f} | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+    seg_vs_attach = statistics.median(
+        s["kvx_gbps"] / a["kvx_gbps"] for s, a in zip(rows["segments"], rows["attach"], strict=True)
+    )
     print(f"\nkvx over segments / kvx over attach, per round, median: {seg_vs_attach:.2f}")
     return 0
 

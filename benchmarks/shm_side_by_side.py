@@ -35,17 +35,34 @@ NIXL_TLS = ("cma,tcp", "sm,tcp")
 
 
 def nixl(tls: str, iters: int) -> dict:
-    cmd = [str(PEER_PY), str(HERE / "peers" / "nixl_bench.py"), "--json-only", "--iters", str(iters),
-           "--lat-iters", "200", "--err-mode", "none"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-                         env=dict(os.environ, UCX_TLS=tls))
+    cmd = [
+        str(PEER_PY),
+        str(HERE / "peers" / "nixl_bench.py"),
+        "--json-only",
+        "--iters",
+        str(iters),
+        "--lat-iters",
+        "200",
+        "--err-mode",
+        "none",
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, UCX_TLS=tls),
+    )
     if out.returncode != 0:
         raise RuntimeError(f"NIXL with UCX_TLS={tls} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30, help="transfers per round and contender")
     parser.add_argument("--no-nixl", action="store_true", help="kvx and the limit only")
@@ -78,12 +95,14 @@ def main() -> int:
     if use_nixl:
         for tls in NIXL_TLS:
             gbps = med(n["throughput_gbps"] for n in rows[tls])
-            lines.append(f"| NIXL 1.5.0, UCX_TLS={tls}, no progress thread, error handling none | {gbps:.2f} | "
-                         f"{gbps / limit:.2f} |")
+            lines.append(
+                f"| NIXL 1.5.0, UCX_TLS={tls}, no progress thread, error handling none | {gbps:.2f} | "
+                f"{gbps / limit:.2f} |"
+            )
         best = [max(rows[tls][i]["throughput_gbps"] for tls in NIXL_TLS) for i in range(args.rounds)]
         lines.append(f"| NIXL, best of the two per round | {med(best):.2f} | {med(best) / limit:.2f} |")
         lines.append("")
-        wins = sum(k["throughput_gbps"] >= b for k, b in zip(kv, best))
+        wins = sum(k["throughput_gbps"] >= b for k, b in zip(kv, best, strict=True))
         lines.append(f"kvx at least NIXL's best in {wins} of {args.rounds} rounds.")
     print("\n".join(lines))
     if args.json_out:

@@ -35,8 +35,14 @@ PEER_PY = HERE / "peers" / ".venv" / "bin" / "python"
 
 def run_json(cmd: list[str], timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
     """Run ``cmd``; the JSON object on its last line of output."""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                         env=dict(os.environ, **env) if env else None)
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, **env) if env else None,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -59,7 +65,9 @@ def descs_build_ms(reps: int = 21) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20, help="transfers per round, workload A")
     parser.add_argument("--lat-iters", type=int, default=2000, help="transfers per round, workload B")
@@ -75,13 +83,18 @@ def main() -> int:
     build_ms = []
     for r in range(args.rounds):
         samples["kvx"].append(kvx_bench("--iters", str(args.iters), "--streams", str(args.streams)))
-        samples["kvx_lat"].append(kvx_bench("--blocks", "1", "--block-size", "4KiB",
-                                            "--iters", str(args.lat_iters), "--warmup", "200"))
+        samples["kvx_lat"].append(
+            kvx_bench(
+                "--blocks", "1", "--block-size", "4KiB", "--iters", str(args.lat_iters), "--warmup", "200"
+            )
+        )
         build_ms.append(descs_build_ms())
         if args.peers:
             common = ["--json-only", "--iters", str(args.iters), "--lat-iters", str(args.lat_iters)]
             samples["nixl"].append(run_json([str(PEER_PY), str(HERE / "peers" / "nixl_bench.py"), *common]))
-            samples["mooncake"].append(run_json([str(PEER_PY), str(HERE / "peers" / "mooncake_bench.py"), *common]))
+            samples["mooncake"].append(
+                run_json([str(PEER_PY), str(HERE / "peers" / "mooncake_bench.py"), *common])
+            )
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     med = lambda rows, key: statistics.median(row[key] for row in rows)  # noqa: E731
@@ -103,9 +116,11 @@ def main() -> int:
         rows = samples[name]
         if rows:
             prep = med(rows, "prepare_ms") if rows[0].get("prepare_ms") is not None else None
-            lines.append(f"| {label} | {med(rows, 'throughput_gbps'):.2f} | {med(rows, 'throughput_gbps') / limit:.2f} | "
-                         f"{med(rows, 'lat4k_us_p50'):.1f} | {med(rows, 'lat4k_us_p99'):.1f} | "
-                         f"{'' if prep is None else f'{prep:.2f}'} |")
+            lines.append(
+                f"| {label} | {med(rows, 'throughput_gbps'):.2f} | {med(rows, 'throughput_gbps') / limit:.2f} | "
+                f"{med(rows, 'lat4k_us_p50'):.1f} | {med(rows, 'lat4k_us_p99'):.1f} | "
+                f"{'' if prep is None else f'{prep:.2f}'} |"
+            )
     print("\n".join(lines))
     if args.json_out:
         args.json_out.write_text(json.dumps({"samples": samples, "descs_build_ms": build_ms}, indent=1))

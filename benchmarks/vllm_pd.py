@@ -56,9 +56,25 @@ def start_pair(name: str, model: Path, tmp: Path, connector: str) -> list[Engine
 
 def start_proxy(name: str, prefill: Engine, decode: Engine, tmp: Path) -> tuple[Proc, str]:
     port = free_port()
-    proxy = Proc(f"{name}-proxy", [sys.executable, "-m", "kvx", "proxy", "--listen", f"127.0.0.1:{port}",
-                                   "--prefill", prefill.url, "--decode", decode.url, "--timeout-s", "300"],
-                 dict(os.environ), tmp / f"{name}-proxy.log")
+    proxy = Proc(
+        f"{name}-proxy",
+        [
+            sys.executable,
+            "-m",
+            "kvx",
+            "proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+            "--timeout-s",
+            "300",
+        ],
+        dict(os.environ),
+        tmp / f"{name}-proxy.log",
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -72,8 +88,14 @@ def start_proxy(name: str, prefill: Engine, decode: Engine, tmp: Path) -> tuple[
 
 def one_request(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
     """(ttft_s, total_s, tokens) of one streamed completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
     start = time.perf_counter()
     ttft = None
     tokens: list[int] = []
@@ -107,8 +129,14 @@ def main() -> None:
     vllm_python()  # fails early without an engine environment
     tmp = Path(tempfile.mkdtemp(prefix="kvx-bench-pd-"))
     model = tmp / "tiny-llama"
-    subprocess.run([os.environ["KVX_VLLM_PYTHON"], str(Path(__file__).resolve().parents[1] / "tests/e2e/tiny_model.py"),
-                    str(model)], check=True)
+    subprocess.run(
+        [
+            os.environ["KVX_VLLM_PYTHON"],
+            str(Path(__file__).resolve().parents[1] / "tests/e2e/tiny_model.py"),
+            str(model),
+        ],
+        check=True,
+    )
     rng = random.Random(11)
 
     def prompt() -> list[int]:
@@ -117,13 +145,14 @@ def main() -> None:
     warm = prompt()
     warm_out: dict[str, list[int]] = {}
     warmup_failures: dict[str, int] = {}
-    results: dict[str, dict[str, list[float]]] = {c: {"ttft_ms": [], "single_ms": [], "batch_ms": []}
-                                                  for c in connectors}
+    results: dict[str, dict[str, list[float]]] = {
+        c: {"ttft_ms": [], "single_ms": [], "batch_ms": []} for c in connectors
+    }
     for r in range(args.rounds):
         singles = [prompt() for _ in range(args.singles)]
         batch = [prompt() for _ in range(args.batch)]
         # One pair at a time (an idle NIXL engine still polls), in alternating order.
-        for c in (connectors if r % 2 == 0 else connectors[::-1]):
+        for c in connectors if r % 2 == 0 else connectors[::-1]:
             procs: list[Proc] = []
             try:
                 engines = start_pair(c, model, tmp, c)
@@ -159,9 +188,12 @@ def main() -> None:
                     n = len(batch)
                     list(pool.map(one_request, [url] * n, [model_id] * n, batch, [args.max_tokens] * n))
                 results[c]["batch_ms"].append((time.perf_counter() - start) * 1e3)
-                print(f"round {r + 1} {c}: ttft {results[c]['ttft_ms'][-1]:.0f} ms, single "
-                      f"{results[c]['single_ms'][-1]:.0f} ms, batch of {args.batch} "
-                      f"{results[c]['batch_ms'][-1]:.0f} ms", flush=True)
+                print(
+                    f"round {r + 1} {c}: ttft {results[c]['ttft_ms'][-1]:.0f} ms, single "
+                    f"{results[c]['single_ms'][-1]:.0f} ms, batch of {args.batch} "
+                    f"{results[c]['batch_ms'][-1]:.0f} ms",
+                    flush=True,
+                )
             finally:
                 for proc in procs:
                     proc.stop()
@@ -170,8 +202,14 @@ def main() -> None:
         summary["kvx/nixl"] = {k: summary["kvx"][k] / summary["nixl"][k] for k in summary["kvx"]}
     if warmup_failures:
         summary["warm-up failures"] = warmup_failures
-    print(json.dumps(summary, indent=2) if args.json else "\n".join(
-        f"{c:10s} " + "  ".join(f"{k} {v:.2f}" for k, v in m.items()) for c, m in summary.items()))
+    print(
+        json.dumps(summary, indent=2)
+        if args.json
+        else "\n".join(
+            f"{c:10s} " + "  ".join(f"{k} {v:.2f}" for k, v in m.items()) for c, m in summary.items()
+        )
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ Worker processes inherit the same choice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -82,8 +83,11 @@ def backend_setting(param: str, monkeypatch) -> str:
         return param
     from kvx.backends import shm
 
-    monkeypatch.setattr(shm, "probe", lambda md: f"cross-memory attach to pid {md.pid} is not permitted (EPERM): "
-                        "refused for this test")
+    monkeypatch.setattr(
+        shm,
+        "probe",
+        lambda md: f"cross-memory attach to pid {md.pid} is not permitted (EPERM): refused for this test",
+    )
     monkeypatch.setattr(sys.modules[__name__], "SHARED_POOLS", True)
     return "shm"
 
@@ -99,10 +103,8 @@ def kvx_threads() -> list[str]:
 def fd_targets() -> list[str]:
     out = []
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
     return sorted(out)
 
 

@@ -139,7 +139,7 @@ def _on_alarm(signum, frame):
 _PEERS: list = []
 
 
-def set_deadline(seconds: float, out: "Output", peer: str) -> float:
+def set_deadline(seconds: float, out: Output, peer: str) -> float:
     """SIGALRM at the deadline; if that cannot be delivered (the main thread
     is stuck inside a native call), a watchdog thread ends the run a bit later."""
     signal.signal(signal.SIGALRM, _on_alarm)
@@ -149,8 +149,13 @@ def set_deadline(seconds: float, out: "Output", peer: str) -> float:
         for p in _PEERS:
             if p.proc.is_alive():
                 p.proc.kill()
-        out.result({"peer": peer, "verified": False,
-                    "error": "hard timeout: blocked in a native call past --timeout"})
+        out.result(
+            {
+                "peer": peer,
+                "verified": False,
+                "error": "hard timeout: blocked in a native call past --timeout",
+            }
+        )
         os._exit(3)
 
     t = threading.Timer(seconds + 20.0, hard_stop)

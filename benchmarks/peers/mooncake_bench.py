@@ -8,6 +8,7 @@ Prints one JSON object on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -17,7 +18,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-
 from _common import (  # noqa: E402
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -89,10 +89,8 @@ def target_main(conn, opts: dict) -> None:
         conn.close()
         os._exit(0)  # skip native teardown
     except Exception as e:
-        try:
+        with contextlib.suppress(Exception):
             conn.send({"error": f"{type(e).__name__}: {e}"})
-        except Exception:
-            pass
 
 
 def read(engine, segment, local, remote, lengths) -> float:
@@ -160,40 +158,43 @@ def main() -> int:
         bb = [read(engine, segment, [sl], [sr], [SMALL_BYTES]) for _ in range(args.lat_iters)]
         expected = np.empty(POOL_BYTES, dtype=np.uint8)
         fill_pattern(expected)
-        if not np.array_equal(pool[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES],
-                              expected[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES]):
+        if not np.array_equal(
+            pool[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES], expected[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES]
+        ):
             raise RuntimeError("4 KiB read returned wrong bytes")
 
         peer.send("stop")
         peer.recv(timeout=30)
 
         sa, lb, lbb = lat_stats(a), lat_stats(b), lat_stats(bb)
-        result.update({
-            "version": version("mooncake-transfer-engine-non-cuda"),
-            "throughput_gbps": XFER_BYTES / (sa["p50_us"] * 1e-6) / 1e9,
-            "latency_us_p50": sa["p50_us"],
-            "latency_us_p99": sa["p99_us"],
-            "lat4k_us_p50": lb["p50_us"],
-            "lat4k_us_p99": lb["p99_us"],
-            "prepare_ms": None,  # no separate preparation step in this API
-            "verified": True,
-            "lat4k_batch_us_p50": lbb["p50_us"],
-            "lat4k_batch_us_p99": lbb["p99_us"],
-            "settings": {
-                "protocol": "tcp",
-                "metadata": "P2PHANDSHAKE",
-                "local_hostname": HOST,
-                "wheel": "mooncake-transfer-engine-non-cuda",
-                "request": "batch_transfer_sync_read per iteration (4 KiB: transfer_sync_read)",
-                "mc_env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
-                "blocks": f"{len(XFER_BLOCK_IDS)} x {BLOCK_SIZE} B of {NUM_BLOCKS}, even ids",
-                "bytes_per_iter": XFER_BYTES,
-                "iters": args.iters,
-                "warmup": args.warmup,
-                "lat_iters": args.lat_iters,
-                **host_info(),
-            },
-        })
+        result.update(
+            {
+                "version": version("mooncake-transfer-engine-non-cuda"),
+                "throughput_gbps": XFER_BYTES / (sa["p50_us"] * 1e-6) / 1e9,
+                "latency_us_p50": sa["p50_us"],
+                "latency_us_p99": sa["p99_us"],
+                "lat4k_us_p50": lb["p50_us"],
+                "lat4k_us_p99": lb["p99_us"],
+                "prepare_ms": None,  # no separate preparation step in this API
+                "verified": True,
+                "lat4k_batch_us_p50": lbb["p50_us"],
+                "lat4k_batch_us_p99": lbb["p99_us"],
+                "settings": {
+                    "protocol": "tcp",
+                    "metadata": "P2PHANDSHAKE",
+                    "local_hostname": HOST,
+                    "wheel": "mooncake-transfer-engine-non-cuda",
+                    "request": "batch_transfer_sync_read per iteration (4 KiB: transfer_sync_read)",
+                    "mc_env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
+                    "blocks": f"{len(XFER_BLOCK_IDS)} x {BLOCK_SIZE} B of {NUM_BLOCKS}, even ids",
+                    "bytes_per_iter": XFER_BYTES,
+                    "iters": args.iters,
+                    "warmup": args.warmup,
+                    "lat_iters": args.lat_iters,
+                    **host_info(),
+                },
+            }
+        )
         out.log(
             f"mooncake: A {result['throughput_gbps']:.3f} GB/s (p50 {sa['p50_us']:.0f} us, "
             f"p99 {sa['p99_us']:.0f} us) | B p50 {lb['p50_us']:.1f} us p99 {lb['p99_us']:.1f} us "
@@ -202,8 +203,9 @@ def main() -> int:
         rc = 0
     except (Timeout, Exception) as e:
         traceback.print_exc(file=sys.stderr)
-        result.update({"verified": False, "error": f"{type(e).__name__}: {e}",
-                       "target_exitcode": peer.proc.exitcode})
+        result.update(
+            {"verified": False, "error": f"{type(e).__name__}: {e}", "target_exitcode": peer.proc.exitcode}
+        )
         rc = 1
     finally:
         import signal

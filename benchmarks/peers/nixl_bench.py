@@ -8,6 +8,7 @@ Prints one JSON object on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
@@ -17,7 +18,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-
 from _common import (  # noqa: E402
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -96,10 +96,8 @@ def target_main(conn, opts: dict) -> None:
         # Skip native teardown; the process is going away anyway.
         os._exit(0)
     except Exception as e:  # reported to the initiator, which fails loudly
-        try:
+        with contextlib.suppress(Exception):
             conn.send({"error": f"{type(e).__name__}: {e}"})
-        except Exception:
-            pass
 
 
 def wait(agent, handle, state: str) -> None:
@@ -140,12 +138,17 @@ def ucx_version() -> str | None:
 
 def main() -> int:
     def extra(p):
-        p.add_argument("--err-mode", default="none", choices=["none", "peer"],
-                       help="UCX backend ucx_error_handling_mode")
-        p.add_argument("--prog-thread", action="store_true",
-                       help="enable the NIXL progress thread in the initiator")
-        p.add_argument("--target-prog-thread", action="store_true",
-                       help="enable the progress thread in the target instead of polling")
+        p.add_argument(
+            "--err-mode", default="none", choices=["none", "peer"], help="UCX backend ucx_error_handling_mode"
+        )
+        p.add_argument(
+            "--prog-thread", action="store_true", help="enable the NIXL progress thread in the initiator"
+        )
+        p.add_argument(
+            "--target-prog-thread",
+            action="store_true",
+            help="enable the progress thread in the target instead of polling",
+        )
         p.add_argument("--prep-reps", type=int, default=5)
 
     args = parse_args("nixl", extra)
@@ -208,8 +211,9 @@ def main() -> int:
             run_repost(agent, h)
         b_repost = [run_repost(agent, h) for _ in range(args.lat_iters)]
         agent.release_xfer_handle(h)
-        if not np.array_equal(pool[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES],
-                              _expected_slice(BLOCK_SIZE, SMALL_BYTES)):
+        if not np.array_equal(
+            pool[BLOCK_SIZE : BLOCK_SIZE + SMALL_BYTES], _expected_slice(BLOCK_SIZE, SMALL_BYTES)
+        ):
             raise RuntimeError("4 KiB read returned wrong bytes")
 
         # Descriptor-list preparation from numpy arrays.
@@ -239,46 +243,48 @@ def main() -> int:
 
         sa, sr = lat_stats(a_fresh), lat_stats(a_repost)
         lb, lr = lat_stats(b_fresh), lat_stats(b_repost)
-        result.update({
-            "version": version("nixl"),
-            "throughput_gbps": XFER_BYTES / (sa["p50_us"] * 1e-6) / 1e9,
-            "latency_us_p50": sa["p50_us"],
-            "latency_us_p99": sa["p99_us"],
-            "lat4k_us_p50": lb["p50_us"],
-            "lat4k_us_p99": lb["p99_us"],
-            "prepare_ms": float(np.median(prep_local)) * 1e3,
-            "verified": True,
-            "repost": {
-                "throughput_gbps": XFER_BYTES / (sr["p50_us"] * 1e-6) / 1e9,
-                "latency_us_p50": sr["p50_us"],
-                "latency_us_p99": sr["p99_us"],
-                "lat4k_us_p50": lr["p50_us"],
-                "lat4k_us_p99": lr["p99_us"],
-            },
-            "prepare_remote_ms": float(np.median(prep_remote)) * 1e3,
-            "settings": {
-                "backend": "UCX",
-                "ucx_version": ucx_version(),
-                "wheel": "nixl-cu12 " + version("nixl-cu12"),
-                "UCX_TLS": os.environ.get("UCX_TLS"),
-                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"),
-                "ucx_error_handling_mode": args.err_mode,
-                "num_workers": 1,
-                "initiator_prog_thread": args.prog_thread,
-                "target_progress": "prog_thread" if args.target_prog_thread else "polling get_new_notifs",
-                "request": "make_prepped_xfer + transfer + poll per iteration (repost: one handle re-posted)",
-                "blocks": f"{len(XFER_BLOCK_IDS)} x {BLOCK_SIZE} B of {NUM_BLOCKS}, even ids",
-                "bytes_per_iter": XFER_BYTES,
-                "iters": args.iters,
-                "warmup": args.warmup,
-                "lat_iters": args.lat_iters,
-                "prep_descs": PREP_DESCS,
-                "prep_desc_bytes": PREP_DESC_BYTES,
-                "prep_desc_stride": PREP_DESC_STRIDE,
-                "prep_reps": args.prep_reps,
-                **host_info(),
-            },
-        })
+        result.update(
+            {
+                "version": version("nixl"),
+                "throughput_gbps": XFER_BYTES / (sa["p50_us"] * 1e-6) / 1e9,
+                "latency_us_p50": sa["p50_us"],
+                "latency_us_p99": sa["p99_us"],
+                "lat4k_us_p50": lb["p50_us"],
+                "lat4k_us_p99": lb["p99_us"],
+                "prepare_ms": float(np.median(prep_local)) * 1e3,
+                "verified": True,
+                "repost": {
+                    "throughput_gbps": XFER_BYTES / (sr["p50_us"] * 1e-6) / 1e9,
+                    "latency_us_p50": sr["p50_us"],
+                    "latency_us_p99": sr["p99_us"],
+                    "lat4k_us_p50": lr["p50_us"],
+                    "lat4k_us_p99": lr["p99_us"],
+                },
+                "prepare_remote_ms": float(np.median(prep_remote)) * 1e3,
+                "settings": {
+                    "backend": "UCX",
+                    "ucx_version": ucx_version(),
+                    "wheel": "nixl-cu12 " + version("nixl-cu12"),
+                    "UCX_TLS": os.environ.get("UCX_TLS"),
+                    "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"),
+                    "ucx_error_handling_mode": args.err_mode,
+                    "num_workers": 1,
+                    "initiator_prog_thread": args.prog_thread,
+                    "target_progress": "prog_thread" if args.target_prog_thread else "polling get_new_notifs",
+                    "request": "make_prepped_xfer + transfer + poll per iteration (repost: one handle re-posted)",
+                    "blocks": f"{len(XFER_BLOCK_IDS)} x {BLOCK_SIZE} B of {NUM_BLOCKS}, even ids",
+                    "bytes_per_iter": XFER_BYTES,
+                    "iters": args.iters,
+                    "warmup": args.warmup,
+                    "lat_iters": args.lat_iters,
+                    "prep_descs": PREP_DESCS,
+                    "prep_desc_bytes": PREP_DESC_BYTES,
+                    "prep_desc_stride": PREP_DESC_STRIDE,
+                    "prep_reps": args.prep_reps,
+                    **host_info(),
+                },
+            }
+        )
         out.log(
             f"nixl: A {result['throughput_gbps']:.3f} GB/s (p50 {sa['p50_us']:.0f} us, "
             f"p99 {sa['p99_us']:.0f} us; repost {result['repost']['throughput_gbps']:.3f} GB/s) | "
@@ -288,8 +294,9 @@ def main() -> int:
         rc = 0
     except (Timeout, Exception) as e:
         traceback.print_exc(file=sys.stderr)
-        result.update({"verified": False, "error": f"{type(e).__name__}: {e}",
-                       "target_exitcode": peer.proc.exitcode})
+        result.update(
+            {"verified": False, "error": f"{type(e).__name__}: {e}", "target_exitcode": peer.proc.exitcode}
+        )
         rc = 1
     finally:
         signal_off()

@@ -54,13 +54,32 @@ class ProcMemChannel(Channel):
     def link(self) -> Link:
         return self._link
 
-    def post(self, transfer: Transfer, op: Op, local_addrs: Any, local_lens: Any, total: int,
-             remote: np.ndarray, notify: bytes | None, local_device: int = -1, remote_device: int = -1,
-             remote_ipc: bool = False) -> None:
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int = -1,
+        remote_device: int = -1,
+        remote_ipc: bool = False,
+    ) -> None:
         assert local_device < 0 and remote_device < 0, "procmem moves host memory only"
         fd, peer = self._fd, self._link.peer
-        self._link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0,
-                               lambda *part: _ProcMemCopy(fd, op, peer, *part))
+        self._link.post_pinned(
+            transfer,
+            op,
+            local_addrs,
+            local_lens,
+            total,
+            remote,
+            notify,
+            0,
+            lambda *part: _ProcMemCopy(fd, op, peer, *part),
+        )
 
 
 class _ProcMemCopy(PinnedCopy):

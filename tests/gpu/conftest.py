@@ -12,7 +12,8 @@ from kvx._datapath import gpu
 
 HAVE_GPU = gpu.available()
 needs_gpu = pytest.mark.skipif(
-    not HAVE_GPU, reason="needs CuPy (kvx[gpu]) and a CUDA device; runs on a GPU machine: pytest tests/gpu")
+    not HAVE_GPU, reason="needs CuPy (kvx[gpu]) and a CUDA device; runs on a GPU machine: pytest tests/gpu"
+)
 
 
 @pytest.fixture

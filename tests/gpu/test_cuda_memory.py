@@ -23,8 +23,9 @@ def test_cupy_arrays_and_raw_pointers_register_as_cuda_regions(cp):
         raw = agent.register((arr.data.ptr + 4096, 8192), device=0)
         assert raw.memory_kind is MemoryKind.CUDA and raw.ipc_offset - region.ipc_offset == 4096
         md = parse_metadata(agent.metadata())
-        assert [(r.memory_kind, r.device, r.cuda_ipc) for r in md.regions] == \
-            [(agent_pb2.MEMORY_KIND_CUDA, 0, True)] * 2
+        assert [(r.memory_kind, r.device, r.cuda_ipc) for r in md.regions] == [
+            (agent_pb2.MEMORY_KIND_CUDA, 0, True)
+        ] * 2
         with pytest.raises(kvx.ConfigError, match="past the end of their CUDA allocation"):
             agent.register((arr.data.ptr, arr.nbytes + (64 << 20)), device=0)
         with pytest.raises(kvx.ConfigError, match="contiguous"):
@@ -61,8 +62,8 @@ def test_the_engine_copies_scattered_triples(cp, monkeypatch, method, align):
     dst_at[order] = np.cumsum(np.concatenate(([0], lens[order][:-1] + align))).astype(np.uint64)
     engine.copy(dst.data.ptr + dst_at, src.data.ptr + src_at, lens).synchronize()
     host_src, expected = cp.asnumpy(src), np.zeros(8 << 20, np.uint8)
-    for s, d, n in zip(src_at.tolist(), dst_at.tolist(), lens.tolist()):
-        expected[d:d + n] = host_src[s:s + n]
+    for s, d, n in zip(src_at.tolist(), dst_at.tolist(), lens.tolist(), strict=True):
+        expected[d : d + n] = host_src[s : s + n]
     assert np.array_equal(cp.asnumpy(dst), expected)
 
 
@@ -78,7 +79,9 @@ def test_the_engine_stages_through_pinned_buffers(cp):
     assert np.array_equal(staged, cp.asnumpy(src).reshape(-1, 8192)[:, :4096].ravel())
     back = (dst.data.ptr + np.arange(0, 1 << 20, 8192)).astype(np.uint64)
     engine.stage_in(0, back, lens, total).synchronize()
-    assert np.array_equal(cp.asnumpy(dst).reshape(-1, 8192)[:, :4096], cp.asnumpy(src).reshape(-1, 8192)[:, :4096])
+    assert np.array_equal(
+        cp.asnumpy(dst).reshape(-1, 8192)[:, :4096], cp.asnumpy(src).reshape(-1, 8192)[:, :4096]
+    )
     assert not cp.asnumpy(dst).reshape(-1, 8192)[:, 4096:].any()
 
 
@@ -91,6 +94,8 @@ def test_agents_in_one_process_copy_gpu_memory_directly(cp):
         peer = a.add_peer(b.metadata())
         assert peer.backend == "cuda_ipc"
         ids = np.arange(0, 64, 2)
-        peer.read(kvx.Descs.from_blocks(mine, ids, 16384), kvx.Descs.from_blocks(theirs, ids[::-1], 16384)).wait(30)
+        peer.read(
+            kvx.Descs.from_blocks(mine, ids, 16384), kvx.Descs.from_blocks(theirs, ids[::-1], 16384)
+        ).wait(30)
         got = cp.asnumpy(dst).reshape(-1, 16384)[ids]
         assert np.array_equal(got, cp.asnumpy(src).reshape(-1, 16384)[ids[::-1]])

@@ -57,7 +57,9 @@ def test_read_and_write_1000_scattered_blocks_gpu_to_gpu(cp, make_agent, gpu_wor
     assert not got[untouched].any()
     # Write other bytes back into other blocks, with a notification after them.
     pool[:] = 7
-    peer.write(local[:10], Descs.from_blocks(peer.regions[0], np.arange(10), BLOCK), notify=b"landed").wait(60)
+    peer.write(local[:10], Descs.from_blocks(peer.regions[0], np.arange(10), BLOCK), notify=b"landed").wait(
+        60
+    )
     assert gpu_worker.call("peek", 0, 10 * BLOCK) == bytes([7]) * (10 * BLOCK)
     assert gpu_worker.call("notifications", 5.0) == [(agent.name, b"landed")]
 
@@ -68,7 +70,9 @@ def test_host_memory_with_gpu_memory_is_staged(cp, make_agent, gpu_worker, backe
     region = agent.register(host)
     peer = agent.add_peer(gpu_worker.metadata)
     ids = np.arange(64)[::-1]
-    peer.read(Descs.from_blocks(region, np.arange(64), BLOCK), Descs.from_blocks(peer.regions[0], ids, BLOCK)).wait(60)
+    peer.read(
+        Descs.from_blocks(region, np.arange(64), BLOCK), Descs.from_blocks(peer.regions[0], ids, BLOCK)
+    ).wait(60)
     assert np.array_equal(host.reshape(-1, BLOCK), gpu_worker.expected(0, POOL).reshape(-1, BLOCK)[ids])
 
 
@@ -110,8 +114,12 @@ def test_a_peer_killed_mid_stream_fails_transfers_quickly(cp, make_agent, gpu_wo
 
 @pytest.mark.parametrize("args", [["--backend", "cuda_ipc"], ["--backend", "tcp"]])
 def test_kvx_bench_with_gpu_memory(args):
-    out = subprocess.run([sys.executable, "-m", "kvx", "bench", "--memory", "cuda", "--iters", "5", "--json", *args],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvx", "bench", "--memory", "cuda", "--iters", "5", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["verified"] and result["memory"] == "cuda" and result["backend"] == args[1]

@@ -51,8 +51,9 @@ def server(make_server):
 
 def admin(threaded: ThreadedServer, token: str | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return httpx.Client(base_url=f"http://{threaded.server.admin_address}", headers=headers,
-                        timeout=HTTP_TIMEOUT_S)
+    return httpx.Client(
+        base_url=f"http://{threaded.server.admin_address}", headers=headers, timeout=HTTP_TIMEOUT_S
+    )
 
 
 def stub(threaded: ThreadedServer):
@@ -60,15 +61,20 @@ def stub(threaded: ThreadedServer):
     return channel, metadata_pb2_grpc.MetadataServiceStub(channel)
 
 
-def register(threaded: ThreadedServer, name: str, role: int = metadata_pb2.ROLE_PREFILL, **labels: str) -> None:
+def register(
+    threaded: ThreadedServer, name: str, role: int = metadata_pb2.ROLE_PREFILL, **labels: str
+) -> None:
     epoch = next(_epochs)
-    record = metadata_pb2.AgentRecord(name=name, epoch=epoch, role=role,
-                                      started_unix_ms=int(time.time() * 1000))
+    record = metadata_pb2.AgentRecord(
+        name=name, epoch=epoch, role=role, started_unix_ms=int(time.time() * 1000)
+    )
     record.labels.update(labels)
     record.metadata.name, record.metadata.epoch = name, epoch
     channel, client = stub(threaded)
     with channel:
-        client.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=record, ttl_s=60), timeout=RPC_TIMEOUT_S)
+        client.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=record, ttl_s=60), timeout=RPC_TIMEOUT_S
+        )
 
 
 def register_five(threaded: ThreadedServer) -> None:
@@ -127,7 +133,9 @@ def test_list_filters_by_role_and_labels(server):
         assert names(http.get("/v1/agents", params={"role": "decode"})) == ["d0", "d1"]
         assert names(http.get("/v1/agents", params={"role": "other"})) == []
         assert names(http.get("/v1/agents", params={"label": "zone=a"})) == ["d0", "p0", "p1"]
-        both = http.get("/v1/agents", params=[("label", "zone=a"), ("label", "model=m1"), ("role", "prefill")])
+        both = http.get(
+            "/v1/agents", params=[("label", "zone=a"), ("label", "model=m1"), ("role", "prefill")]
+        )
         assert names(both) == ["p0"]
         agent = http.get("/v1/agents", params={"role": "decode", "label": "zone=b"}).json()["agents"][0]
     assert agent["name"] == "d1" and agent["role"] == "ROLE_DECODE"
@@ -155,15 +163,18 @@ def test_list_pagination_follows_tokens(server):
     assert seen == sorted(["d0", "d1", "p0", "p1", "p2"])
 
 
-@pytest.mark.parametrize("params, words", [
-    ({"role": "bogus"}, "role"),
-    ({"page_size": "many"}, "page_size"),
-    ({"page_size": -1}, "page_size"),
-    ({"label": "zone"}, "key=value"),
-    ({"label": "=a"}, "key=value"),
-    ([("label", "zone=a"), ("label", "zone=b")], "twice"),
-    ({"page_token": "%%not-a-token%%"}, "page_token"),
-])
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"role": "bogus"}, "role"),
+        ({"page_size": "many"}, "page_size"),
+        ({"page_size": -1}, "page_size"),
+        ({"label": "zone"}, "key=value"),
+        ({"label": "=a"}, "key=value"),
+        ([("label", "zone=a"), ("label", "zone=b")], "twice"),
+        ({"page_token": "%%not-a-token%%"}, "page_token"),
+    ],
+)
 def test_bad_list_parameters_give_400(server, params, words):
     with admin(server) as http:
         response = http.get("/v1/agents", params=params)
@@ -202,7 +213,10 @@ def test_evict_needs_the_admin_token(server):
         with pytest.raises(grpc.RpcError) as err:
             client.GetAgent(metadata_pb2.GetAgentRequest(name="p0"), timeout=RPC_TIMEOUT_S)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert client.GetAgent(metadata_pb2.GetAgentRequest(name="p1"), timeout=RPC_TIMEOUT_S).record.name == "p1"
+        assert (
+            client.GetAgent(metadata_pb2.GetAgentRequest(name="p1"), timeout=RPC_TIMEOUT_S).record.name
+            == "p1"
+        )
 
 
 def test_evict_is_refused_without_a_configured_token(make_server):
@@ -273,4 +287,6 @@ def test_openapi_and_docs(server):
 def test_admin_port_in_use_is_a_clear_error(server):
     taken = server.server.admin_address
     with pytest.raises(OSError, match="admin API cannot listen"):
-        ThreadedServer(MetadataServer("127.0.0.1:0", admin_listen=taken, admin_token=TOKEN), start_timeout_s=20)
+        ThreadedServer(
+            MetadataServer("127.0.0.1:0", admin_listen=taken, admin_token=TOKEN), start_timeout_s=20
+        )

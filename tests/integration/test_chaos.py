@@ -4,6 +4,7 @@ Whatever happens, every transfer ends (done with the right bytes, or a kvx
 error) within its timeout, and nothing is left running.
 """
 
+import contextlib
 import os
 import random
 import socket
@@ -16,10 +17,10 @@ import pytest
 
 import kvx
 from kvx import Descs
+from kvx._net import parse_address
+from kvx.agent import parse_metadata
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
-from kvx.agent import parse_metadata
-from kvx._net import parse_address
 from kvx.v1 import handshake_pb2
 from tests.conftest import backend_setting, kvx_threads, wait_until
 
@@ -29,7 +30,6 @@ BLOCKS = 512
 HALF = BLOCKS // 2
 
 
-
 @pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
 def backend(request, monkeypatch):
     """Every test here runs over tcp, over shm, and over shm with cross-memory
@@ -37,11 +37,13 @@ def backend(request, monkeypatch):
     setting; targets offer all)."""
     return backend_setting(request.param, monkeypatch)
 
+
 def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, make_agent):
     threads_before = kvx_threads()
     worker = make_worker(pool_bytes=BLOCKS * BLOCK, timeouts={"io_s": 2.0})
-    agent = make_agent(streams=2, timeouts=kvx.Timeouts(io_s=2.0, transfer_s=10),
-                       limits=kvx.Limits(max_inflight_per_peer=8))
+    agent = make_agent(
+        streams=2, timeouts=kvx.Timeouts(io_s=2.0, transfer_s=10), limits=kvx.Limits(max_inflight_per_peer=8)
+    )
     pools = [np.zeros(BLOCKS * BLOCK, np.uint8) for _ in range(4)]
     regions = [agent.register(p) for p in pools]
     peer = agent.add_peer(worker.metadata)
@@ -62,15 +64,20 @@ def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, ma
             notify = b"n" if rng.random() < 0.3 else None
             try:
                 if rng.random() < 0.7:
-                    t = peer.read(Descs.from_blocks(region, local_ids, BLOCK),
-                                  Descs.from_blocks(remote, ids, BLOCK), notify=notify)
+                    t = peer.read(
+                        Descs.from_blocks(region, local_ids, BLOCK),
+                        Descs.from_blocks(remote, ids, BLOCK),
+                        notify=notify,
+                    )
                     t.wait(15)
                     got = pool.reshape(BLOCKS, BLOCK)[local_ids]
                     if not np.array_equal(got, expected[ids]):
                         problems.append("read returned wrong bytes")
                 else:
-                    t = peer.write(Descs.from_blocks(region, local_ids, BLOCK),
-                                   Descs.from_blocks(remote, [i + HALF for i in ids], BLOCK))
+                    t = peer.write(
+                        Descs.from_blocks(region, local_ids, BLOCK),
+                        Descs.from_blocks(remote, [i + HALF for i in ids], BLOCK),
+                    )
                     t.wait(15)
                 with lock:
                     outcomes["done"] += 1
@@ -91,7 +98,9 @@ def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, ma
                 time.sleep(rng.uniform(0.05, 0.3))
                 worker.thaw()
 
-    workers = [threading.Thread(target=client, args=(k,)) for k in range(4)] + [threading.Thread(target=churn)]
+    workers = [threading.Thread(target=client, args=(k,)) for k in range(4)] + [
+        threading.Thread(target=churn)
+    ]
     for th in workers:
         th.start()
     for th in workers:
@@ -101,14 +110,17 @@ def test_concurrent_transfers_with_remote_churn_and_a_final_kill(make_worker, ma
     assert outcomes["done"] > 20, outcomes
 
     # Kill the peer with transfers in flight: every one ends, quickly.
-    inflight = [peer.read(Descs.from_blocks(regions[k], range(BLOCKS), BLOCK),
-                          Descs.from_blocks(remote, range(BLOCKS), BLOCK)) for k in range(4)]
+    inflight = [
+        peer.read(
+            Descs.from_blocks(regions[k], range(BLOCKS), BLOCK),
+            Descs.from_blocks(remote, range(BLOCKS), BLOCK),
+        )
+        for k in range(4)
+    ]
     worker.kill()
     for t in inflight:
-        try:
+        with contextlib.suppress(kvx.KvxError):
             t.wait(5)
-        except kvx.KvxError:
-            pass
         assert t.done()
     for region in regions:
         agent.deregister(region, timeout_s=2)
@@ -127,8 +139,9 @@ def test_random_frames_never_take_the_server_down(make_worker, make_agent):
     while time.monotonic() < deadline and frames < 300:
         sock = socket.create_connection(address, timeout=5)
         try:
-            hello = handshake_pb2.Hello(name="fuzz", epoch=1, target_name=md.name, target_epoch=md.epoch,
-                                        nonce=os.urandom(32)).SerializeToString()
+            hello = handshake_pb2.Hello(
+                name="fuzz", epoch=1, target_name=md.name, target_epoch=md.epoch, nonce=os.urandom(32)
+            ).SerializeToString()
             sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
             sock.recv(4096)
             auth = handshake_pb2.Auth().SerializeToString()
@@ -137,9 +150,16 @@ def test_random_frames_never_take_the_server_down(make_worker, make_agent):
             for _ in range(rng.randint(1, 5)):
                 msg_type = rng.choice(list(MsgType) + [0, 99, 65535])
                 payload = os.urandom(rng.choice([0, 1, 23, 24, 48, 100]))
-                header = struct.pack("<4sHHQIIQ", _wire.MAGIC, _wire.PROTOCOL_VERSION, int(msg_type),
-                                     rng.getrandbits(64), len(payload), rng.choice([0, 1, len(payload), 2**32 - 1]),
-                                     rng.choice([0, 1, 4096, 2**63]))
+                header = struct.pack(
+                    "<4sHHQIIQ",
+                    _wire.MAGIC,
+                    _wire.PROTOCOL_VERSION,
+                    int(msg_type),
+                    rng.getrandbits(64),
+                    len(payload),
+                    rng.choice([0, 1, len(payload), 2**32 - 1]),
+                    rng.choice([0, 1, 4096, 2**63]),
+                )
                 sock.sendall(header + payload)
                 frames += 1
         except OSError:

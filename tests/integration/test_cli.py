@@ -11,8 +11,14 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def kvx(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "kvx.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "kvx.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow
@@ -27,8 +33,20 @@ def test_demo_moves_verifies_and_says_so():
 
 @pytest.mark.slow
 def test_bench_json_has_the_promised_fields():
-    result = kvx("bench", "--blocks", "64", "--block-size", "8KiB", "--iters", "3", "--warmup", "1",
-                 "--streams", "2", "--json")
+    result = kvx(
+        "bench",
+        "--blocks",
+        "64",
+        "--block-size",
+        "8KiB",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--streams",
+        "2",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     for key in ("throughput_gbps", "limit_gbps", "ratio", "latency_us_p50", "latency_us_p99"):
@@ -38,10 +56,13 @@ def test_bench_json_has_the_promised_fields():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, limit", [("tcp", "raw socket"), ("shm", "process_vm_readv"),
-                                            ("auto", "process_vm_readv")])
+@pytest.mark.parametrize(
+    "backend, limit", [("tcp", "raw socket"), ("shm", "process_vm_readv"), ("auto", "process_vm_readv")]
+)
 def test_bench_write_text_output(backend, limit):
-    result = kvx("bench", "--op", "write", "--blocks", "16", "--iters", "2", "--warmup", "0", "--backend", backend)
+    result = kvx(
+        "bench", "--op", "write", "--blocks", "16", "--iters", "2", "--warmup", "0", "--backend", backend
+    )
     assert result.returncode == 0, result.stderr
     assert f"of the {limit} limit" in result.stdout and "NOT VERIFIED" not in result.stdout
     assert f"backend:          {'shm' if backend == 'auto' else backend}:" in result.stdout

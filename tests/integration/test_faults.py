@@ -11,17 +11,16 @@ import pytest
 
 import kvx
 from kvx import Descs
+from kvx._net import parse_address
+from kvx.agent import parse_metadata
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
-from kvx.agent import parse_metadata
-from kvx._net import parse_address
 from kvx.descs import DESC_DTYPE
 from kvx.v1 import agent_pb2, handshake_pb2
-from tests.conftest import backend_setting, SECRET, fd_targets, kvx_threads, open_fds
+from tests.conftest import SECRET, backend_setting, fd_targets, kvx_threads, open_fds
 
 BLOCK = 4096
 POOL = 1 << 20
-
 
 
 @pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
@@ -30,6 +29,7 @@ def backend(request, monkeypatch):
     attach refused and the workers' pools in shared segments (the initiator's
     setting; targets offer all)."""
     return backend_setting(request.param, monkeypatch)
+
 
 def _tampered(metadata: bytes, edit) -> bytes:
     md = agent_pb2.AgentMetadata.FromString(metadata)
@@ -54,6 +54,7 @@ def _guard_intact(worker):
 
 # Descriptor checks done by the serving agent: the initiator's own pre-check
 # is bypassed by metadata that claims more than the target has.
+
 
 def test_descriptor_outside_region_is_refused_by_the_target(make_worker, make_agent):
     worker = make_worker()
@@ -129,6 +130,7 @@ def test_initiator_refuses_bad_descriptors_before_sending(make_worker, make_agen
 
 # Connecting: epoch, version, authentication.
 
+
 def test_wrong_epoch_is_refused(make_worker, make_agent):
     worker = make_worker()
     agent = make_agent()
@@ -146,10 +148,13 @@ def test_wrong_protocol_version_in_metadata(make_worker, make_agent):
         make_agent("x").add_peer(b"\xff\xff garbage")
 
 
-@pytest.mark.parametrize("initiator_secret,message", [
-    (None, "requires authentication"),
-    (b"another-secret-0123456789", "HMAC"),
-])
+@pytest.mark.parametrize(
+    "initiator_secret,message",
+    [
+        (None, "requires authentication"),
+        (b"another-secret-0123456789", "HMAC"),
+    ],
+)
 def test_unauthenticated_peers_are_refused(make_worker, make_agent, initiator_secret, message):
     worker = make_worker(auth_secret=SECRET)
     agent = make_agent(auth_secret=initiator_secret)
@@ -166,12 +171,14 @@ def test_secured_initiator_refuses_an_open_target(make_worker, make_agent):
 
 # Raw bytes on the wire.
 
+
 def _connect(worker, secret=None, version=_wire.PROTOCOL_VERSION):
     md = parse_metadata(worker.metadata)
     sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
     nonce = os.urandom(32)
-    hello = handshake_pb2.Hello(name="raw", epoch=1, target_name=md.name, target_epoch=md.epoch,
-                                nonce=nonce).SerializeToString()
+    hello = handshake_pb2.Hello(
+        name="raw", epoch=1, target_name=md.name, target_epoch=md.epoch, nonce=nonce
+    ).SerializeToString()
     header = bytearray(_wire.pack(MsgType.HELLO, payload_len=len(hello)))
     struct.pack_into("<H", header, 4, version)
     sock.sendall(bytes(header) + hello)
@@ -283,7 +290,9 @@ def test_refused_write_is_drained_and_the_connection_survives(make_worker):
     worker = make_worker()
     sock, _ = _session(worker)
     descs = Descs.build(worker.region_id, POOL - 10, 100).array.tobytes()
-    sock.sendall(_wire.pack(MsgType.WRITE_REQ, 1, payload_len=len(descs), data_len=100) + descs + b"\xee" * 100)
+    sock.sendall(
+        _wire.pack(MsgType.WRITE_REQ, 1, payload_len=len(descs), data_len=100) + descs + b"\xee" * 100
+    )
     (msg_type, aux), _ = _read_message(sock)
     assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS)
     good = Descs.build(worker.region_id, 0, 100).array.tobytes()
@@ -297,6 +306,7 @@ def test_refused_write_is_drained_and_the_connection_survives(make_worker):
 
 # Peers that die, hang or restart.
 
+
 def test_peer_killed_mid_transfer(make_worker, make_agent):
     threads_before, fds_before = kvx_threads(), open_fds()
     size = 32 << 20
@@ -306,8 +316,10 @@ def test_peer_killed_mid_transfer(make_worker, make_agent):
     region = agent.register(pool)
     peer = agent.add_peer(worker.metadata)
     worker.freeze()  # freeze it, so the transfers are surely in flight
-    transfers = [peer.read(region.descs(0, size), peer.regions[0].descs(0, size)),
-                 peer.write(region.descs(0, size), peer.regions[0].descs(0, size))]
+    transfers = [
+        peer.read(region.descs(0, size), peer.regions[0].descs(0, size)),
+        peer.write(region.descs(0, size), peer.regions[0].descs(0, size)),
+    ]
     time.sleep(0.2)
     assert not any(t.done() for t in transfers)
     start = time.monotonic()
@@ -404,6 +416,7 @@ def test_closing_the_agent_fails_what_is_in_flight(make_worker, make_agent):
 
 # Regressions from review.
 
+
 def test_no_byte_lands_after_a_failed_transfer_is_reported(make_worker, make_agent):
     size = 64 << 20
     worker = make_worker(pool_bytes=size)
@@ -439,8 +452,12 @@ def test_notifications_and_large_writes_share_a_connection(make_worker, make_age
     start = time.monotonic()
     transfers = []
     for _ in range(4):
-        transfers.append(peer.read(region.descs(0, 8 << 20), peer.regions[0].descs(8 << 20, 8 << 20), notify=b"r"))
-        transfers.append(peer.write(region.descs(16 << 20, 16 << 20), peer.regions[0].descs(16 << 20, 16 << 20)))
+        transfers.append(
+            peer.read(region.descs(0, 8 << 20), peer.regions[0].descs(8 << 20, 8 << 20), notify=b"r")
+        )
+        transfers.append(
+            peer.write(region.descs(16 << 20, 16 << 20), peer.regions[0].descs(16 << 20, 16 << 20))
+        )
     for t in transfers:
         t.wait(20)
     assert time.monotonic() - start < 10
@@ -495,15 +512,18 @@ def test_hello_with_an_invalid_name_is_refused(make_worker):
     worker = make_worker()
     md = parse_metadata(worker.metadata)
     sock = socket.create_connection(parse_address(md.endpoints[0].address), timeout=10)
-    hello = handshake_pb2.Hello(name="bad name\n", epoch=1, target_name=md.name, target_epoch=md.epoch,
-                                nonce=os.urandom(32)).SerializeToString()
+    hello = handshake_pb2.Hello(
+        name="bad name\n", epoch=1, target_name=md.name, target_epoch=md.epoch, nonce=os.urandom(32)
+    ).SerializeToString()
     sock.sendall(_wire.pack(MsgType.HELLO, payload_len=len(hello)) + hello)
     assert "invalid agent name" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
 
 
 def test_metadata_with_huge_region_ids_is_refused(make_worker, make_agent):
     worker = make_worker()
-    hostile = _tampered(worker.metadata, lambda md: md.regions.add(id=2**32 - 1, size_bytes=1, remote_read=True))
+    hostile = _tampered(
+        worker.metadata, lambda md: md.regions.add(id=2**32 - 1, size_bytes=1, remote_read=True)
+    )
     with pytest.raises(kvx.ProtocolError, match="region id"):
         make_agent().add_peer(hostile)
 

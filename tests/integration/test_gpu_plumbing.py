@@ -16,8 +16,8 @@ import pytest
 
 import kvx
 from kvx import Descs
-from kvx._datapath import staging as _staging
 from kvx._datapath import gpu
+from kvx._datapath import staging as _staging
 from tests.unit import fake_cuda
 
 BLOCK = 32 * 1024
@@ -82,22 +82,25 @@ def test_gpu_to_gpu_read_and_write(fake, make_agent, backend):
     assert np.array_equal(got[local_ids], theirs.host.reshape(-1, BLOCK)[remote_ids])
     assert not got[np.setdiff1d(np.arange(2 * BLOCKS), local_ids)].any()
     mine.host[:] = 9
-    peer.write(local[:50], Descs.from_blocks(peer.region(remote_region.id), np.arange(50), BLOCK),
-               notify=b"kv-ready").wait(30)
-    assert (theirs.host[:50 * BLOCK] == 9).all() and (theirs.host[50 * BLOCK:] != 9).any()
+    peer.write(
+        local[:50], Descs.from_blocks(peer.region(remote_region.id), np.arange(50), BLOCK), notify=b"kv-ready"
+    ).wait(30)
+    assert (theirs.host[: 50 * BLOCK] == 9).all() and (theirs.host[50 * BLOCK :] != 9).any()
     assert [n.data for n in b.notifications(5)] == [b"kv-ready"]
 
 
 @pytest.mark.parametrize("backend", ["tcp", "cuda_ipc"])
 def test_host_memory_with_gpu_memory_goes_through_the_staging_buffers(fake, make_agent, backend):
     a, b = _pair(make_agent, backend)
-    theirs = fake.device_array(np.arange(64 * BLOCK, dtype=np.uint32).view(np.uint8)[:64 * BLOCK])
+    theirs = fake.device_array(np.arange(64 * BLOCK, dtype=np.uint32).view(np.uint8)[: 64 * BLOCK])
     host = np.zeros(64 * BLOCK, np.uint8)
     remote_region, local_region = b.register(theirs), a.register(host)
     peer = a.add_peer(b.metadata())
     ids = np.arange(64)[::-1]
-    peer.read(Descs.from_blocks(local_region, np.arange(64), BLOCK),
-              Descs.from_blocks(peer.region(remote_region.id), ids, BLOCK)).wait(30)
+    peer.read(
+        Descs.from_blocks(local_region, np.arange(64), BLOCK),
+        Descs.from_blocks(peer.region(remote_region.id), ids, BLOCK),
+    ).wait(30)
     assert np.array_equal(host.reshape(-1, BLOCK), theirs.host.reshape(-1, BLOCK)[ids])
     # And the other way: GPU memory here, host memory there.
     there = np.zeros(64 * BLOCK, np.uint8)
@@ -115,7 +118,9 @@ def test_descriptors_must_not_mix_host_and_gpu_memory(fake, make_agent):
     host = a.register(np.zeros(BLOCK, np.uint8))
     peer = a.add_peer(b.metadata())
     with pytest.raises(kvx.ConfigError, match="CUDA device 0 and host memory"):
-        peer.read(Descs.concat([dev.descs(0, 16), host.descs(0, 16)]), peer.region(remote_region.id).descs(0, 32))
+        peer.read(
+            Descs.concat([dev.descs(0, 16), host.descs(0, 16)]), peer.region(remote_region.id).descs(0, 32)
+        )
     with pytest.raises(kvx.AccessError):
         peer.read(dev.descs(0, BLOCK), peer.region(remote_region.id).descs(4 * BLOCK - 8, BLOCK))
     peer.read(dev.descs(0, BLOCK), peer.region(remote_region.id).descs(0, BLOCK)).wait(30)
@@ -140,7 +145,9 @@ def test_a_target_whose_memory_cannot_be_shared_refuses_the_ipc_pin(fake, make_a
 def test_cuda_ipc_needs_no_cross_memory_attach(fake, make_agent, monkeypatch):
     from kvx.backends import shm
 
-    monkeypatch.setattr(shm, "probe", lambda md: "cross-memory attach to pid 1 is not permitted (EPERM): test")
+    monkeypatch.setattr(
+        shm, "probe", lambda md: "cross-memory attach to pid 1 is not permitted (EPERM): test"
+    )
     a, b = _pair(make_agent, "auto")
     theirs = fake.device_array(np.arange(8 * BLOCK, dtype=np.uint8) % 251)
     remote_region = b.register(theirs)

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
-from tests.conftest import wait_until
 from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer, TlsConfig
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.conftest import wait_until
 
 Event = metadata_pb2.WatchAgentsResponse
 
@@ -62,11 +62,15 @@ def test_bad_registrations_get_clear_codes_and_change_nothing(service):
         "regions; at most": many,
     }
     for message, rec in cases.items():
-        code, details = _code(lambda rec=rec: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=rec)))
+        code, details = _code(
+            lambda rec=rec: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=rec))
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and message in details
     code, _ = _code(lambda: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=big)))
     assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    code, details = _code(lambda: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("t"), ttl_s=1)))
+    code, details = _code(
+        lambda: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("t"), ttl_s=1))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in details
     assert not stub.ListAgents(metadata_pb2.ListAgentsRequest()).records
 
@@ -74,13 +78,18 @@ def test_bad_registrations_get_clear_codes_and_change_nothing(service):
 def test_an_older_epoch_cannot_take_a_live_name(service):
     stub = _stub(service.address)
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=2, started=2000)))
-    code, details = _code(lambda: stub.RegisterAgent(
-        metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=1, started=1000))))
+    code, details = _code(
+        lambda: stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=1, started=1000))
+        )
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in details
     assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="p")).record.epoch == 2
     # A later start (a restart) replaces it; the same epoch refreshes it.
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=3, started=3000)))
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=3, started=3000, zone="a")))
+    stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=3, started=3000, zone="a"))
+    )
     rec = stub.GetAgent(metadata_pb2.GetAgentRequest(name="p")).record
     assert rec.epoch == 3 and rec.labels["zone"] == "a"
 
@@ -109,12 +118,18 @@ def test_watch_sends_the_snapshot_then_changes(service):
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("b", role=metadata_pb2.ROLE_DECODE)))
     stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(role=metadata_pb2.ROLE_PREFILL), timeout=10)
     first = [next(stream), next(stream)]
-    assert [(e.type, e.record.name) for e in first] == [(Event.EVENT_TYPE_PUT, "a"), (Event.EVENT_TYPE_SYNCED, "")]
+    assert [(e.type, e.record.name) for e in first] == [
+        (Event.EVENT_TYPE_PUT, "a"),
+        (Event.EVENT_TYPE_SYNCED, ""),
+    ]
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("c", role=metadata_pb2.ROLE_DECODE)))
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("d", role=metadata_pb2.ROLE_PREFILL)))
     stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="a"))
     later = [next(stream), next(stream)]
-    assert [(e.type, e.record.name) for e in later] == [(Event.EVENT_TYPE_PUT, "d"), (Event.EVENT_TYPE_DELETE, "a")]
+    assert [(e.type, e.record.name) for e in later] == [
+        (Event.EVENT_TYPE_PUT, "d"),
+        (Event.EVENT_TYPE_DELETE, "a"),
+    ]
     stream.cancel()
 
 
@@ -122,11 +137,18 @@ def test_list_filters_and_pages(service):
     stub = _stub(service.address)
     for i in range(7):
         role = metadata_pb2.ROLE_DECODE if i % 2 else metadata_pb2.ROLE_PREFILL
-        stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(f"agent-{i}", role=role, model="m" if i < 5 else "n")))
+        stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(
+                record=_record(f"agent-{i}", role=role, model="m" if i < 5 else "n")
+            )
+        )
     names, token = [], ""
     while True:
-        page = stub.ListAgents(metadata_pb2.ListAgentsRequest(role=metadata_pb2.ROLE_PREFILL, labels={"model": "m"},
-                                                              page_size=1, page_token=token))
+        page = stub.ListAgents(
+            metadata_pb2.ListAgentsRequest(
+                role=metadata_pb2.ROLE_PREFILL, labels={"model": "m"}, page_size=1, page_token=token
+            )
+        )
         names += [r.name for r in page.records]
         token = page.next_page_token
         if not token:
@@ -141,19 +163,26 @@ def test_health_and_reflection_are_on(service):
     channel = grpc.insecure_channel(service.address)
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", "kvx.v1.MetadataService"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-    reply = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                              timeout=5))
+    reply = next(
+        reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+    )
     assert "kvx.v1.MetadataService" in [s.name for s in reply.list_services_response.service]
 
 
 def test_agents_register_resolve_and_follow_restarts(service):
-    with kvx.Agent("prefill-0", metadata=service.address, role="prefill", labels={"model": "tiny"}) as prefill, \
-            kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
+    with (
+        kvx.Agent("prefill-0", metadata=service.address, role="prefill", labels={"model": "tiny"}) as prefill,
+        kvx.Agent("decode-0", metadata=service.address, role="decode") as decode,
+    ):
         pool = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy()
         prefill.register(pool)
         local = np.zeros(4096, np.uint8)
@@ -166,7 +195,11 @@ def test_agents_register_resolve_and_follow_restarts(service):
         assert _until(lambda: len(decode.connect("prefill-0").regions) == 2, 5)
         assert decode.connect("prefill-0") is peer and peer.region(extra.id)
         rec = MetadataClient(service.address).get("prefill-0")
-        assert rec.role == metadata_pb2.ROLE_PREFILL and rec.labels["model"] == "tiny" and rec.started_unix_ms > 0
+        assert (
+            rec.role == metadata_pb2.ROLE_PREFILL
+            and rec.labels["model"] == "tiny"
+            and rec.started_unix_ms > 0
+        )
         with pytest.raises(kvx.ConnectError, match="no agent named 'nobody'"):
             decode.connect("nobody")
 
@@ -232,14 +265,52 @@ def pki(tmp_path_factory):
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=kvx-test-ca")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvx-test-ca",
+    )
     for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN={name}")
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
         (d / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
     return d
 
 
@@ -247,8 +318,9 @@ def test_tls_with_client_certificates(pki):
     tls = TlsConfig(str(pki / "server.pem"), str(pki / "server.key"), client_ca=str(pki / "ca.pem"))
     with ThreadedServer(MetadataServer("127.0.0.1:0", tls=tls)) as srv:
         address = srv.address.replace("127.0.0.1", "localhost")
-        good = kvx.MetadataOptions(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
-                                   tls_key=str(pki / "client.key"))
+        good = kvx.MetadataOptions(
+            tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key")
+        )
         with kvx.Agent("secure", metadata=address, metadata_options=good):
             assert [r.name for r in MetadataClient(address, good).list()] == ["secure"]
         no_cert = kvx.MetadataOptions(tls_ca=str(pki / "ca.pem"), timeout_s=2)
@@ -264,7 +336,9 @@ def test_concurrent_registrations_of_one_name_leave_one_winner(service):
 
     def register(epoch):
         try:
-            stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("race", epoch=epoch, started=epoch)))
+            stub.RegisterAgent(
+                metadata_pb2.RegisterAgentRequest(record=_record("race", epoch=epoch, started=epoch))
+            )
             results.append(epoch)
         except grpc.RpcError as exc:
             results.append(exc.code())
@@ -291,11 +365,14 @@ def test_service_limits_are_configurable():
         rec = _record("r")
         for i in range(3):
             rec.metadata.regions.add(id=i + 1, size_bytes=1)
-        code, _ = _code(lambda: _stub(srv.address).RegisterAgent(metadata_pb2.RegisterAgentRequest(record=rec)))
+        code, _ = _code(
+            lambda: _stub(srv.address).RegisterAgent(metadata_pb2.RegisterAgentRequest(record=rec))
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # Regressions from review.
+
 
 def test_filtered_watch_sees_a_record_leave_its_view(service):
     stub = _stub(service.address)
@@ -327,13 +404,15 @@ def test_lease_ids_are_not_reused_after_a_restart():
 
 
 def test_a_registration_the_service_refuses_is_rolled_back():
-    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=ServiceLimits(max_regions=1))) as srv:
-        with kvx.Agent("small", metadata=srv.address) as agent:
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", limits=ServiceLimits(max_regions=1))) as srv,
+        kvx.Agent("small", metadata=srv.address) as agent,
+    ):
+        agent.register(np.zeros(64, np.uint8))
+        with pytest.raises(kvx.MetadataError, match="at most 1"):
             agent.register(np.zeros(64, np.uint8))
-            with pytest.raises(kvx.MetadataError, match="at most 1"):
-                agent.register(np.zeros(64, np.uint8))
-            assert len(agent.regions) == 1
-            assert len(MetadataClient(srv.address).get("small").metadata.regions) == 1
+        assert len(agent.regions) == 1
+        assert len(MetadataClient(srv.address).get("small").metadata.regions) == 1
 
 
 def test_registering_memory_does_not_block_while_the_service_is_down():
@@ -347,6 +426,7 @@ def test_registering_memory_does_not_block_while_the_service_is_down():
         assert time.monotonic() - start < 0.5
         server = ThreadedServer(MetadataServer(address))
         try:
+
             def published():
                 record = MetadataClient(address).get("patient")
                 return record is not None and len(record.metadata.regions) == 1

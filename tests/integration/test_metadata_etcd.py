@@ -10,11 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
-from tests.conftest import wait_until
 from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.etcd import EtcdStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.v1 import metadata_pb2
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,8 +25,10 @@ def _until(predicate, timeout_s=10.0):
 
 def _serving(address):
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    return health.Check(health_pb2.HealthCheckRequest(service="kvx.v1.MetadataService"), timeout=2).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    return (
+        health.Check(health_pb2.HealthCheckRequest(service="kvx.v1.MetadataService"), timeout=2).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 def test_service_restart_loses_nothing_with_etcd(etcd_server):
@@ -49,8 +51,9 @@ def test_service_restart_loses_nothing_with_etcd(etcd_server):
 
 
 def test_etcd_outage_makes_the_service_not_ready_until_it_returns(etcd_server):
-    with ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, timeout_s=1.0),
-                                       admin_listen="127.0.0.1:0")) as srv:
+    with ThreadedServer(
+        MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, timeout_s=1.0), admin_listen="127.0.0.1:0")
+    ) as srv:
         admin = f"http://{srv.server.admin_address}"
         assert _serving(srv.address) and httpx.get(f"{admin}/readyz", timeout=5).status_code == 200
         MetadataClient(srv.address).register(_record("kept"), ttl_s=60)
@@ -74,20 +77,34 @@ def test_service_starts_not_ready_when_etcd_is_down(etcd_server):
 
 
 def test_two_replicas_on_one_etcd(etcd_server):
-    with ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as a, \
-            ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as b:
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as a,
+        ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url))) as b,
+    ):
         events = []
         watcher = Watcher(MetadataClient(b.address), events.append)
         assert watcher.synced.wait(10)
-        with kvx.Agent("via-a", metadata=a.address, role="decode") as agent, \
-                kvx.Agent("reader", metadata=b.address) as reader:
+        with (
+            kvx.Agent("via-a", metadata=a.address, role="decode") as agent,
+            kvx.Agent("reader", metadata=b.address) as reader,
+        ):
             record = MetadataClient(b.address).get("via-a")
             assert record is not None and record.epoch == agent.epoch
-            assert _until(lambda: any(e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.
-                                      EVENT_TYPE_PUT for e in events), 5)
+            assert _until(
+                lambda: any(
+                    e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
+                    for e in events
+                ),
+                5,
+            )
             assert reader.connect("via-a").epoch == agent.epoch  # found through the other replica
-        assert _until(lambda: any(e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.
-                                  EVENT_TYPE_DELETE for e in events), 5)
+        assert _until(
+            lambda: any(
+                e.record.name == "via-a" and e.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
+                for e in events
+            ),
+            5,
+        )
         watcher.stop()
 
 

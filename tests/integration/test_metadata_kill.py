@@ -23,11 +23,28 @@ def _free_port():
 
 
 def _start(address, store):
-    proc = subprocess.Popen([sys.executable, "-m", "kvx.cli", "metadata", "--listen", address,
-                             "--admin-listen", "off", "--store", store],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list() is not None,
-                      30, (kvx.ConnectError,)), "kvx metadata did not start"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvx.cli",
+            "metadata",
+            "--listen",
+            address,
+            "--admin-listen",
+            "off",
+            "--store",
+            store,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert wait_until(
+        lambda: MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list() is not None,
+        30,
+        (kvx.ConnectError,),
+    ), "kvx metadata did not start"
     return proc
 
 
@@ -39,8 +56,12 @@ def test_killed_service_comes_back_with_every_agent(store, request):
     address = f"127.0.0.1:{_free_port()}"
     proc = _start(address, url)
     opts = kvx.MetadataOptions(lease_ttl_s=3)
-    agents = [kvx.Agent(f"agent-{i}", metadata=address, role="prefill" if i % 2 else "decode",
-                        metadata_options=opts) for i in range(4)]
+    agents = [
+        kvx.Agent(
+            f"agent-{i}", metadata=address, role="prefill" if i % 2 else "decode", metadata_options=opts
+        )
+        for i in range(4)
+    ]
     try:
         for agent in agents:
             agent.register(np.zeros(4096, np.uint8))

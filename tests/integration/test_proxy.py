@@ -51,11 +51,18 @@ class Served:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="test-uvicorn", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="test-uvicorn", daemon=True
+        )
         self.thread.start()
         assert wait_until(lambda: self.server.started or not self.thread.is_alive()) and self.server.started
 
@@ -73,8 +80,15 @@ class FakeVllm:
         self.name, self.role = name, role
         self.received: list[dict[str, Any]] = []
         self.gate = threading.Event()
-        self.kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{name}",
-                          "remote_block_ids": [7, 8, 9], "remote_host": "10.1.2.3", "remote_port": 5600, "tp_size": 1}
+        self.kv_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{name}",
+            "remote_block_ids": [7, 8, 9],
+            "remote_host": "10.1.2.3",
+            "remote_port": 5600,
+            "tp_size": 1,
+        }
         app = FastAPI()
         app.post("/v1/completions")(self.complete)
         app.post("/v1/chat/completions")(self.complete)
@@ -94,7 +108,9 @@ class FakeVllm:
             await asyncio.to_thread(self.gate.wait, HOLD_MAX_S)
         status = test.get("status", {}).get(self.role)
         if status:
-            return JSONResponse({"error": {"message": f"{self.name} says no", "code": status}}, status_code=status)
+            return JSONResponse(
+                {"error": {"message": f"{self.name} says no", "code": status}}, status_code=status
+            )
         if self.role == "prefill":
             answer = {"id": f"cmpl-{self.name}", "choices": [{"index": 0, "text": "!"}]}
             if not test.get("no_kv"):
@@ -102,8 +118,13 @@ class FakeVllm:
             return answer
         if body.get("stream"):
             return StreamingResponse(self.events(body, test), media_type="text/event-stream")
-        return {"id": f"cmpl-{self.name}", "served_by": self.name, "max_tokens": body.get("max_tokens"),
-                "kv_transfer_params": body.get("kv_transfer_params"), "choices": [{"index": 0, "text": "ok"}]}
+        return {
+            "id": f"cmpl-{self.name}",
+            "served_by": self.name,
+            "max_tokens": body.get("max_tokens"),
+            "kv_transfer_params": body.get("kv_transfer_params"),
+            "choices": [{"index": 0, "text": "ok"}],
+        }
 
     async def events(self, body: dict, test: dict):
         for i in range(body.get("max_tokens", 3)):
@@ -192,7 +213,7 @@ def dead_url() -> str:
 
 
 def sse_data(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 # -- the two legs ----------------------------------------------------------------
@@ -204,24 +225,39 @@ def test_completion_is_prefilled_then_decoded_with_the_prefill_kv_params(proxy, 
     assert response.status_code == 200, response.text
     [pre], [dec] = upstreams.got("prefill"), upstreams.got("decode")
     assert pre["path"] == dec["path"] == "/v1/completions"
-    assert pre["body"] == {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    assert pre["body"] == {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS,
+    }
     served_prefill = next(f for f in upstreams.prefill if f.received)
     assert dec["body"] == {**body, "kv_transfer_params": served_prefill.kv_params}
     answer = response.json()
     assert answer["kv_transfer_params"] == served_prefill.kv_params and answer["max_tokens"] == 20
     request_id = response.headers["x-request-id"]
-    assert len(request_id) == 32 and pre["headers"]["x-request-id"] == dec["headers"]["x-request-id"] == request_id
+    assert (
+        len(request_id) == 32
+        and pre["headers"]["x-request-id"] == dec["headers"]["x-request-id"] == request_id
+    )
     assert pre["headers"]["authorization"] == dec["headers"]["authorization"] == "Bearer sk-abc"
 
     response = proxy.post("/v1/completions", json=body, headers={"X-Request-Id": "client-id-1"})
     assert response.headers["x-request-id"] == "client-id-1"
-    assert [r["headers"]["x-request-id"] for r in upstreams.got("prefill")[1:] + upstreams.got("decode")[1:]] \
-        == ["client-id-1"] * 2
+    assert [
+        r["headers"]["x-request-id"] for r in upstreams.got("prefill")[1:] + upstreams.got("decode")[1:]
+    ] == ["client-id-1"] * 2
     assert "authorization" not in upstreams.got("decode")[1]["headers"]
 
 
 def test_streaming_relays_the_decode_events_in_order(proxy, upstreams):
-    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with proxy.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -229,7 +265,11 @@ def test_streaming_relays_the_decode_events_in_order(proxy, upstreams):
     events = sse_data(text)
     assert events[-1] == "[DONE]" and [json.loads(e)["i"] for e in events[:-1]] == [0, 1, 2, 3, 4]
     [pre], [dec] = upstreams.got("prefill"), upstreams.got("decode")
-    assert pre["body"]["stream"] is False and "stream_options" not in pre["body"] and pre["body"]["max_tokens"] == 1
+    assert (
+        pre["body"]["stream"] is False
+        and "stream_options" not in pre["body"]
+        and pre["body"]["max_tokens"] == 1
+    )
     assert dec["body"]["stream"] is True and dec["body"]["stream_options"] == {"include_usage": True}
     assert dec["body"]["kv_transfer_params"]["remote_engine_id"].startswith("engine-p")
 
@@ -287,18 +327,24 @@ def test_an_instance_error_comes_back_with_its_status_body_and_leg(proxy, upstre
     assert response.json()["error"]["message"].endswith("says no") and response.headers["x-request-id"]
     assert not upstreams.got("decode")
     for stream in (False, True):
-        response = proxy.post("/v1/completions", json={"prompt": "x", "stream": stream,
-                                                       "test": {"status": {"decode": 429}}})
+        response = proxy.post(
+            "/v1/completions", json={"prompt": "x", "stream": stream, "test": {"status": {"decode": 429}}}
+        )
         assert response.status_code == 429 and response.headers["x-kvx-failed-leg"] == "decode"
         assert response.json()["error"]["code"] == 429
     response = proxy.post("/v1/completions", json={"prompt": "x", "test": {"no_kv": True}})
-    assert response.status_code == 502 and "returned no kv_transfer_params" in response.json()["error"]["message"]
+    assert (
+        response.status_code == 502
+        and "returned no kv_transfer_params" in response.json()["error"]["message"]
+    )
     assert response.json()["error"]["leg"] == "prefill" and len(upstreams.got("decode")) == 2
 
 
 def test_bad_request_bodies_are_400(proxy, upstreams):
     for content in (b"{not json", b"[1, 2]", b"\xff\xfe"):
-        response = proxy.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+        response = proxy.post(
+            "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+        )
         assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert not upstreams.got("prefill")
 
@@ -308,7 +354,11 @@ def test_a_decode_instance_that_is_down_is_502_and_skipped_while_another_is_up(m
     response = alone.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 502 and response.headers["x-kvx-failed-leg"] == "decode"
     error = response.json()["error"]
-    assert error["type"] == "upstream_unavailable" and error["leg"] == "decode" and "unavailable" in error["message"]
+    assert (
+        error["type"] == "upstream_unavailable"
+        and error["leg"] == "decode"
+        and "unavailable" in error["message"]
+    )
 
     dead, live = dead_url(), upstreams.decode[0]
     both = make_proxy(decode_urls=(dead, live.url))
@@ -324,12 +374,18 @@ def test_a_slow_instance_is_504(make_proxy, upstreams):
     started = time.monotonic()
     response = proxy.post("/v1/completions", json={"prompt": "x", "test": {"hold": "prefill"}})
     assert response.status_code == 504 and time.monotonic() - started < 5
-    assert response.json()["error"]["type"] == "upstream_timeout" and response.headers["x-kvx-failed-leg"] == "prefill"
+    assert (
+        response.json()["error"]["type"] == "upstream_timeout"
+        and response.headers["x-kvx-failed-leg"] == "prefill"
+    )
 
 
 def test_a_stream_that_breaks_or_stalls_ends_with_an_error_event(make_proxy, upstreams):
     proxy = make_proxy(timeout_s=0.5)
-    for test, kind in (({"break_after": 2}, "upstream_unavailable"), ({"stall_after": 2}, "upstream_timeout")):
+    for test, kind in (
+        ({"break_after": 2}, "upstream_unavailable"),
+        ({"stall_after": 2}, "upstream_timeout"),
+    ):
         body = {"prompt": "x", "max_tokens": 5, "stream": True, "test": test}
         with proxy.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -345,7 +401,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_decode_instance(proxy, upstre
     body = {"prompt": "x", "max_tokens": 5, "stream": True, "test": {"stall_after": 1}}
     with proxy.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()  # held: a dropped iterator would close the response
-        assert json.loads(next(lines)[len("data: "):])["i"] == 0
+        assert json.loads(next(lines)[len("data: ") :])["i"] == 0
         assert sum(i["in_flight"] for i in proxy.get("/healthz").json()["decode"]) == 1
     assert wait_until(lambda: sum(i["in_flight"] for i in proxy.get("/healthz").json()["decode"]) == 0, 5)
 
@@ -376,17 +432,23 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
     service = ThreadedServer(MetadataServer("127.0.0.1:0"), start_timeout_s=20)
     try:
         client = MetadataClient(service.address)
-        for record in (_agent("p-rank0", metadata_pb2.ROLE_PREFILL, p0.url),
-                       _agent("p-rank1", metadata_pb2.ROLE_PREFILL, p0.url + "/"),  # one engine, two ranks
-                       _agent("p-worker", metadata_pb2.ROLE_PREFILL, None),
-                       _agent("p-bad", metadata_pb2.ROLE_PREFILL, "not a url"),
-                       _agent("d-rank0", metadata_pb2.ROLE_DECODE, d1.url)):
+        for record in (
+            _agent("p-rank0", metadata_pb2.ROLE_PREFILL, p0.url),
+            _agent("p-rank1", metadata_pb2.ROLE_PREFILL, p0.url + "/"),  # one engine, two ranks
+            _agent("p-worker", metadata_pb2.ROLE_PREFILL, None),
+            _agent("p-bad", metadata_pb2.ROLE_PREFILL, "not a url"),
+            _agent("d-rank0", metadata_pb2.ROLE_DECODE, d1.url),
+        ):
             client.register(record, ttl_s=60)
-        proxy = make_proxy(prefill_urls=(), decode_urls=(d0.url,), metadata_target=service.address,
-                           refresh_s=0.1)
+        proxy = make_proxy(
+            prefill_urls=(), decode_urls=(d0.url,), metadata_target=service.address, refresh_s=0.1
+        )
         health = proxy.get("/healthz").json()  # the first refresh happens before serving
         assert [(i["url"], i["source"]) for i in health["prefill"]] == [(p0.url, "metadata")]
-        assert [(i["url"], i["source"]) for i in health["decode"]] == [(d0.url, "static"), (d1.url, "metadata")]
+        assert [(i["url"], i["source"]) for i in health["decode"]] == [
+            (d0.url, "static"),
+            (d1.url, "metadata"),
+        ]
         assert health["metadata"]["ok"] and health["metadata"]["target"] == service.address
         assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200
         assert len(p0.received) == 1
@@ -409,14 +471,29 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
 def test_config_and_prefill_body():
     config = ProxyConfig(prefill_urls=["http://h:1/", "http://h:1"], decode_urls=("https://d:2",))
     assert config.prefill_urls == ("http://h:1",) and config.decode_urls == ("https://d:2",)
-    for bad in ({"prefill_urls": ("h:1",)}, {"decode_urls": "http://d:2"}, {"timeout_s": 0},
-                {"listen": "8000"}, {"prefill_urls": ("http://h:port",)}):
+    for bad in (
+        {"prefill_urls": ("h:1",)},
+        {"decode_urls": "http://d:2"},
+        {"timeout_s": 0},
+        {"listen": "8000"},
+        {"prefill_urls": ("http://h:port",)},
+    ):
         with pytest.raises(ConfigError):
             ProxyConfig(**bad)
-    body = {"prompt": "p", "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True},
-            "kv_transfer_params": {"stale": 1}}
+    body = {
+        "prompt": "p",
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"stale": 1},
+    }
     out = prefill_body(body)
-    assert out == {"prompt": "p", "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    assert out == {
+        "prompt": "p",
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS,
+    }
     assert body["max_tokens"] == 9 and "stream_options" in body  # the client's body is left alone
 
 
@@ -434,7 +511,10 @@ def test_pool_ties_go_round_robin_and_cooling_instances_only_when_nothing_else()
     assert {pool.acquire().url for _ in range(3)} == {"http://c:1"}
     pool.cool_down(c)
     assert pool.acquire() is not None  # all cooling down: still try one
-    assert pool.set_discovered(["http://d:1", "http://a:1"]) and [i.source for i in pool.instances()][-1] == "metadata"
+    assert (
+        pool.set_discovered(["http://d:1", "http://a:1"])
+        and [i.source for i in pool.instances()][-1] == "metadata"
+    )
     assert not pool.set_discovered(["http://d:1"])
 
 
@@ -447,9 +527,23 @@ def test_missing_httpx_names_the_extra(monkeypatch):
 def test_the_command_serves_and_stops_on_sigint(upstreams):
     lines: queue.Queue[str] = queue.Queue()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvx.cli", "proxy", "--listen", "127.0.0.1:0", "--prefill", upstreams.prefill[0].url,
-         "--decode", upstreams.decode[0].url], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "kvx.cli",
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--prefill",
+            upstreams.prefill[0].url,
+            "--decode",
+            upstreams.decode[0].url,
+        ],
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
         deadline, url = time.monotonic() + 30, None
@@ -467,6 +561,11 @@ def test_the_command_serves_and_stops_on_sigint(upstreams):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    result = subprocess.run([sys.executable, "-m", "kvx.cli", "proxy", "--prefill", "http://p:1"],
-                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvx.cli", "proxy", "--prefill", "http://p:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 1 and "--decode URL" in result.stderr

@@ -20,9 +20,9 @@ import pytest
 
 import kvx
 from kvx import Descs
+from kvx.agent import parse_metadata
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
-from kvx.agent import parse_metadata
 from tests.conftest import SECRET
 from tests.integration.test_faults import _expect_error_then_close, _read_message, _session, _tampered
 
@@ -40,10 +40,12 @@ def test_same_host_peers_get_shm_and_say_why(make_worker, make_agent, caplog):
     assert f"pid {worker.pid} permitted" in peer.backend_reason
     assert any("over shm" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     ids = np.array([9, 2, 200, 31])
-    peer.read(Descs.from_blocks(region, np.arange(4), BLOCK), Descs.from_blocks(peer.regions[0], ids, BLOCK)).wait(10)
+    peer.read(
+        Descs.from_blocks(region, np.arange(4), BLOCK), Descs.from_blocks(peer.regions[0], ids, BLOCK)
+    ).wait(10)
     expected = worker.expected(0, 1 << 20).reshape(-1, BLOCK)
-    assert np.array_equal(pool[:4 * BLOCK].reshape(-1, BLOCK), expected[ids])
-    assert not pool[4 * BLOCK:].any()
+    assert np.array_equal(pool[: 4 * BLOCK].reshape(-1, BLOCK), expected[ids])
+    assert not pool[4 * BLOCK :].any()
 
 
 def test_a_target_that_does_not_offer_shm_gets_tcp(make_worker, make_agent):
@@ -113,14 +115,22 @@ def _without_ptrace_capability():
 
 PR_CAPBSET_DROP = 24
 CAP_SYS_PTRACE = 19
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability root has (CI runs as root); as "
-                                "another user the test would need a second account")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="drops a capability root has (CI runs as root); as "
+    "another user the test would need a second account",
+)
 
 
 def _run_without_ptrace(script: str, metadata: bytes) -> dict:
     """Run ``script`` (given the peer's metadata) without CAP_SYS_PTRACE; its JSON output."""
-    proc = subprocess.run([sys.executable, "-c", script, metadata.hex()],
-                          preexec_fn=_without_ptrace_capability, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, metadata.hex()],
+        preexec_fn=_without_ptrace_capability,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if proc.returncode == 77:
         pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
     assert proc.returncode == 0, proc.stderr
@@ -137,6 +147,7 @@ def test_attach_not_permitted_is_explained(make_worker):
 
 
 # What the target checks: SHM_PIN and SHM_UNPIN on a raw connection.
+
 
 def _pin(sock, request_id, *regions, aux=_wire.PIN_READ):
     ids = np.array(regions, "<u4").tobytes()
@@ -194,7 +205,9 @@ def test_malformed_pin_messages_close_the_connection(make_worker, make_agent):
     sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=9) + ids)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
-    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=6, aux=_wire.PIN_READ) + b"\0" * 6)  # not whole ids
+    sock.sendall(
+        _wire.pack(MsgType.SHM_PIN, 1, payload_len=6, aux=_wire.PIN_READ) + b"\0" * 6
+    )  # not whole ids
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
     assert _pin(sock, 5, worker.region_id)[0][0] == MsgType.SHM_PIN_OK
@@ -228,14 +241,19 @@ def test_many_small_blocks_over_several_streams(make_worker, make_agent):
     blocks = size // BLOCK
     remote_ids = rng.permutation(blocks)[: blocks // 2]
     local_ids = rng.permutation(blocks)[: blocks // 2]
-    peer.read(Descs.from_blocks(region, local_ids, BLOCK), Descs.from_blocks(peer.regions[0], remote_ids, BLOCK),
-              notify=b"read-done").wait(20)
+    peer.read(
+        Descs.from_blocks(region, local_ids, BLOCK),
+        Descs.from_blocks(peer.regions[0], remote_ids, BLOCK),
+        notify=b"read-done",
+    ).wait(20)
     expected = worker.expected(0, size).reshape(-1, BLOCK)
     assert np.array_equal(pool.reshape(-1, BLOCK)[local_ids], expected[remote_ids])
     assert worker.call("notifications", 5.0) == [("initiator", b"read-done")]
     # And back: a scattered write lands where asked, nowhere else.
     pool[:] = 0xAB
-    peer.write(Descs.from_blocks(region, [0, 1], BLOCK), Descs.from_blocks(peer.regions[0], [7, 3], BLOCK)).wait(10)
+    peer.write(
+        Descs.from_blocks(region, [0, 1], BLOCK), Descs.from_blocks(peer.regions[0], [7, 3], BLOCK)
+    ).wait(10)
     assert worker.call("peek", 3 * BLOCK, BLOCK) == b"\xab" * BLOCK
     assert worker.call("peek", 4 * BLOCK, 3 * BLOCK) == worker.expected(4 * BLOCK, 3 * BLOCK).tobytes()
 

@@ -104,8 +104,9 @@ def test_concurrent_renewals_each_get_their_own_answer(open_store):
                 ttls = await asyncio.gather(*(store.keep_alive(lease) for lease in leases))
                 assert ttls[7] == 0
                 assert all(0 < ttl <= 12 for i, ttl in enumerate(ttls) if i != 7)
-                assert [ttl for i, ttl in enumerate(ttls) if i % 3 == 2 and i != 7] == \
-                    [12] * len([i for i in range(60) if i % 3 == 2 and i != 7])
+                assert [ttl for i, ttl in enumerate(ttls) if i % 3 == 2 and i != 7] == [12] * len(
+                    [i for i in range(60) if i % 3 == 2 and i != 7]
+                )
 
     run(body())
 

@@ -13,8 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvx.connectors.kvcache import (RankCache, contiguous_runs, head_owner, layer_geometry, plan_read,
-                                    rank_heads)
+from kvx.connectors.kvcache import (
+    RankCache,
+    contiguous_runs,
+    head_owner,
+    layer_geometry,
+    plan_read,
+    rank_heads,
+)
 
 LAYERS, BLOCKS, TOKENS, DIM = 2, 16, 4, 8
 TOTAL_HEADS = 4
@@ -27,15 +33,25 @@ def make_rank_cache(agent, rank: int, tp: int, fill: bool, mla: bool = False):
     storage = np.zeros((LAYERS, BLOCKS, planes, heads, TOKENS, DIM), dtype=np.int32)
     if fill:
         glob = [0] if mla else rank_heads(rank, tp, TOTAL_HEADS)
-        l, b, p, h, n, d = np.indices(storage.shape)
+        layer, b, p, h, n, d = np.indices(storage.shape)
         g = np.asarray(glob)[h]
-        storage[...] = ((((l * 2 + p) * 16 + g) * 64 + b) * 16 + n) * 16 + d + 1
+        storage[...] = ((((layer * 2 + p) * 16 + g) * 64 + b) * 16 + n) * 16 + d + 1
     region = agent.register(storage)
     layers = []
     for layer in range(LAYERS):
         view = storage[layer]
-        layers.append(layer_geometry(view.shape, [s // 4 for s in view.strides], 4, view.ctypes.data -
-                                     storage.ctypes.data, region.id, BLOCKS, heads, TOKENS * DIM))
+        layers.append(
+            layer_geometry(
+                view.shape,
+                [s // 4 for s in view.strides],
+                4,
+                view.ctypes.data - storage.ctypes.data,
+                region.id,
+                BLOCKS,
+                heads,
+                TOKENS * DIM,
+            )
+        )
     return storage, RankCache(tuple(layers), BLOCKS, heads, planes)
 
 
@@ -44,7 +60,9 @@ def expected(layer: int, plane: int, g: int, block: int) -> np.ndarray:
     return ((((layer * 2 + plane) * 16 + g) * 64 + block) * 16 + n) * 16 + d + 1
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (8, 2)])
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (8, 2)]
+)
 def test_decode_ranks_read_exactly_their_heads(make_agent, prefill_tp: int, decode_tp: int) -> None:
     prefill = []
     for r in range(prefill_tp):
@@ -57,16 +75,22 @@ def test_decode_ranks_read_exactly_their_heads(make_agent, prefill_tp: int, deco
         agent = make_agent(f"d{d}")
         storage, cache = make_rank_cache(agent, d, decode_tp, fill=False)
         peers = {r: agent.add_peer(p[0].metadata()) for r, p in enumerate(prefill)}
-        plans = plan_read(cache, d, decode_tp, prefill[0][2], prefill_tp, TOTAL_HEADS, local_blocks,
-                          remote_blocks)
+        plans = plan_read(
+            cache, d, decode_tp, prefill[0][2], prefill_tp, TOTAL_HEADS, local_blocks, remote_blocks
+        )
         for rank, (local, remote) in plans.items():
             peers[rank].read(local, remote).wait(10)
         for layer in range(LAYERS):
             for plane in range(2):
                 for h, g in enumerate(rank_heads(d, decode_tp, TOTAL_HEADS)):
-                    for lb, rb in zip(local_blocks, remote_blocks):
-                        assert np.array_equal(storage[layer, lb, plane, h], expected(layer, plane, g, rb)), \
-                            (layer, plane, g, lb, rb)
+                    for lb, rb in zip(local_blocks, remote_blocks, strict=True):
+                        assert np.array_equal(storage[layer, lb, plane, h], expected(layer, plane, g, rb)), (
+                            layer,
+                            plane,
+                            g,
+                            lb,
+                            rb,
+                        )
         untouched = [b for b in range(BLOCKS) if b not in local_blocks]
         assert not storage[:, untouched].any(), "a block outside the request was written"
 

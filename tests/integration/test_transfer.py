@@ -9,10 +9,9 @@ import pytest
 import kvx
 from kvx import Descs, KVLayout
 from tests import conftest
-from tests.conftest import backend_setting, SECRET
+from tests.conftest import SECRET, backend_setting
 
 BLOCK = 4096
-
 
 
 @pytest.fixture(params=["tcp", "shm", "shm-segments", "procmem"], autouse=True)
@@ -22,9 +21,12 @@ def backend(request, monkeypatch):
     setting; targets offer all), and over procmem, the test-only backend
     registered in tests/conftest.py that shows what adding a backend takes."""
     if request.param == "procmem" and conftest.NATIVE == "0":
-        pytest.skip("procmem moves bytes with pread/pwrite, not the data path KVX_NATIVE picks: "
-                    "it runs in the KVX_NATIVE=1 pass")
+        pytest.skip(
+            "procmem moves bytes with pread/pwrite, not the data path KVX_NATIVE picks: "
+            "it runs in the KVX_NATIVE=1 pass"
+        )
     return backend_setting(request.param, monkeypatch)
+
 
 def _pool(agent, nbytes=1 << 20):
     pool = kvx.alloc_shared(nbytes) if conftest.SHARED_POOLS else np.zeros(nbytes, np.uint8)
@@ -38,7 +40,9 @@ def test_read_lands_exactly_the_requested_bytes(make_worker, make_agent, backend
     peer = agent.add_peer(worker.metadata)
     assert peer.name == "target" and peer.backend == backend and peer.alive
     remote_ids, local_ids = np.array([3, 7, 8, 100, 42]), np.array([0, 2, 4, 6, 8])
-    t = peer.read(Descs.from_blocks(region, local_ids, BLOCK), Descs.from_blocks(peer.regions[0], remote_ids, BLOCK))
+    t = peer.read(
+        Descs.from_blocks(region, local_ids, BLOCK), Descs.from_blocks(peer.regions[0], remote_ids, BLOCK)
+    )
     t.wait(10)
     assert t.state is kvx.TransferState.DONE and t.done() and t.bytes == 5 * BLOCK
     assert t.duration_s > 0 and t.throughput_gbps > 0
@@ -55,10 +59,12 @@ def test_write_lands_in_remote_memory_only_where_asked(make_worker, make_agent):
     pool, region = _pool(agent)
     pool[:] = np.arange(len(pool)) % 251
     peer = agent.add_peer(worker.metadata)
-    t = peer.write(Descs.from_blocks(region, [1, 2], BLOCK), Descs.from_blocks(peer.regions[0], [10, 20], BLOCK))
+    t = peer.write(
+        Descs.from_blocks(region, [1, 2], BLOCK), Descs.from_blocks(peer.regions[0], [10, 20], BLOCK)
+    )
     t.wait(10)
-    assert worker.call("peek", 10 * BLOCK, BLOCK) == pool[BLOCK:2 * BLOCK].tobytes()
-    assert worker.call("peek", 20 * BLOCK, BLOCK) == pool[2 * BLOCK:3 * BLOCK].tobytes()
+    assert worker.call("peek", 10 * BLOCK, BLOCK) == pool[BLOCK : 2 * BLOCK].tobytes()
+    assert worker.call("peek", 20 * BLOCK, BLOCK) == pool[2 * BLOCK : 3 * BLOCK].tobytes()
     # The neighbours keep the worker's original bytes.
     assert worker.call("peek", 11 * BLOCK, BLOCK) == worker.expected(11 * BLOCK, BLOCK).tobytes()
     assert worker.call("peek", 9 * BLOCK, BLOCK) == worker.expected(9 * BLOCK, BLOCK).tobytes()
@@ -94,9 +100,14 @@ def test_many_transfers_in_flight(make_worker, make_agent):
     peer = agent.add_peer(worker.metadata)
     rng = np.random.default_rng(0)
     remote_ids = rng.permutation(1024)[:200]
-    transfers = [peer.read(Descs.from_blocks(region, [i], BLOCK), Descs.from_blocks(peer.regions[0], [r], BLOCK),
-                           notify=f"n{i}".encode() if i % 50 == 0 else None)
-                 for i, r in enumerate(remote_ids)]  # more than the 16 slots: posting waits for one
+    transfers = [
+        peer.read(
+            Descs.from_blocks(region, [i], BLOCK),
+            Descs.from_blocks(peer.regions[0], [r], BLOCK),
+            notify=f"n{i}".encode() if i % 50 == 0 else None,
+        )
+        for i, r in enumerate(remote_ids)
+    ]  # more than the 16 slots: posting waits for one
     for t in transfers:
         t.wait(30)
     expected = worker.expected(0, 4 << 20).reshape(-1, BLOCK)
@@ -158,13 +169,17 @@ def test_transfer_is_awaitable(make_worker, make_agent):
     peer = agent.add_peer(worker.metadata)
 
     async def main():
-        await asyncio.gather(*(peer.read(region.descs(i * BLOCK, BLOCK), peer.regions[0].descs(i * BLOCK, BLOCK))
-                               for i in range(8)))
+        await asyncio.gather(
+            *(
+                peer.read(region.descs(i * BLOCK, BLOCK), peer.regions[0].descs(i * BLOCK, BLOCK))
+                for i in range(8)
+            )
+        )
         with pytest.raises(kvx.AccessError):
             await peer.read(region.descs(0, BLOCK), peer.regions[0].descs(1 << 20, BLOCK))
 
     asyncio.run(main())
-    assert np.array_equal(pool[:8 * BLOCK], worker.expected(0, 8 * BLOCK))
+    assert np.array_equal(pool[: 8 * BLOCK], worker.expected(0, 8 * BLOCK))
 
 
 def test_on_notify_callback_and_done_callbacks(make_agent):
@@ -188,7 +203,7 @@ def test_on_notify_callback_and_done_callbacks(make_agent):
 
 
 def test_wait_timeout_leaves_the_transfer_running(make_worker, make_agent):
-    
+
     worker = make_worker()
     agent = make_agent()
     _, region = _pool(agent)

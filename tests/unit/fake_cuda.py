@@ -32,9 +32,26 @@ def build_kernel(directory: Path):
     if cxx is None:
         return None
     out = directory / "kvx_copy_cpu.so"
-    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(out), "-I", str(SHIM), "-x", "c++", "-include",
-                    str(SHIM / "shim.h"), str(ROOT / "csrc" / "kvx_copy.cu"), str(SHIM / "driver.cc")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            cxx,
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(out),
+            "-I",
+            str(SHIM),
+            "-x",
+            "c++",
+            "-include",
+            str(SHIM / "shim.h"),
+            str(ROOT / "csrc" / "kvx_copy.cu"),
+            str(SHIM / "driver.cc"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     lib = ctypes.CDLL(str(out))
     lib.kvx_copy_launch.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p] * 3 + [ctypes.c_uint]
     return lib
@@ -45,8 +62,13 @@ class DeviceArray:
 
     def __init__(self, data: np.ndarray) -> None:
         self.host = np.ascontiguousarray(data, dtype=np.uint8)
-        self.__cuda_array_interface__ = {"data": (self.host.ctypes.data, False), "shape": self.host.shape,
-                                         "typestr": "|u1", "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "data": (self.host.ctypes.data, False),
+            "shape": self.host.shape,
+            "typestr": "|u1",
+            "strides": None,
+            "version": 3,
+        }
 
 
 def make(kernel_lib) -> types.ModuleType:
@@ -143,8 +165,9 @@ def make(kernel_lib) -> types.ModuleType:
         ipcCloseMemHandle=lambda ptr: None,
         memcpyAsync=memcpy_async,
     )
-    cuda = types.SimpleNamespace(runtime=runtime, Device=Device, Stream=Stream, Event=Event,
-                                 alloc=Memory, alloc_pinned_memory=Memory)
+    cuda = types.SimpleNamespace(
+        runtime=runtime, Device=Device, Stream=Stream, Event=Event, alloc=Memory, alloc_pinned_memory=Memory
+    )
     module = types.ModuleType("cupy")
     module.cuda = cuda
     module.RawModule = RawModule
@@ -162,4 +185,5 @@ def allocation_of(arrays):
             if base <= address < base + arr.host.nbytes:
                 return base, arr.host.nbytes
         raise AssertionError(f"{address:#x} is in no fake allocation")
+
     return find

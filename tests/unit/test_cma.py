@@ -55,16 +55,21 @@ def test_scattered_read_then_write(impl, holder):
     starts = np.sort(rng.choice(SIZE // 8, 2500, replace=False)) * 8
     lens = np.full(2500, 8, np.uint64)
     local = np.zeros(2500 * 8, np.uint8)
-    impl.vm_readv(pid, _u64([local.ctypes.data, local.ctypes.data + 7]), _u64([7, len(local) - 7]),
-                  _u64(base + starts), lens)
-    assert local.tobytes() == b"".join(expected[s:s + 8].tobytes() for s in starts)
+    impl.vm_readv(
+        pid,
+        _u64([local.ctypes.data, local.ctypes.data + 7]),
+        _u64([7, len(local) - 7]),
+        _u64(base + starts),
+        lens,
+    )
+    assert local.tobytes() == b"".join(expected[s : s + 8].tobytes() for s in starts)
     # Write it back one piece further on.
     impl.vm_writev(pid, _u64([local.ctypes.data]), _u64([len(local)]), _u64(base + starts + 8), lens)
     conn.send("dump")
     after = np.frombuffer(conn.recv(), np.uint8)
     for k, s in enumerate(starts):
         if k + 1 == len(starts) or starts[k + 1] != s + 8:  # not overwritten by the next piece
-            assert after[s + 8:s + 16].tobytes() == local[k * 8:k * 8 + 8].tobytes()
+            assert after[s + 8 : s + 16].tobytes() == local[k * 8 : k * 8 + 8].tobytes()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -93,8 +98,8 @@ def test_memcpyv_copies_triples_in_this_process(impl):
     dst_at = np.array([50000, 0, 8, 77, 5000], np.uint64)
     impl.memcpyv(dst.ctypes.data + dst_at, src.ctypes.data + src_at, lens)
     expected = np.zeros_like(src)
-    for d, s, n in zip(dst_at.tolist(), src_at.tolist(), lens.tolist()):
-        expected[d:d + n] = src[s:s + n]
+    for d, s, n in zip(dst_at.tolist(), src_at.tolist(), lens.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, expected)
     with pytest.raises(ValueError):
         impl.memcpyv(np.zeros(2, np.uint64), np.zeros(1, np.uint64), np.zeros(2, np.uint64))

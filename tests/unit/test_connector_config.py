@@ -14,23 +14,34 @@ def test_defaults() -> None:
 
 
 def test_values_are_taken() -> None:
-    cfg = KvxConnectorConfig.from_extra({"lease_s": 5, "side_channel_port": 5600, "streams": 4,
-                                         "metadata": "10.0.0.9:50051", "api_url": "http://x:8100", "backend": "tcp"})
+    cfg = KvxConnectorConfig.from_extra(
+        {
+            "lease_s": 5,
+            "side_channel_port": 5600,
+            "streams": 4,
+            "metadata": "10.0.0.9:50051",
+            "api_url": "http://x:8100",
+            "backend": "tcp",
+        }
+    )
     assert (cfg.lease_s, cfg.side_channel_port, cfg.streams, cfg.metadata) == (5, 5600, 4, "10.0.0.9:50051")
     assert cfg.backend == "tcp" and KvxConnectorConfig.from_extra({}).backend == "auto"
 
 
-@pytest.mark.parametrize("extra,match", [
-    ({"lease": 5}, "unknown"),
-    ({"mode": "push"}, "not supported"),
-    ({"lease_s": 0}, "positive"),
-    ({"lease_s": float("inf")}, "positive"),
-    ({"transfer_timeout_s": "10"}, "positive"),
-    ({"side_channel_port": 70000}, "port"),
-    ({"agent_port": -1}, "port"),
-    ({"streams": 0}, "streams"),
-    ({"backend": "udp"}, "backend must be one of auto, tcp, shm, cuda_ipc"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"lease": 5}, "unknown"),
+        ({"mode": "push"}, "not supported"),
+        ({"lease_s": 0}, "positive"),
+        ({"lease_s": float("inf")}, "positive"),
+        ({"transfer_timeout_s": "10"}, "positive"),
+        ({"side_channel_port": 70000}, "port"),
+        ({"agent_port": -1}, "port"),
+        ({"streams": 0}, "streams"),
+        ({"backend": "udp"}, "backend must be one of auto, tcp, shm, cuda_ipc"),
+    ],
+)
 def test_bad_values_are_refused_with_the_key(extra, match) -> None:
     with pytest.raises(ConfigError, match=match):
         KvxConnectorConfig.from_extra(extra)

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvx._datapath import staging as _staging
 from kvx._datapath import gpu
+from kvx._datapath import staging as _staging
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).resolve().parent / "cuda_cpu"
@@ -32,15 +32,33 @@ def kernel(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler to build the CPU shim (apt-get install g++); tests/gpu/ runs the kernel")
     out = tmp_path_factory.mktemp("kernel") / "kvx_copy_cpu.so"
-    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(out), "-I", str(SHIM), "-x", "c++", "-include",
-                    str(SHIM / "shim.h"), str(ROOT / "csrc" / "kvx_copy.cu"), str(SHIM / "driver.cc")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            cxx,
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(out),
+            "-I",
+            str(SHIM),
+            "-x",
+            "c++",
+            "-include",
+            str(SHIM / "shim.h"),
+            str(ROOT / "csrc" / "kvx_copy.cu"),
+            str(SHIM / "driver.cc"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     lib = ctypes.CDLL(str(out))
     lib.kvx_copy_launch.argtypes = [ctypes.c_uint, ctypes.c_uint] + [ctypes.c_void_p] * 3 + [ctypes.c_uint]
 
     def launch(dsts, srcs, lens, grid, threads=gpu.THREADS):
         dsts, srcs, lens = (np.ascontiguousarray(x, np.uint64) for x in (dsts, srcs, lens))
         lib.kvx_copy_launch(grid, threads, srcs.ctypes.data, dsts.ctypes.data, lens.ctypes.data, len(lens))
+
     return launch
 
 
@@ -61,16 +79,20 @@ def test_the_kernel_copies_every_triple_exactly(kernel, align, grid):
     assert base_src % 16 == 0 and base_dst % 16 == 0
     kernel(base_dst + dst_at, base_src + src_at, lens, grid)
     expected = np.zeros_like(dst)
-    for s, d, n in zip(src_at.tolist(), dst_at.tolist(), lens.tolist()):
-        expected[d:d + n] = src[s:s + n]
+    for s, d, n in zip(src_at.tolist(), dst_at.tolist(), lens.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, expected)
 
 
 def test_long_copies_cut_into_pieces_land_whole(kernel):
     src = np.random.default_rng(0).integers(0, 256, 3 * gpu.PIECE_BYTES + 48, dtype=np.uint8)
     dst = np.zeros_like(src)
-    dsts, srcs, lens = _staging.pieces(np.array([dst.ctypes.data], np.uint64), np.array([src.ctypes.data], np.uint64),
-                                       np.array([src.nbytes], np.uint64), gpu.PIECE_BYTES)
+    dsts, srcs, lens = _staging.pieces(
+        np.array([dst.ctypes.data], np.uint64),
+        np.array([src.ctypes.data], np.uint64),
+        np.array([src.nbytes], np.uint64),
+        gpu.PIECE_BYTES,
+    )
     assert len(lens) == 4
     kernel(dsts, srcs, lens, grid=2)
     assert np.array_equal(dst, src)
@@ -90,10 +112,16 @@ def _nvrtc():
 def test_the_kernel_compiles_with_nvrtc_for_hopper():
     nvrtc = _nvrtc()
     if nvrtc is None:
-        pytest.skip("NVRTC not installed (pip install nvidia-cuda-nvrtc-cu12); tests/gpu/ compiles it on a GPU")
+        pytest.skip(
+            "NVRTC not installed (pip install nvidia-cuda-nvrtc-cu12); tests/gpu/ compiles it on a GPU"
+        )
     prog = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), gpu.kernel_source().encode(), b"kvx_copy.cu", 0, None,
-                                    None) == 0
+    assert (
+        nvrtc.nvrtcCreateProgram(
+            ctypes.byref(prog), gpu.kernel_source().encode(), b"kvx_copy.cu", 0, None, None
+        )
+        == 0
+    )
     opts = (ctypes.c_char_p * 2)(b"-arch=compute_90", b"-std=c++17")
     rc = nvrtc.nvrtcCompileProgram(prog, 2, opts)
     size = ctypes.c_size_t()

@@ -35,8 +35,16 @@ def test_coalesce_keeps_order_and_does_not_merge_across_regions():
 def test_split_at_cuts_inside_descriptors():
     d = Descs.from_blocks(3, [0, 1, 2, 5, 6, 9], 10)
     cut, idx = d.split_at(np.array([0, 15, 35, 60]))
-    assert cut.array.tolist() == [(3, 0, 10), (3, 10, 5), (3, 15, 5), (3, 20, 10), (3, 50, 5),
-                                  (3, 55, 5), (3, 60, 10), (3, 90, 10)]
+    assert cut.array.tolist() == [
+        (3, 0, 10),
+        (3, 10, 5),
+        (3, 15, 5),
+        (3, 20, 10),
+        (3, 50, 5),
+        (3, 55, 5),
+        (3, 60, 10),
+        (3, 90, 10),
+    ]
     assert idx.tolist() == [0, 2, 5, 8]
     assert cut.total_bytes == d.total_bytes
 
@@ -48,14 +56,17 @@ def test_packed_structured_arrays_are_accepted():
     assert d.array.tolist() == [(1, 8, 16)]
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: Descs.build(1, [-1], 10),
-    lambda: Descs.build(1, [0.5], 10),
-    lambda: Descs.build(1, [0, 1], [1, 2, 3]),
-    lambda: Descs.build(-1, 0, 1),
-    lambda: Descs(np.zeros(3, np.uint64)),
-    lambda: Descs.from_blocks(1, [0], 0),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: Descs.build(1, [-1], 10),
+        lambda: Descs.build(1, [0.5], 10),
+        lambda: Descs.build(1, [0, 1], [1, 2, 3]),
+        lambda: Descs.build(-1, 0, 1),
+        lambda: Descs(np.zeros(3, np.uint64)),
+        lambda: Descs.from_blocks(1, [0], 0),
+    ],
+)
 def test_bad_input_is_a_config_error(bad):
     with pytest.raises(kvx.ConfigError):
         bad()
@@ -85,11 +96,22 @@ def test_layout_per_layer_regions_and_layer_subset():
 
 
 def test_layout_matches_a_per_block_loop():
-    layout = KVLayout(num_layers=3, num_blocks=10, block_size_bytes=8, regions=(2,), kv_planes=2,
-                      block_stride_bytes=12, base_offset_bytes=5)
+    layout = KVLayout(
+        num_layers=3,
+        num_blocks=10,
+        block_size_bytes=8,
+        regions=(2,),
+        kv_planes=2,
+        block_stride_bytes=12,
+        base_offset_bytes=5,
+    )
     ids = [9, 0, 4]
-    expected = [5 + layer * layout.layer_stride_bytes + plane * layout.kv_stride_bytes + b * 12
-                for layer in range(3) for plane in range(2) for b in ids]
+    expected = [
+        5 + layer * layout.layer_stride_bytes + plane * layout.kv_stride_bytes + b * 12
+        for layer in range(3)
+        for plane in range(2)
+        for b in ids
+    ]
     assert layout.descs(ids).offset.tolist() == expected
 
 

@@ -21,31 +21,38 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _imports(tree: ast.AST, package: str, paths: dict[str, Path]) -> set[str]:
+    """The modules a parsed module imports, TYPE_CHECKING blocks left out; `package`
+    anchors its relative imports."""
+    deps: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return deps
+
+
 def _graph() -> dict[str, set[str]]:
     """Module -> kvx modules it imports at run time (TYPE_CHECKING blocks left out,
     imports inside functions included: they run too)."""
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in paths.items():
-        deps: set[str] = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-
-        def visit(node: ast.AST) -> None:
-            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-                return
-            if isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([node.module] if node.module else []))
-                for alias in node.names:
-                    deps.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
-            for child in ast.iter_child_nodes(node):
-                visit(child)
-
-        visit(ast.parse(path.read_text()))
+        deps = _imports(ast.parse(path.read_text()), package, paths)
         graph[name] = {d for d in deps if d in paths and d != name}
     return graph
 
@@ -100,8 +107,13 @@ def test_nothing_imports_upward():
         if name.startswith("kvx.backends"):
             assert not {d for d in deps if d == "kvx.agent" or d.startswith("kvx.connectors")}, name
         if name.startswith("kvx.backends.control"):
-            backends = {d for d in deps if d.startswith("kvx.backends.") and not d.startswith("kvx.backends.control")
-                        and d != "kvx.backends.base"}
+            backends = {
+                d
+                for d in deps
+                if d.startswith("kvx.backends.")
+                and not d.startswith("kvx.backends.control")
+                and d != "kvx.backends.base"
+            }
             assert not backends, f"{name} imports a backend: {backends}"
         if name.startswith("kvx._datapath"):
             assert all(d.startswith("kvx._datapath") or d == "kvx.errors" for d in deps), (name, deps)

@@ -26,7 +26,7 @@ def test_the_implementation_follows_kvx_native():
     unset: the C extension when it was built."""
     choice = os.environ.get("KVX_NATIVE", "")
     want_native = choice == "1" or (choice == "" and _native is not None)
-    assert _io.IMPL == ("native" if want_native else "python")
+    assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
     assert (_io.sendv, _io.recvv) == (expected.sendv, expected.recvv)
@@ -53,7 +53,7 @@ def test_gather_send_scatter_receive(impl, count):
     src = rng.integers(0, 256, 1 << 21, dtype=np.uint8)
     dst = np.zeros(1 << 21, dtype=np.uint8)
     s_addrs, s_lens, s_starts, s_ends = _pieces(src, rng, count)
-    expected = b"".join(src[a:b].tobytes() for a, b in zip(s_starts, s_ends))
+    expected = b"".join(src[a:b].tobytes() for a, b in zip(s_starts, s_ends, strict=True))
     total = len(expected)
     # Receive into a different cut of the destination, of the same total size.
     d_lens = np.full(count, total // count, dtype=np.uint64)
@@ -69,11 +69,11 @@ def test_gather_send_scatter_receive(impl, count):
     head = b.recv(4, socket.MSG_WAITALL)
     impl.recvv(b.fileno(), d_addrs, d_lens, 5000)
     sender.join(5)
-    got = b"".join(dst[int(s):int(s) + int(n)].tobytes() for s, n in zip(d_starts, d_lens))
+    got = b"".join(dst[int(s) : int(s) + int(n)].tobytes() for s, n in zip(d_starts, d_lens, strict=True))
     assert head == prefix and got == expected
     gaps = np.ones(len(dst), bool)
-    for s, n in zip(d_starts, d_lens):
-        gaps[int(s):int(s) + int(n)] = False
+    for s, n in zip(d_starts, d_lens, strict=True):
+        gaps[int(s) : int(s) + int(n)] = False
     assert not dst[gaps].any(), "bytes landed outside the receive descriptors"
     a.close()
     b.close()
@@ -109,7 +109,9 @@ def test_send_to_closed_peer_raises(impl):
     b.close()
     buf = np.zeros(1 << 20, np.uint8)
     with pytest.raises(OSError):
-        impl.sendv(a.fileno(), b"", np.array([buf.ctypes.data], np.uint64), np.array([1 << 20], np.uint64), 1000)
+        impl.sendv(
+            a.fileno(), b"", np.array([buf.ctypes.data], np.uint64), np.array([1 << 20], np.uint64), 1000
+        )
     a.close()
 
 

@@ -29,8 +29,9 @@ def calls(monkeypatch):
         def __exit__(self, *exc):
             pass
 
-    runtime = types.SimpleNamespace(ipcOpenMemHandle=open_handle,
-                                    ipcCloseMemHandle=lambda address: log.append(("close", address)))
+    runtime = types.SimpleNamespace(
+        ipcOpenMemHandle=open_handle, ipcCloseMemHandle=lambda address: log.append(("close", address))
+    )
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=Device)
     monkeypatch.setitem(sys.modules, "cupy", cupy)

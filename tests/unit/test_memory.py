@@ -1,8 +1,7 @@
 import mmap
+import sys
 import threading
 import time
-
-import sys
 
 import numpy as np
 import pytest
@@ -22,8 +21,13 @@ def test_register_numpy_bytearray_memoryview_mmap_raw(agent):
     arr = np.zeros(4096, np.uint8)
     ba = bytearray(100)
     mm = mmap.mmap(-1, 8192)
-    regions = [agent.register(arr), agent.register(ba), agent.register(memoryview(ba)[10:50]),
-               agent.register(mm), agent.register((arr.ctypes.data, 64))]
+    regions = [
+        agent.register(arr),
+        agent.register(ba),
+        agent.register(memoryview(ba)[10:50]),
+        agent.register(mm),
+        agent.register((arr.ctypes.data, 64)),
+    ]
     assert [r.size_bytes for r in regions] == [4096, 100, 40, 8192, 64]
     assert regions[0].address == arr.ctypes.data
     assert regions[4].address == arr.ctypes.data
@@ -69,8 +73,13 @@ def test_register_refuses_bad_objects(agent):
 
 class _FakeCuda:
     def __init__(self, **cai):
-        self.__cuda_array_interface__ = {"data": (0x7000_0000, False), "shape": (4, 8), "typestr": "<f2",
-                                         "version": 3, **cai}
+        self.__cuda_array_interface__ = {
+            "data": (0x7000_0000, False),
+            "shape": (4, 8),
+            "typestr": "<f2",
+            "version": 3,
+            **cai,
+        }
 
 
 class _FakeDLPack:
@@ -111,8 +120,9 @@ def test_cuda_array_interface_must_describe_one_contiguous_range():
             gpu.interface_extent(bad.__cuda_array_interface__)
     with pytest.raises(kvx.ConfigError, match="malformed"):
         gpu.interface_extent({"shape": (2,)})
-    assert gpu.interface_extent(_FakeCuda(data=(0x10, True), shape=(), strides=None).__cuda_array_interface__) == \
-        (0x10, 2, True)
+    assert gpu.interface_extent(
+        _FakeCuda(data=(0x10, True), shape=(), strides=None).__cuda_array_interface__
+    ) == (0x10, 2, True)
 
 
 def test_what_counts_as_cuda_memory_needs_neither_cupy_nor_torch(no_cupy):

@@ -39,7 +39,7 @@ class DeferredHostEngine:
 
     def stage_out(self, slot, addrs, lens, nbytes):
         assert int(np.sum(lens)) == nbytes <= self.chunk_bytes
-        snapshot = [(int(a), int(n)) for a, n in zip(addrs, lens)]
+        snapshot = [(int(a), int(n)) for a, n in zip(addrs, lens, strict=True)]
         self.staged += 1
 
         def gather():
@@ -47,11 +47,12 @@ class DeferredHostEngine:
             for a, n in snapshot:
                 ctypes.memmove(at, a, n)
                 at += n
+
         return _Deferred(gather)
 
     def stage_in(self, slot, addrs, lens, nbytes):
         assert int(np.sum(lens)) == nbytes <= self.chunk_bytes
-        snapshot = [(int(a), int(n)) for a, n in zip(addrs, lens)]
+        snapshot = [(int(a), int(n)) for a, n in zip(addrs, lens, strict=True)]
         self.staged += 1
 
         def scatter():
@@ -59,6 +60,7 @@ class DeferredHostEngine:
             for a, n in snapshot:
                 ctypes.memmove(a, at, n)
                 at += n
+
         return _Deferred(scatter)
 
 
@@ -73,7 +75,7 @@ def _ranges(rng, pool, count, max_len):
 
 
 def _gather(addrs, lens):
-    return b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(addrs, lens))
+    return b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(addrs, lens, strict=True))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
@@ -82,15 +84,19 @@ def test_chunks_cover_the_ranges_in_order_within_the_chunk_size(chunk):
     pool = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     addrs, lens = _ranges(rng, pool, 50, 5000)
     parts = _staging.chunks(addrs, lens, chunk)
-    assert all(0 < n <= chunk and int(np.sum(l)) == n for _, l, n in parts)
+    assert all(0 < n <= chunk and int(np.sum(ln)) == n for _, ln, n in parts)
     assert all(n == chunk for _, _, n in parts[:-1])
-    assert b"".join(_gather(a, l) for a, l, _ in parts) == _gather(addrs, lens)
+    assert b"".join(_gather(a, ln) for a, ln, _ in parts) == _gather(addrs, lens)
 
 
 def test_chunks_skip_empty_ranges_and_empty_lists():
     assert _staging.chunks(np.zeros(0, np.uint64), np.zeros(0, np.uint64), 8) == []
     parts = _staging.chunks(np.array([100, 200, 300], np.uint64), np.array([0, 10, 0], np.uint64), 4)
-    assert [(a.tolist(), l.tolist(), n) for a, l, n in parts] == [([200], [4], 4), ([204], [4], 4), ([208], [2], 2)]
+    assert [(a.tolist(), ln.tolist(), n) for a, ln, n in parts] == [
+        ([200], [4], 4),
+        ([204], [4], 4),
+        ([208], [2], 2),
+    ]
 
 
 def test_pieces_cut_long_copies_and_keep_short_ones():
@@ -117,7 +123,7 @@ def test_pair_matches_two_different_range_lists():
     dst_addrs = (dst_pool.ctypes.data + cuts[:-1] + 16 * np.arange(len(dst_lens))).astype(np.uint64)
     dsts, srcs, lens = _staging.pair(dst_addrs, dst_lens, src_addrs, src_lens)
     assert int(lens.sum()) == total and len(lens) <= len(src_lens) + len(dst_lens)
-    for d, s, n in zip(dsts.tolist(), srcs.tolist(), lens.tolist()):
+    for d, s, n in zip(dsts.tolist(), srcs.tolist(), lens.tolist(), strict=True):
         ctypes.memmove(d, s, n)
     assert _gather(dst_addrs, dst_lens) == _gather(src_addrs, src_lens)
     with pytest.raises(ValueError, match="cover"):
@@ -133,6 +139,7 @@ def io(request):
             pytest.skip("kvx._datapath._native is not built")
         return _native
     from kvx._datapath import io_py as _io_py
+
     return _io_py
 
 
@@ -172,21 +179,27 @@ def test_send_and_recv_move_scattered_ranges_through_two_buffers(io, chunk):
 
 def test_a_receive_that_breaks_still_lands_the_chunks_it_took(io):
     chunk = 4096
-    src = np.arange(10 * chunk, dtype=np.uint32).view(np.uint8)[:10 * chunk].copy()
+    src = np.arange(10 * chunk, dtype=np.uint32).view(np.uint8)[: 10 * chunk].copy()
     dst = np.zeros_like(src)
     into = DeferredHostEngine(chunk)
     a, b = socket.socketpair()
     try:
-        a.sendall(src[:3 * chunk + 100].tobytes())
+        a.sendall(src[: 3 * chunk + 100].tobytes())
         a.close()
         with pytest.raises(ConnectionError):
-            _staging.recv(into, io.recvv, b.fileno(), np.array([dst.ctypes.data], np.uint64),
-                          np.array([dst.nbytes], np.uint64), 5_000)
+            _staging.recv(
+                into,
+                io.recvv,
+                b.fileno(),
+                np.array([dst.ctypes.data], np.uint64),
+                np.array([dst.nbytes], np.uint64),
+                5_000,
+            )
     finally:
         b.close()
     # The three whole chunks were scattered before the error came up; nothing after them.
-    assert np.array_equal(dst[:3 * chunk], src[:3 * chunk])
-    assert not dst[3 * chunk:].any()
+    assert np.array_equal(dst[: 3 * chunk], src[: 3 * chunk])
+    assert not dst[3 * chunk :].any()
 
 
 def test_a_send_that_breaks_waits_for_its_gathers(io):
@@ -205,8 +218,15 @@ def test_a_send_that_breaks_waits_for_its_gathers(io):
     b.close()
     try:
         with pytest.raises(OSError):
-            _staging.send(out, io.sendv, a.fileno(), b"", np.array([src.ctypes.data], np.uint64),
-                          np.array([src.nbytes], np.uint64), 5_000)
+            _staging.send(
+                out,
+                io.sendv,
+                a.fileno(),
+                b"",
+                np.array([src.ctypes.data], np.uint64),
+                np.array([src.nbytes], np.uint64),
+                5_000,
+            )
     finally:
         a.close()
     assert events and all(e.work is None for e in events)

@@ -47,15 +47,37 @@ def test_plan_cuts_respect_limits_and_cover_everything(seed):
 def test_generated_protobuf_code_is_not_edited(tmp_path):
     pytest.importorskip("grpc_tools")
     protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"),
-                    f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", *protos], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(ROOT / "proto"),
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            *protos,
+        ],
+        check=True,
+    )
     services = [p for p in protos if "\nservice " in (ROOT / "proto" / p).read_text()]
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"),
-                    f"--grpc_python_out={tmp_path}", *services], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(ROOT / "proto"),
+            f"--grpc_python_out={tmp_path}",
+            *services,
+        ],
+        check=True,
+    )
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
     checked_in = sorted(p.relative_to(ROOT) for p in (ROOT / "kvx" / "v1").glob("*_pb2*.py*"))
     assert generated == checked_in, "generated files and checked-in files differ in name"
     assert generated, "protoc generated nothing"
     for rel in generated:
-        assert (tmp_path / rel).read_text() == (ROOT / rel).read_text(), \
+        assert (tmp_path / rel).read_text() == (ROOT / rel).read_text(), (
             f"{rel} differs from proto/: run scripts/gen_proto.sh"
+        )

@@ -34,24 +34,51 @@ LEASE_S = 30.0
 _next_token_base = itertools.count(3)
 
 
-def make_vllm_config(role: str, *, lease_s: float = LEASE_S, load_failure_policy: str = "fail",
-                     max_num_batched_tokens: int = 256, max_num_seqs: int = 16) -> Any:
+def make_vllm_config(
+    role: str,
+    *,
+    lease_s: float = LEASE_S,
+    load_failure_policy: str = "fail",
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 16,
+) -> Any:
     """A VllmConfig for the tiny Llama on CPU with KvxConnector in ``role``."""
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     with _own_model_info_cache():
-        model = ModelConfig(model=str(TINY_LLAMA), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                            max_model_len=1024)
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=model.max_model_len, enable_chunked_prefill=True,
-                                is_encoder_decoder=False, async_scheduling=False)
+        model = ModelConfig(
+            model=str(TINY_LLAMA), skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=1024
+        )
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=model.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
-    kv = KVTransferConfig(kv_connector="KvxConnector", kv_connector_module_path="kvx.connectors.vllm",
-                          kv_role=role, kv_connector_extra_config={"lease_s": lease_s},
-                          kv_load_failure_policy=load_failure_policy)
-    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache,
-                      kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+    kv = KVTransferConfig(
+        kv_connector="KvxConnector",
+        kv_connector_module_path="kvx.connectors.vllm",
+        kv_role=role,
+        kv_connector_extra_config={"lease_s": lease_s},
+        kv_load_failure_policy=load_failure_policy,
+    )
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        kv_transfer_config=kv,
+        device_config=DeviceConfig("cpu"),
+    )
 
 
 @contextlib.contextmanager
@@ -88,13 +115,20 @@ def make_scheduler(vllm_config: Any, num_blocks: int = 64) -> Any:
 
     assert not vllm_config.scheduler_config.async_scheduling, "these tests drive the synchronous Scheduler"
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                             dtype=torch.bfloat16)
-    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE)
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+    )
 
 
 @pytest.fixture
@@ -109,7 +143,7 @@ def new_scheduler():
 
     yield new
     for scheduler in made:
-        scheduler.shutdown()   # closes the prefill side channel server
+        scheduler.shutdown()  # closes the prefill side channel server
 
 
 def prompt(length: int) -> list[int]:
@@ -127,8 +161,14 @@ def _init_block_hashing() -> None:
     init_none_hash(sha256)
 
 
-def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: int = 16,
-                 kv_transfer_params: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> Any:
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    *,
+    max_tokens: int = 16,
+    kv_transfer_params: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
+) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -137,22 +177,27 @@ def make_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: in
     _init_block_hashing()
     sampling = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
     sampling.update_from_generation_config({}, EOS_TOKEN_ID)
-    request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                      sampling_params=sampling, pooling_params=None,
-                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=sampling,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
     # A copy: the connector marks the params it has acted on.
     request.kv_transfer_params = dict(kv_transfer_params) if kv_transfer_params is not None else None
     return request
 
 
-def remote_params(remote_request_id: str, num_tokens: int, *,
-                  engine_id: str = "prefill-engine-0") -> dict[str, Any]:
+def remote_params(
+    remote_request_id: str, num_tokens: int, *, engine_id: str = "prefill-engine-0"
+) -> dict[str, Any]:
     """kv_transfer_params shaped as KvxScheduler.request_finished returns them on prefill."""
     num_blocks = -(-num_tokens // BLOCK_SIZE)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(range(100, 100 + num_blocks))],   # per KV-cache group
+        "remote_block_ids": [list(range(100, 100 + num_blocks))],  # per KV-cache group
         "remote_engine_id": engine_id,
         "remote_request_id": remote_request_id,
         "remote_host": "127.0.0.1",
@@ -160,14 +205,24 @@ def remote_params(remote_request_id: str, num_tokens: int, *,
         "remote_num_tokens": num_tokens,
         "tp_size": 1,
         "pp_size": 1,
-        "kvx": {"agents": [f"vllm-{engine_id}-tp0"], "epochs": ["0x1"], "digest": "0" * 16,
-                "lease_s": LEASE_S},
+        "kvx": {
+            "agents": [f"vllm-{engine_id}-tp0"],
+            "epochs": ["0x1"],
+            "digest": "0" * 16,
+            "lease_s": LEASE_S,
+        },
     }
 
 
-def model_output(scheduler_output: Any, *, finished_sending: set[str] | None = None,
-                 finished_recving: set[str] | None = None, failed_recving: set[str] | None = None,
-                 invalid_block_ids: set[int] | None = None, token_id: int = 5) -> Any:
+def model_output(
+    scheduler_output: Any,
+    *,
+    finished_sending: set[str] | None = None,
+    finished_recving: set[str] | None = None,
+    failed_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
+    token_id: int = 5,
+) -> Any:
     """What the workers would return for ``scheduler_output``: one sampled token per
     scheduled request and the connector's report, as KvxWorker.get_finished gives it."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -175,12 +230,21 @@ def model_output(scheduler_output: Any, *, finished_sending: set[str] | None = N
     req_ids = list(scheduler_output.num_scheduled_tokens)
     kv = None
     if finished_sending or finished_recving or failed_recving or invalid_block_ids:
-        kv = KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving,
-                               failed_recving=set(failed_recving or ()),
-                               invalid_block_ids=set(invalid_block_ids or ()))
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv)
+        kv = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            failed_recving=set(failed_recving or ()),
+            invalid_block_ids=set(invalid_block_ids or ()),
+        )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token_id] for _ in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv,
+    )
 
 
 def step(scheduler: Any, **report: Any) -> tuple[Any, dict[str, Any]]:
@@ -208,7 +272,11 @@ def fake_handshake(scheduler: Any) -> None:
     prefill this also starts the side channel server on 127.0.0.1:0."""
     from kvx.connectors.vllm.meta import KvxHandshakeMetadata
 
-    md = KvxHandshakeMetadata(tp_rank=0, agent_name="vllm-test-tp0", agent_epoch=0xABC,
-                              agent_metadata=b"made-up agent metadata",
-                              cache={"num_blocks": 64, "layers": [], "num_heads": NUM_KV_HEADS, "planes": 2})
+    md = KvxHandshakeMetadata(
+        tp_rank=0,
+        agent_name="vllm-test-tp0",
+        agent_epoch=0xABC,
+        agent_metadata=b"made-up agent metadata",
+        cache={"num_blocks": 64, "layers": [], "num_heads": NUM_KV_HEADS, "planes": 2},
+    )
     scheduler.connector.set_xfer_handshake_metadata({0: md})

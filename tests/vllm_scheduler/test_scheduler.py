@@ -14,11 +14,16 @@ import types
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="scheduler-level tests run in the vLLM 0.33 environment "
-                                          "(.venv-vllm-next, built by scripts/test.sh)")
+vllm = pytest.importorskip(
+    "vllm",
+    reason="scheduler-level tests run in the vLLM 0.33 environment "
+    "(.venv-vllm-next, built by scripts/test.sh)",
+)
 if not vllm.__version__.startswith("0.33."):
-    pytest.skip(f"scheduler-level tests are written against vLLM 0.33's Scheduler, not {vllm.__version__}",
-                allow_module_level=True)
+    pytest.skip(
+        f"scheduler-level tests are written against vLLM 0.33's Scheduler, not {vllm.__version__}",
+        allow_module_level=True,
+    )
 # huggingface_hub reads this once, when vLLM's config modules first import it:
 # the model is a local config.json and nothing may reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,14 +31,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvx.connectors.vllm import scheduler as kvx_scheduler  # noqa: E402
 from kvx.connectors import side_channel  # noqa: E402
+from kvx.connectors.vllm import scheduler as kvx_scheduler  # noqa: E402
 from kvx.connectors.vllm.meta import KvxConnectorMetadata, remote_params_ok  # noqa: E402
-from tests.vllm_scheduler.conftest import (BLOCK_SIZE, LEASE_S, block_ids, fake_handshake,  # noqa: E402
-                                           free_blocks, make_request, prompt, remote_params, step)
+from tests.vllm_scheduler.conftest import (  # noqa: E402
+    BLOCK_SIZE,
+    LEASE_S,
+    block_ids,
+    fake_handshake,
+    free_blocks,
+    make_request,
+    prompt,
+    remote_params,
+    step,
+)
 
 NUM_BLOCKS = 64
-ALL_FREE = NUM_BLOCKS - 1   # vLLM keeps one null block out of the pool
+ALL_FREE = NUM_BLOCKS - 1  # vLLM keeps one null block out of the pool
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,21 +82,24 @@ def decode(new_scheduler):
 
 def add_prefill(scheduler, request_id: str, tokens: list[int], max_tokens: int = 1):
     """A prefill request as the proxy sends it: decode will read its KV."""
-    request = make_request(request_id, tokens, max_tokens=max_tokens,
-                           kv_transfer_params={"do_remote_decode": True})
+    request = make_request(
+        request_id, tokens, max_tokens=max_tokens, kv_transfer_params={"do_remote_decode": True}
+    )
     scheduler.add_request(request)
     return request
 
 
 def add_remote(scheduler, request_id: str, tokens: list[int], **kwargs):
     """A decode request carrying the kv_transfer_params prefill handed out."""
-    request = make_request(request_id, tokens, kv_transfer_params=remote_params(f"prefill-{request_id}",
-                                                                                len(tokens)), **kwargs)
+    request = make_request(
+        request_id, tokens, kv_transfer_params=remote_params(f"prefill-{request_id}", len(tokens)), **kwargs
+    )
     scheduler.add_request(request)
     return request
 
 
 # 1. Prefill.
+
 
 def test_prefill_holds_blocks_until_decode_has_read_them(prefill):
     request = add_prefill(prefill, "p1", prompt(40))
@@ -98,7 +115,7 @@ def test_prefill_holds_blocks_until_decode_has_read_them(prefill):
     params = finished.kv_transfer_params
     assert remote_params_ok(params)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert params["remote_block_ids"] == [held]   # one list per KV-cache group
+    assert params["remote_block_ids"] == [held]  # one list per KV-cache group
     assert params["remote_engine_id"] == prefill.vllm_config.kv_transfer_config.engine_id
     assert params["remote_request_id"] == "p1"
     assert params["remote_host"] == "127.0.0.1"
@@ -107,7 +124,7 @@ def test_prefill_holds_blocks_until_decode_has_read_them(prefill):
     kvx = params["kvx"]
     assert kvx["agents"] == ["vllm-test-tp0"] and kvx["epochs"] == ["0xabc"]
     assert isinstance(kvx["digest"], str) and len(kvx["digest"]) == 16
-    assert set(params) >= set(remote_params("x", 40))   # the shape the decode tests use
+    assert set(params) >= set(remote_params("x", 40))  # the shape the decode tests use
     # remote_host:remote_port is the side channel, serving the workers' handshake.
     doc = side_channel.fetch(params["remote_host"], params["remote_port"], timeout_s=5)
     assert doc["engine_id"] == params["remote_engine_id"]
@@ -148,7 +165,7 @@ def test_prefill_aborted_request_is_not_held(prefill):
 def test_prefill_hands_over_only_the_prompt_blocks(prefill):
     add_prefill(prefill, "p1", prompt(32), max_tokens=2)
     step(prefill)
-    _, outputs = step(prefill)   # the second token's KV starts a third block
+    _, outputs = step(prefill)  # the second token's KV starts a third block
     params = outputs["p1"].kv_transfer_params
     assert len(block_ids(prefill, "p1")) == 3
     assert params["remote_block_ids"] == [block_ids(prefill, "p1")[:2]]
@@ -166,6 +183,7 @@ def test_prefill_without_worker_handshake_refuses_to_hold(new_scheduler):
 
 # 2. Decode.
 
+
 @pytest.mark.parametrize("prompt_len", [7, 32, 37])
 def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len):
     request = add_remote(decode, "d1", prompt(prompt_len))
@@ -180,8 +198,8 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
     assert len(recv.local_block_ids) == cdiv(prompt_len, BLOCK_SIZE)
     assert recv.local_block_ids == block_ids(decode, "d1")
     assert recv.params["remote_request_id"] == "prefill-d1"
-    assert meta.renew == []   # allocated in the same step: nothing to renew
-    assert request.kv_transfer_params["do_remote_prefill"] is False   # one load per request
+    assert meta.renew == []  # allocated in the same step: nothing to renew
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # one load per request
 
     # Still loading: the request is not scheduled and nothing is asked twice.
     out, _ = step(decode)
@@ -204,6 +222,7 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
 
 
 # 3. and 4. Load errors.
+
 
 def test_decode_load_failure_with_policy_fail_finishes_the_request(decode):
     request = add_remote(decode, "d1", prompt(37))
@@ -244,13 +263,14 @@ def test_decode_load_failure_with_policy_recompute_computes_the_prompt_locally(n
     assert out.num_scheduled_tokens == {"d1": 37}
     (new,) = out.scheduled_new_reqs
     assert new.num_computed_tokens == 0
-    assert meta_of(out).recv == []   # no second read
+    assert meta_of(out).recv == []  # no second read
 
     decode.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
     assert_empty(decode)
 
 
 # 5. Local prefix cache hits on decode.
+
 
 @pytest.mark.parametrize("prompt_len", [32, 40])
 def test_decode_full_prefix_hit_reads_only_the_uncached_tail(decode, prompt_len):
@@ -271,7 +291,7 @@ def test_decode_full_prefix_hit_reads_only_the_uncached_tail(decode, prompt_len)
     allocated = block_ids(decode, "d1")
     assert len(allocated) == cdiv(prompt_len, BLOCK_SIZE)
     assert recv.local_block_ids == allocated[cached_blocks:]
-    assert len(recv.local_block_ids) < len(recv.params["remote_block_ids"][0])   # KvxWorker reads the tail
+    assert len(recv.local_block_ids) < len(recv.params["remote_block_ids"][0])  # KvxWorker reads the tail
 
     step(decode, finished_recving={"d1"})
     out, _ = step(decode)
@@ -297,6 +317,7 @@ def test_decode_request_that_must_not_read_caches_releases_prefill_blocks(decode
 
 # 6. Aborts on decode.
 
+
 def test_decode_abort_before_allocation_releases_prefill_blocks(decode):
     add_remote(decode, "d1", prompt(37))
     decode.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
@@ -307,8 +328,8 @@ def test_decode_abort_before_allocation_releases_prefill_blocks(decode):
     (recv,) = meta.recv
     assert recv.request_id == "d1" and recv.release_only and recv.local_block_ids == []
     assert recv.params["remote_request_id"] == "prefill-d1"
-    assert meta.renew == []   # no longer waiting
-    assert meta_of(decode.schedule()).recv == []   # said once
+    assert meta.renew == []  # no longer waiting
+    assert meta_of(decode.schedule()).recv == []  # said once
 
 
 def test_decode_abort_while_loading_frees_blocks_only_after_the_load_ends(decode):
@@ -322,7 +343,7 @@ def test_decode_abort_while_loading_frees_blocks_only_after_the_load_ends(decode
     # The worker may still be writing into these blocks.
     assert "d1" in decode.requests and free_blocks(decode) == used
     out, _ = step(decode)
-    assert meta_of(out).recv == []   # the read in flight will tell prefill "done"
+    assert meta_of(out).recv == []  # the read in flight will tell prefill "done"
     assert free_blocks(decode) == used
 
     step(decode, finished_recving={"d1"})
@@ -339,6 +360,7 @@ def test_decode_abort_while_loading_then_a_failed_load_frees_blocks(decode):
 
 
 # 7. Leases.
+
 
 def test_decode_renews_the_lease_of_requests_waiting_for_blocks(new_scheduler, monkeypatch):
     clock = [1000.0]
