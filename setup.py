@@ -41,6 +41,9 @@ setup(
             extra_link_args=ldflags,
             optional=os.environ.get("KVX_NATIVE") != "1",
         )
-        for name, source in (("kvx._datapath._native", "csrc/kvx_io.c"), ("kvx._datapath._cma", "csrc/kvx_cma.c"))
-    ]
+        for name, source in (
+            ("kvx._datapath._native", "csrc/kvx_io.c"),
+            ("kvx._datapath._cma", "csrc/kvx_cma.c"),
+        )
+    ],
 )
