@@ -156,6 +156,7 @@ class Agent:
         self._notify_cv = threading.Condition()
         self._regions = RegionTable(self.limits.max_regions)
         self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, threading.Lock] = {}  # per peer name: one add_peer at a time
         self._lock = threading.Lock()
         self._closed = False
         # What the backends see of this agent, and nothing more.
@@ -331,10 +332,17 @@ class Agent:
         A peer of the same name is replaced when the epoch differs (it
         restarted); with the same epoch the live peer is returned, or a dead
         one reconnected. ``backend`` overrides the agent's setting for this
-        peer.
+        peer. Safe to call from several threads: one of them connects, the
+        others get its peer.
         """
         self._check_open()
         md = parse_metadata(metadata)
+        with self._lock:
+            connecting = self._connecting.setdefault(md.name, threading.Lock())
+        with connecting:
+            return self._add_peer(md, streams, backend)
+
+    def _add_peer(self, md: agent_pb2.AgentMetadata, streams: int | None, backend: str | None) -> Peer:
         with self._lock:
             old = self._peers.get(md.name)
         if old is not None:
