@@ -17,7 +17,11 @@ swap; nothing of SGLang is patched.
 Settings come from the environment of the SGLang processes:
 ``KVX_HOST`` (address the agent and its side channel bind and advertise;
 default 127.0.0.1), ``KVX_AUTH_SECRET`` or ``KVX_AUTH_SECRET_FILE`` (the
-cluster secret, needed for a non-loopback ``KVX_HOST``).
+cluster secret, needed for a non-loopback ``KVX_HOST``), ``KVX_BACKEND``
+(``auto``, the default, or ``tcp``, ``shm``, ``cuda_ipc``: the agent's
+backend setting; prefill pushes, so prefill's setting picks the transport,
+and a decode set to ``tcp`` serves no same-host copies, so prefill uses tcp
+towards it).
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ import logging
 import os
 import threading
 
-from sglang.srt.disaggregation.mooncake.conn import (MooncakeKVBootstrapServer, MooncakeKVManager,
-                                                     MooncakeKVReceiver, MooncakeKVSender)
+from sglang.srt.disaggregation.mooncake.conn import (
+    MooncakeKVBootstrapServer,
+    MooncakeKVManager,
+    MooncakeKVReceiver,
+    MooncakeKVSender,
+)
 
-from kvx.config import read_file
+from kvx.config import check_backend, read_file
 from kvx.connectors.sglang.engine import KvxTransferEngine
 from kvx.errors import ConfigError
 
@@ -55,7 +63,14 @@ def shared_engine(name: str) -> KvxTransferEngine:
             secret = _secret()
             if secret is not None and len(secret) < 16:
                 raise ConfigError("the kvx auth secret must be at least 16 bytes")
-            _engine = KvxTransferEngine(name, os.environ.get("KVX_HOST", "127.0.0.1"), auth_secret=secret)
+            backend = os.environ.get("KVX_BACKEND", "auto")
+            try:
+                check_backend(backend)
+            except ConfigError as exc:
+                raise ConfigError(f"KVX_BACKEND: {exc}") from None
+            _engine = KvxTransferEngine(
+                name, os.environ.get("KVX_HOST", "127.0.0.1"), auth_secret=secret, backend=backend
+            )
         return _engine
 
 

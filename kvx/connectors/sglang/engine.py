@@ -18,15 +18,16 @@ import base64
 import bisect
 import logging
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from kvx._net import parse_address
 from kvx.agent import Agent, Peer, parse_metadata
 from kvx.config import Timeouts
 from kvx.connectors import side_channel
 from kvx.descs import DESC_DTYPE, Descs
-from kvx.errors import AccessError, KvxError
+from kvx.errors import AccessError, KvxError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _AddressMap:
         starts = np.asarray(self.starts, dtype=np.uint64)
         idx = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
         ends = np.asarray(self.ends, dtype=np.uint64)
-        bad = (idx < 0)
+        bad = idx < 0
         safe = np.where(bad, 0, idx)
         if len(starts):
             bad |= a + lengths > ends[safe]
@@ -66,7 +67,9 @@ class _AddressMap:
             bad[:] = True
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
-            raise AccessError(f"{whose} range {int(a[k]):#x}+{int(lengths[k])} is not inside registered memory")
+            raise AccessError(
+                f"{whose} range {int(a[k]):#x}+{int(lengths[k])} is not inside registered memory"
+            )
         out = np.zeros(len(a), dtype=DESC_DTYPE)
         out["region"] = np.asarray(self.ids, dtype=np.uint64)[safe]
         out["offset"] = a - starts[safe]
@@ -77,15 +80,33 @@ class _AddressMap:
 class KvxTransferEngine:
     """The per-process engine (one agent, one side channel)."""
 
-    def __init__(self, name: str, host: str = "127.0.0.1", *, auth_secret: bytes | None = None,
-                 allow_insecure: bool = False, timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        host: str = "127.0.0.1",
+        *,
+        auth_secret: bytes | None = None,
+        allow_insecure: bool = False,
+        timeouts: Timeouts | None = None,
+        backend: str = "auto",
+    ) -> None:
         # Peers' liveness probes arrive as notifications; nothing else does.
-        self.agent = Agent(name, listen=f"{host}:0", auth_secret=auth_secret, allow_insecure=allow_insecure,
-                           on_notify=lambda note: None,
-                           timeouts=timeouts or Timeouts(connect_s=10, io_s=10, transfer_s=60))
+        self.agent = Agent(
+            name,
+            listen=f"{host}:0",
+            auth_secret=auth_secret,
+            allow_insecure=allow_insecure,
+            on_notify=lambda note: None,
+            backend=backend,
+            timeouts=timeouts or Timeouts(connect_s=10, io_s=10, transfer_s=60),
+        )
         self._local = _AddressMap()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the local address map
         self._peers: dict[str, tuple[Peer, _AddressMap]] = {}
+        # First contact with a peer happens once: SGLang's transfer threads
+        # race for the same session, and two of them must not both connect.
+        self._contact_lock = threading.Lock()
+        self._contacts: dict[str, threading.Lock] = {}
         self._server = side_channel.SideChannelServer(host, 0)
         self._publish()
         self.session_id = f"{host}:{self._server.port}"
@@ -101,7 +122,7 @@ class KvxTransferEngine:
 
     def batch_register(self, ptrs: list[int], lengths: list[int]) -> int:
         with self._lock:
-            for ptr, length in zip(ptrs, lengths):
+            for ptr, length in zip(ptrs, lengths, strict=True):
                 if length <= 0:
                     continue
                 region = self.agent.register((int(ptr), int(length)))
@@ -130,20 +151,32 @@ class KvxTransferEngine:
         cached = self._peers.get(session_id)
         if cached is not None and cached[0].alive:
             return cached
-        host, _, port = session_id.rpartition(":")
-        doc = side_channel.fetch(host.strip("[]"), int(port), self.agent.timeouts.connect_s)
-        metadata = base64.b64decode(doc["agent_metadata"])
-        md = parse_metadata(metadata)
-        remote = _AddressMap()
-        for r in md.regions:
-            if r.remote_write:
-                remote.add(r.address, r.size_bytes, r.id)
-        entry = (self.agent.add_peer(metadata), remote)
-        self._peers[session_id] = entry
-        return entry
+        with self._contact_lock:
+            contact = self._contacts.setdefault(session_id, threading.Lock())
+        with contact:  # one first contact per session; the others wait for it and reuse it
+            cached = self._peers.get(session_id)
+            if cached is not None and cached[0].alive:
+                return cached
+            host, port = parse_address(session_id)
+            doc = side_channel.fetch(host, port, self.agent.timeouts.connect_s)
+            try:
+                metadata = base64.b64decode(doc["agent_metadata"], validate=True)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(
+                    f"session {session_id}: no agent metadata in its side channel ({exc})"
+                ) from None
+            md = parse_metadata(metadata)
+            remote = _AddressMap()
+            for r in md.regions:
+                if r.remote_write:
+                    remote.add(r.address, r.size_bytes, r.id)
+            entry = (self.agent.add_peer(metadata), remote)
+            self._peers[session_id] = entry
+            return entry
 
-    def batch_transfer_sync(self, session_id: str, buffers: list[int], peer_buffer_addresses: list[int],
-                            lengths: list[int]) -> int:
+    def batch_transfer_sync(
+        self, session_id: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int]
+    ) -> int:
         """WRITE each local range to the peer's; 0 on success, -1 on failure (logged)."""
         try:
             if not buffers:
@@ -156,8 +189,10 @@ class KvxTransferEngine:
             return 0
         except (KvxError, OSError, ValueError) as exc:
             logger.warning("kvx transfer to %s failed: %s", session_id, exc)
-            self._peers.pop(session_id, None)
-            return -1
+        except Exception:  # a bug must fail this transfer, not escape into SGLang's thread
+            logger.exception("kvx transfer to %s failed", session_id)
+        self._peers.pop(session_id, None)
+        return -1
 
     def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int, length: int) -> int:
         return self.batch_transfer_sync(session_id, [buffer], [peer_buffer_address], [length])
@@ -168,9 +203,12 @@ class KvxTransferEngine:
             peer, _ = self._peer(peer_session_id)
             peer.notify(b"probe").wait(self.agent.timeouts.connect_s)
             return 0
-        except (KvxError, OSError, ValueError):
-            self._peers.pop(peer_session_id, None)
-            return -1
+        except (KvxError, OSError, ValueError) as exc:
+            logger.info("kvx probe of %s failed: %s", peer_session_id, exc)
+        except Exception:
+            logger.exception("kvx probe of %s failed", peer_session_id)
+        self._peers.pop(peer_session_id, None)
+        return -1
 
     def get_engine(self) -> KvxTransferEngine:
         return self

@@ -30,9 +30,11 @@ def _version() -> str:
 def check_version(version: str | None = None) -> None:
     version = version or _version()
     if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(f"the kvx transfer backend supports SGLang {', '.join(SUPPORTED_VERSIONS)}, "
-                           f"not {version}: install one of those (pip install 'sglang=={SUPPORTED_VERSIONS[-1]}') "
-                           "or choose another --disaggregation-transfer-backend")
+        raise RuntimeError(
+            f"the kvx transfer backend supports SGLang {', '.join(SUPPORTED_VERSIONS)}, "
+            f"not {version}: install one of those (pip install 'sglang=={SUPPORTED_VERSIONS[-1]}') "
+            "or choose another --disaggregation-transfer-backend"
+        )
 
 
 def add_enum_member(cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
@@ -43,8 +45,8 @@ def add_enum_member(cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
     member = object.__new__(cls)
     member._name_ = name
     member._value_ = value
-    member.__objclass__ = cls
-    member.__init__(value)
+    member.__objclass__ = cls  # type: ignore[attr-defined]  # Enum sets it on members; typeshed omits it
+    member.__init__(value)  # type: ignore[misc]  # what EnumMeta does for a new member
     cls._member_map_[name] = member
     cls._value2member_map_[value] = member
     cls._member_names_.append(name)
@@ -74,18 +76,28 @@ def _get_kv_class(original, transfer_backend, class_type):
 
 def register() -> None:
     try:
-        from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+        from sglang.srt.arg_groups.choices import (
+            DISAGG_TRANSFER_BACKEND_CHOICES,
+            add_disagg_transfer_backend_choices,
+        )
         from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError as exc:
         # Another SGLang layout: the choice stays absent, and the reason is logged once per process.
-        logger.error("kvx transfer backend not available in SGLang %s (%s); supported: %s", _version(), exc,
-                     ", ".join(SUPPORTED_VERSIONS))
+        logger.error(
+            "kvx transfer backend not available in SGLang %s (%s); supported: %s",
+            _version(),
+            exc,
+            ", ".join(SUPPORTED_VERSIONS),
+        )
         return
     if NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([NAME])
     add_enum_member(TransferBackend, "KVX", NAME)
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
     if _version() not in SUPPORTED_VERSIONS:
-        logger.error("kvx transfer backend: SGLang %s is not a supported version (%s); selecting kvx will fail",
-                     _version(), ", ".join(SUPPORTED_VERSIONS))
+        logger.error(
+            "kvx transfer backend: SGLang %s is not a supported version (%s); selecting kvx will fail",
+            _version(),
+            ", ".join(SUPPORTED_VERSIONS),
+        )
