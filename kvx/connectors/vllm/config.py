@@ -7,12 +7,25 @@ import math
 import os
 from typing import Any
 
-from kvx.config import BACKENDS, read_file
+from kvx.config import check_backend, read_file
 from kvx.errors import ConfigError
 
-_KEYS = {"mode", "lease_s", "host", "side_channel_port", "metadata", "metadata_token_file", "auth_secret_file",
-         "allow_insecure", "transfer_timeout_s", "connect_timeout_s", "streams", "api_url", "agent_port",
-         "backend"}
+_KEYS = {
+    "mode",
+    "lease_s",
+    "host",
+    "side_channel_port",
+    "metadata",
+    "metadata_token_file",
+    "auth_secret_file",
+    "allow_insecure",
+    "transfer_timeout_s",
+    "connect_timeout_s",
+    "streams",
+    "api_url",
+    "agent_port",
+    "backend",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +77,10 @@ class KvxConnectorConfig:
         extra = dict(extra or {})
         unknown = set(extra) - _KEYS
         if unknown:
-            raise ConfigError(f"unknown kv_connector_extra_config key(s) for KvxConnector: {sorted(unknown)}; "
-                              f"known: {sorted(_KEYS)}")
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) for KvxConnector: {sorted(unknown)}; "
+                f"known: {sorted(_KEYS)}"
+            )
         try:
             cfg = cls(**{k: v for k, v in extra.items()})
         except TypeError as exc:
@@ -75,7 +90,7 @@ class KvxConnectorConfig:
 
     def check(self) -> None:
         if self.mode != "pull":
-            raise ConfigError(f"KvxConnector mode {self.mode!r} is not supported; use \"pull\"")
+            raise ConfigError(f'KvxConnector mode {self.mode!r} is not supported; use "pull"')
         for name in ("lease_s", "transfer_timeout_s", "connect_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -86,9 +101,10 @@ class KvxConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config {name} must be a port number, not {v!r}")
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ConfigError(f"kv_connector_extra_config streams must be 1..64, not {self.streams!r}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"kv_connector_extra_config backend must be one of {', '.join(BACKENDS)}, "
-                              f"not {self.backend!r}")
+        try:
+            check_backend(self.backend)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config {exc}") from None
 
     def auth_secret(self) -> bytes | None:
         secret: bytes | None

@@ -1,9 +1,9 @@
 """vLLM general plugin: registers ``KvxConnector`` with vLLM's connector factory.
 
 vLLM loads general plugins in every process it starts; registering twice
-raises in the factory, so this checks first. Kept apart from
-``kvx.connectors.vllm`` so that loading the plugin imports no more of vLLM
-than the factory.
+raises in the factory, so this checks first. The package imports nothing of
+vLLM until ``KvxConnector`` is looked up, so loading the plugin imports no
+more of vLLM than the factory.
 """
 
 from __future__ import annotations
