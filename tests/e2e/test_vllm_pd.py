@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -43,25 +44,50 @@ def kvx_config(role: str, **extra: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """prefill and decode find each other through a kvx metadata service; decode_recompute
-    uses prefill's side channel. ``proxy`` knows its instances from the command line,
+    uses prefill's side channel, over tcp. ``proxy`` knows its instances from the command line,
     ``proxy_discovering`` from the metadata service."""
     tmp = tmp_path_factory.mktemp("pd")
     env = dict(os.environ)
     md_port = free_port()
-    metadata = Proc("metadata", [sys.executable, "-m", "kvx", "metadata", "--listen", f"127.0.0.1:{md_port}",
-                                 "--admin-listen", "off"], env, tmp / "metadata.log")
+    metadata = Proc(
+        "metadata",
+        [
+            sys.executable,
+            "-m",
+            "kvx",
+            "metadata",
+            "--listen",
+            f"127.0.0.1:{md_port}",
+            "--admin-listen",
+            "off",
+        ],
+        env,
+        tmp / "metadata.log",
+    )
     procs: list[Proc] = [metadata]
     md = f"127.0.0.1:{md_port}"
     engines = {
-        "prefill": Engine("prefill", tiny_model, tmp,
-                          kvx_config("kv_producer", lease_s=LEASE_S, metadata=md, api_url="")),
-        "decode": Engine("decode", tiny_model, tmp,
-                         kvx_config("kv_consumer", transfer_timeout_s=10, metadata=md, api_url="")),
+        "prefill": Engine(
+            "prefill", tiny_model, tmp, kvx_config("kv_producer", lease_s=LEASE_S, metadata=md, api_url="")
+        ),
+        "decode": Engine(
+            "decode",
+            tiny_model,
+            tmp,
+            kvx_config("kv_consumer", transfer_timeout_s=10, metadata=md, api_url=""),
+        ),
         # Loaded by module path rather than by the name the plugin registers: both ways work.
-        "decode_recompute": Engine("decode_recompute", tiny_model, tmp,
-                                   dict(kvx_config("kv_consumer", transfer_timeout_s=10),
-                                        kv_connector_module_path="kvx.connectors.vllm",
-                                        kv_load_failure_policy="recompute")),
+        # Its agent is forced to tcp, the path between hosts, which a same-host pair never takes.
+        "decode_recompute": Engine(
+            "decode_recompute",
+            tiny_model,
+            tmp,
+            dict(
+                kvx_config("kv_consumer", transfer_timeout_s=10, backend="tcp"),
+                kv_connector_module_path="kvx.connectors.vllm",
+                kv_load_failure_policy="recompute",
+            ),
+        ),
     }
     procs += engines.values()
     try:
@@ -69,11 +95,27 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
         for engine in engines.values():
             engine.wait_ready(deadline)
         urls = {}
-        for name, args in (("proxy", ["--prefill", engines["prefill"].url, "--decode", engines["decode"].url]),
-                           ("proxy_discovering", ["--metadata", md])):
+        for name, args in (
+            ("proxy", ["--prefill", engines["prefill"].url, "--decode", engines["decode"].url]),
+            ("proxy_discovering", ["--metadata", md]),
+        ):
             port = free_port()
-            proxy = Proc(name, [sys.executable, "-m", "kvx", "proxy", "--listen", f"127.0.0.1:{port}",
-                                "--timeout-s", "120", *args], env, tmp / f"{name}.log")
+            proxy = Proc(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "kvx",
+                    "proxy",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--timeout-s",
+                    "120",
+                    *args,
+                ],
+                env,
+                tmp / f"{name}.log",
+            )
             procs.append(proxy)
             urls[name] = f"http://127.0.0.1:{port}"
             _wait_http(urls[name] + "/healthz", proxy)
@@ -97,10 +139,23 @@ def _wait_http(url: str, proc: Proc, timeout_s: float = 30) -> None:
     raise RuntimeError(f"{url} not ready:\n{proc.tail()}")
 
 
-def complete(url: str, prompt: list[int], *, kv: dict[str, Any] | None = None, max_tokens: int = MAX_TOKENS,
-             timeout_s: float = 120, **extra: Any) -> httpx.Response:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, **extra}
+def complete(
+    url: str,
+    prompt: list[int],
+    *,
+    kv: dict[str, Any] | None = None,
+    max_tokens: int = MAX_TOKENS,
+    timeout_s: float = 120,
+    **extra: Any,
+) -> httpx.Response:
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
     if kv is not None:
         body["kv_transfer_params"] = kv
     return httpx.post(url + "/v1/completions", json=_with_model(url, body), timeout=timeout_s)
@@ -121,9 +176,19 @@ def token_ids(resp: httpx.Response) -> list[int]:
 
 
 def prefill_leg(cluster: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
-    resp = complete(cluster["prefill"].url, prompt, max_tokens=1, kv={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    resp = complete(
+        cluster["prefill"].url,
+        prompt,
+        max_tokens=1,
+        kv={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     assert resp.status_code == 200, resp.text
     params = resp.json()["kv_transfer_params"]
     assert params and params["do_remote_prefill"] and params["kvx"]["agents"], params
@@ -154,10 +219,14 @@ def reference(cluster: dict[str, Any]) -> dict[int, list[int]]:
 
 def test_the_oracle_can_fail(reference: dict[int, list[int]]) -> None:
     n = len(PROMPTS)
-    assert reference[n] != reference[n + 1], "the model ignores the context: token equality would prove nothing"
+    assert reference[n] != reference[n + 1], (
+        "the model ignores the context: token equality would prove nothing"
+    )
 
 
-def test_pd_through_proxy_equals_single_engine(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+def test_pd_through_proxy_equals_single_engine(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
     decode = cluster["decode"]
     before = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -170,11 +239,18 @@ def test_pd_through_proxy_equals_single_engine(cluster: dict[str, Any], referenc
     assert took < LEASE_S / 2
 
 
-def test_side_channel_path_and_discovering_proxy(cluster: dict[str, Any],
-                                                  reference: dict[int, list[int]]) -> None:
+def test_side_channel_path_and_discovering_proxy(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
     # decode_recompute has no metadata service: it finds prefill through prefill's side channel.
     params = prefill_leg(cluster, PROMPTS[2])
     assert token_ids(complete(cluster["decode_recompute"].url, PROMPTS[2], kv=params)) == reference[2]
+    # ... and reads over tcp (backend="tcp"), where decode, on the same host, uses shm.
+    assert re.search(
+        r"peer \S+ epoch \S+ over tcp .*backend=tcp was configured",
+        cluster["decode_recompute"].log.read_text(errors="replace"),
+    ), "decode_recompute did not use tcp"
+    assert " over shm " in cluster["decode"].log.read_text(errors="replace")
     # The second proxy found both engines through the metadata service (their api_url).
     health = httpx.get(cluster["proxy_discovering"] + "/healthz", timeout=10).json()
     assert cluster["prefill"].url in json.dumps(health) and cluster["decode"].url in json.dumps(health)
@@ -182,8 +258,17 @@ def test_side_channel_path_and_discovering_proxy(cluster: dict[str, Any],
 
 
 def test_streaming_through_proxy(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
-    body = _with_model(cluster["proxy"], {"model": "m", "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS,
-                                          "temperature": 0, "return_token_ids": True, "stream": True})
+    body = _with_model(
+        cluster["proxy"],
+        {
+            "model": "m",
+            "prompt": PROMPTS[3],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "stream": True,
+        },
+    )
     tokens: list[int] = []
     with httpx.stream("POST", cluster["proxy"] + "/v1/completions", json=body, timeout=120) as resp:
         assert resp.status_code == 200
@@ -197,9 +282,13 @@ def test_streaming_through_proxy(cluster: dict[str, Any], reference: dict[int, l
 
 def test_same_request_id_on_both_legs(cluster: dict[str, Any]) -> None:
     resp = httpx.post(
-        cluster["proxy"] + "/v1/completions", headers={"X-Request-Id": "kvx-e2e-rid-1"},
-        json=_with_model(cluster["proxy"], {"model": "m", "prompt": PROMPTS[1], "max_tokens": 2,
-                                            "temperature": 0}), timeout=120)
+        cluster["proxy"] + "/v1/completions",
+        headers={"X-Request-Id": "kvx-e2e-rid-1"},
+        json=_with_model(
+            cluster["proxy"], {"model": "m", "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
+        ),
+        timeout=120,
+    )
     assert resp.status_code == 200, resp.text
     assert resp.headers.get("x-request-id") == "kvx-e2e-rid-1"
     for name in ("prefill", "decode"):
@@ -215,8 +304,9 @@ def test_unread_blocks_are_freed_when_the_lease_ends(cluster: dict[str, Any]) ->
     assert time.monotonic() - held_at >= LEASE_S * 0.8, "freed before the lease ended"
 
 
-def test_a_prefix_hit_on_decode_still_releases_prefill(cluster: dict[str, Any],
-                                                             reference: dict[int, list[int]]) -> None:
+def test_a_prefix_hit_on_decode_still_releases_prefill(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
     prompt = PROMPTS[5]
     # Decode computes the prompt itself first, so its prefix cache holds it (vLLM still
     # loads the last block, so decode reads just that)...
@@ -253,8 +343,8 @@ def test_prefill_killed_mid_transfer(cluster: dict[str, Any], reference: dict[in
         fail_s = time.monotonic() - killed_at
         recompute_resp = recompute.result(60)
         recompute_s = time.monotonic() - killed_at
-    assert fail_resp.status_code >= 500, fail_resp.text   # kv_load_failure_policy "fail"
-    assert token_ids(recompute_resp) == reference[5]      # "recompute": computed locally instead
+    assert fail_resp.status_code >= 500, fail_resp.text  # kv_load_failure_policy "fail"
+    assert token_ids(recompute_resp) == reference[5]  # "recompute": computed locally instead
     assert fail_s < 15 and recompute_s < 20, (fail_s, recompute_s)
     # Both decode engines keep serving.
     for name in ("decode", "decode_recompute"):

@@ -39,29 +39,38 @@ def write_tiny_llama(path: Path, seed: int = 1234) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     c = CONFIG
-    h, inter, heads, kv_heads, hd = (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-                                     c["num_key_value_heads"], c["head_dim"])
+    h, inter, heads, kv_heads, hd = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+    )
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.15).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": rand(c["vocab_size"], h),
-               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-               "lm_head.weight": rand(c["vocab_size"], h)}
+    tensors = {
+        "model.embed_tokens.weight": rand(c["vocab_size"], h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": rand(c["vocab_size"], h),
+    }
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": rand(heads * hd, h),
-            p + "self_attn.k_proj.weight": rand(kv_heads * hd, h),
-            p + "self_attn.v_proj.weight": rand(kv_heads * hd, h),
-            p + "self_attn.o_proj.weight": rand(h, heads * hd),
-            p + "mlp.gate_proj.weight": rand(inter, h),
-            p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-        })
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": rand(heads * hd, h),
+                p + "self_attn.k_proj.weight": rand(kv_heads * hd, h),
+                p + "self_attn.v_proj.weight": rand(kv_heads * hd, h),
+                p + "self_attn.o_proj.weight": rand(h, heads * hd),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            }
+        )
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
     return path

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-sglang = pytest.importorskip("sglang", reason="SGLang contract tests run in .venv-sglang (scripts/sglang_env.sh)")
+sglang = pytest.importorskip(
+    "sglang", reason="SGLang contract tests run in .venv-sglang (scripts/sglang_env.sh)"
+)
 
 from sglang.srt.plugins import load_plugins  # noqa: E402
 
