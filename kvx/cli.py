@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -41,64 +42,99 @@ def build_parser() -> argparse.ArgumentParser:
     from kvx import __version__
 
     parser = argparse.ArgumentParser(
-        prog="kvx", description="KV-cache transfer for disaggregated LLM serving.")
+        prog="kvx", description="KV-cache transfer for disaggregated LLM serving."
+    )
     parser.add_argument("--version", action="version", version=f"kvx {__version__}")
-    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="log level (default: INFO for the metadata service and the proxy, "
-                        "WARNING otherwise)")
+    parser.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (default: INFO for the metadata service and the proxy, WARNING otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser("demo", help="move KV blocks between a prefill and a decode agent and verify them",
-                          description="Starts a metadata service (in-process, memory store), a prefill "
-                          "agent (child process) and a decode agent (this process); both register, decode "
-                          "finds prefill by name, READs a request's blocks from prefill's KV pool (filled "
-                          "with known bytes) with a notification, WRITEs a few back, and verifies every byte.")
+    demo = sub.add_parser(
+        "demo",
+        help="move KV blocks between a prefill and a decode agent and verify them",
+        description="Starts a metadata service (in-process, memory store), a prefill "
+        "agent (child process) and a decode agent (this process); both register, decode "
+        "finds prefill by name, READs a request's blocks from prefill's KV pool (filled "
+        "with known bytes) with a notification, WRITEs a few back, and verifies every byte.",
+    )
     demo.add_argument("--layers", type=_positive, default=8, help="KV layers (default: 8)")
-    demo.add_argument("--num-blocks", type=_positive, default=256, help="blocks per layer and pool (default: 256)")
-    demo.add_argument("--block-size", type=_size, default=_size("16KiB"), help="bytes per block (default: 16KiB)")
+    demo.add_argument(
+        "--num-blocks", type=_positive, default=256, help="blocks per layer and pool (default: 256)"
+    )
+    demo.add_argument(
+        "--block-size", type=_size, default=_size("16KiB"), help="bytes per block (default: 16KiB)"
+    )
     demo.add_argument("--blocks", type=_positive, default=100, help="blocks in the request (default: 100)")
 
-    bench = sub.add_parser("bench", help="transfer benchmark against the limit of its path",
-                           description="Moves --blocks non-adjacent blocks per transfer between two "
-                           "processes and measures, in the same run and alternating with it, the limit "
-                           "of the path the backend takes: the raw loopback socket with the same bytes "
-                           "per request (tcp), or one process_vm_readv/writev of the same ranges (shm).")
+    bench = sub.add_parser(
+        "bench",
+        help="transfer benchmark against the limit of its path",
+        description="Moves --blocks non-adjacent blocks per transfer between two "
+        "processes and measures, in the same run and alternating with it, the limit "
+        "of the path the backend takes: the raw loopback socket with the same bytes "
+        "per request (tcp), or one process_vm_readv/writev of the same ranges (shm).",
+    )
     bench.add_argument("--op", choices=["read", "write"], default="read", help="operation (default: read)")
-    bench.add_argument("--block-size", type=_size, default=_size("32KiB"), help="bytes per block (default: 32KiB)")
+    bench.add_argument(
+        "--block-size", type=_size, default=_size("32KiB"), help="bytes per block (default: 32KiB)"
+    )
     bench.add_argument("--blocks", type=_positive, default=1000, help="blocks per transfer (default: 1000)")
     bench.add_argument("--iters", type=_positive, default=20, help="measured transfers (default: 20)")
     bench.add_argument("--warmup", type=int, default=3, help="unmeasured transfers first (default: 3)")
     bench.add_argument("--streams", type=_positive, default=1, help="connections per peer (default: 1)")
-    bench.add_argument("--backend", choices=list(BACKENDS), default="auto",
-                       help="transport; auto picks as agents do: shm on one host when permitted, "
-                       "cuda_ipc there for GPU memory (default: auto)")
-    bench.add_argument("--memory", choices=["host", "cuda"], default="host",
-                       help="where both sides' blocks live: host memory, or CUDA device 0 (needs kvx[gpu]; "
-                       "default: host)")
+    bench.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        default="auto",
+        help="transport; auto picks as agents do: shm on one host when permitted, "
+        "cuda_ipc there for GPU memory (default: auto)",
+    )
+    bench.add_argument(
+        "--memory",
+        choices=["host", "cuda"],
+        default="host",
+        help="where both sides' blocks live: host memory, or CUDA device 0 (needs kvx[gpu]; default: host)",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    meta = sub.add_parser("metadata", help="run the metadata service (gRPC registry, admin REST API)",
-                          description="Agents register here under a lease and find each other by name. "
-                          "The memory store needs nothing else (agents re-register by themselves after a "
-                          "restart); etcd keeps the state across restarts and lets several replicas "
-                          "serve one cluster.")
+    meta = sub.add_parser(
+        "metadata",
+        help="run the metadata service (gRPC registry, admin REST API)",
+        description="Agents register here under a lease and find each other by name. "
+        "The memory store needs nothing else (agents re-register by themselves after a "
+        "restart); etcd keeps the state across restarts and lets several replicas "
+        "serve one cluster.",
+    )
     meta.add_argument("--listen", default="127.0.0.1:50051", help="gRPC host:port (default: 127.0.0.1:50051)")
-    meta.add_argument("--store", default="memory",
-                      help="memory (default) or etcd://host:port[,host:port...]")
-    meta.add_argument("--admin-listen", default="127.0.0.1:8081",
-                      help="admin REST API host:port; 'off' disables it (default: 127.0.0.1:8081)")
-    meta.add_argument("--admin-token-file", help="file holding the bearer token for state-changing admin "
-                      "calls; without it those calls are refused")
-    meta.add_argument("--admin-reads-need-token", action="store_true",
-                      help="require the admin token for reads too (not /healthz, /readyz)")
+    meta.add_argument("--store", default="memory", help="memory (default) or etcd://host:port[,host:port...]")
+    meta.add_argument(
+        "--admin-listen",
+        default="127.0.0.1:8081",
+        help="admin REST API host:port; 'off' disables it (default: 127.0.0.1:8081)",
+    )
+    meta.add_argument(
+        "--admin-token-file",
+        help="file holding the bearer token for state-changing admin "
+        "calls; without it those calls are refused",
+    )
+    meta.add_argument(
+        "--admin-reads-need-token",
+        action="store_true",
+        help="require the admin token for reads too (not /healthz, /readyz)",
+    )
     meta.add_argument("--token-file", help="file holding the bearer token every gRPC call must carry")
     meta.add_argument("--tls-cert", help="PEM certificate for gRPC TLS (with --tls-key)")
     meta.add_argument("--tls-key", help="PEM private key for gRPC TLS")
     meta.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it")
-    meta.add_argument("--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none "
-                      "(default: 10)")
+    meta.add_argument(
+        "--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none (default: 10)"
+    )
 
     proxy = sub.add_parser(
-        "proxy", help="OpenAI-compatible router: prefill on one vLLM instance, decode on another",
+        "proxy",
+        help="OpenAI-compatible router: prefill on one vLLM instance, decode on another",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serves /v1/completions and /v1/chat/completions (streamed or not),\n"
         "/v1/models and /healthz. Each completion goes first to a prefill instance with\n"
@@ -108,29 +144,68 @@ def build_parser() -> argparse.ArgumentParser:
         "each leg; one that cannot be reached is skipped for --cooldown-s.",
         epilog="vLLM instances need a KV connector, e.g.\n"
         "  vllm serve MODEL --port 8100 --kv-transfer-config "
-        "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}'\n"
+        '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'\n'
         "example:\n"
         "  kvx proxy --listen 0.0.0.0:8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
-        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url")
-    proxy.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
-                       help="host:port to serve on; port 0 picks a free one (default: 127.0.0.1:8000)")
-    proxy.add_argument("--prefill", action="append", default=[], metavar="URL",
-                       help="a prefill instance's base URL, e.g. http://127.0.0.1:8100 (repeatable)")
-    proxy.add_argument("--decode", action="append", default=[], metavar="URL",
-                       help="a decode instance's base URL, e.g. http://127.0.0.1:8200 (repeatable)")
-    proxy.add_argument("--metadata", metavar="HOST:PORT",
-                       help="also use the instances registered at this kvx metadata service (agents of "
-                       "role prefill or decode whose engine_info has api_url)")
-    proxy.add_argument("--metadata-token-file", metavar="FILE",
-                       help="file holding the bearer token of the metadata service")
-    proxy.add_argument("--refresh-s", type=_seconds, metavar="SECONDS", default=2.0,
-                       help="how often to ask the metadata service for instances (default: 2)")
-    proxy.add_argument("--timeout-s", type=_seconds, metavar="SECONDS", default=300.0,
-                       help="longest wait for an instance to send the next bytes (default: 300)")
-    proxy.add_argument("--connect-timeout-s", type=_seconds, metavar="SECONDS", default=10.0,
-                       help="longest wait to connect to an instance (default: 10)")
-    proxy.add_argument("--cooldown-s", type=_seconds, metavar="SECONDS", default=5.0,
-                       help="how long an unreachable instance is skipped while others are up (default: 5)")
+        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url",
+    )
+    proxy.add_argument(
+        "--listen",
+        default="127.0.0.1:8000",
+        metavar="HOST:PORT",
+        help="host:port to serve on; port 0 picks a free one (default: 127.0.0.1:8000)",
+    )
+    proxy.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill instance's base URL, e.g. http://127.0.0.1:8100 (repeatable)",
+    )
+    proxy.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode instance's base URL, e.g. http://127.0.0.1:8200 (repeatable)",
+    )
+    proxy.add_argument(
+        "--metadata",
+        metavar="HOST:PORT",
+        help="also use the instances registered at this kvx metadata service (agents of "
+        "role prefill or decode whose engine_info has api_url)",
+    )
+    proxy.add_argument(
+        "--metadata-token-file", metavar="FILE", help="file holding the bearer token of the metadata service"
+    )
+    proxy.add_argument(
+        "--refresh-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=2.0,
+        help="how often to ask the metadata service for instances (default: 2)",
+    )
+    proxy.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=300.0,
+        help="longest wait for an instance to send the next bytes (default: 300)",
+    )
+    proxy.add_argument(
+        "--connect-timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=10.0,
+        help="longest wait to connect to an instance (default: 10)",
+    )
+    proxy.add_argument(
+        "--cooldown-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=5.0,
+        help="how long an unreachable instance is skipped while others are up (default: 5)",
+    )
     return parser
 
 
@@ -165,13 +240,17 @@ def _run_metadata(args: argparse.Namespace) -> int:
         raise KvxError("--tls-cert and --tls-key go together")
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     server = MetadataServer(
-        args.listen, store, admin_listen=None if args.admin_listen == "off" else args.admin_listen,
-        admin_token=_read_token(args.admin_token_file), admin_reads_need_token=args.admin_reads_need_token,
-        token=_read_token(args.token_file), tls=tls, limits=ServiceLimits(default_ttl_s=args.default_ttl_s))
-    try:
+        args.listen,
+        store,
+        admin_listen=None if args.admin_listen == "off" else args.admin_listen,
+        admin_token=_read_token(args.admin_token_file),
+        admin_reads_need_token=args.admin_reads_need_token,
+        token=_read_token(args.token_file),
+        tls=tls,
+        limits=ServiceLimits(default_ttl_s=args.default_ttl_s),
+    )
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve_forever())
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -180,18 +259,23 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from kvx.proxy import ProxyConfig, serve
 
     if not args.metadata and not (args.prefill and args.decode):
-        raise KvxError("give at least one --prefill URL and one --decode URL, or --metadata HOST:PORT "
-                       "to find them")
+        raise KvxError(
+            "give at least one --prefill URL and one --decode URL, or --metadata HOST:PORT to find them"
+        )
     token = _read_token(args.metadata_token_file)
     config = ProxyConfig(
-        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), metadata_target=args.metadata,
-        metadata_options=MetadataOptions(token=token) if token else None, listen=args.listen,
-        timeout_s=args.timeout_s, connect_timeout_s=args.connect_timeout_s, refresh_s=args.refresh_s,
-        cooldown_s=args.cooldown_s)
-    try:
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        metadata_target=args.metadata,
+        metadata_options=MetadataOptions(token=token) if token else None,
+        listen=args.listen,
+        timeout_s=args.timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        refresh_s=args.refresh_s,
+        cooldown_s=args.cooldown_s,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
         serve(config)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -214,9 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from kvx import _bench
 
-            result = _bench.run(args.op, args.block_size, args.blocks, args.iters, args.streams,
-                                max(0, args.warmup), progress=not args.json and sys.stderr.isatty(),
-                                backend=args.backend, memory=args.memory)
+            result = _bench.run(
+                args.op,
+                args.block_size,
+                args.blocks,
+                args.iters,
+                args.streams,
+                max(0, args.warmup),
+                progress=not args.json and sys.stderr.isatty(),
+                backend=args.backend,
+                memory=args.memory,
+            )
             print(_bench.main_json(result) if args.json else _bench.render(result))
             return 0 if result["verified"] else 1
     except KvxError as exc:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,10 @@ from kvx.errors import ConfigError
 class LayerGeometry:
     """Where one layer's blocks live inside a registered region."""
 
-    region: int                     # region id (the owner's)
-    base_offset: int                # bytes from the region start to block 0
-    block_stride: int               # bytes from one block to the next
-    unit_offsets: tuple[int, ...]   # bytes from a block's start to each unit, plane-major
+    region: int  # region id (the owner's)
+    base_offset: int  # bytes from the region start to block 0
+    block_stride: int  # bytes from one block to the next
+    unit_offsets: tuple[int, ...]  # bytes from a block's start to each unit, plane-major
     unit_bytes: int
 
     def to_json(self) -> dict[str, Any]:
@@ -41,8 +42,13 @@ class LayerGeometry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayerGeometry:
         try:
-            return cls(int(d["region"]), int(d["base_offset"]), int(d["block_stride"]),
-                       tuple(int(x) for x in d["unit_offsets"]), int(d["unit_bytes"]))
+            return cls(
+                int(d["region"]),
+                int(d["base_offset"]),
+                int(d["block_stride"]),
+                tuple(int(x) for x in d["unit_offsets"]),
+                int(d["unit_bytes"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed layer geometry {d!r}: {exc}") from None
 
@@ -53,31 +59,41 @@ class RankCache:
 
     layers: tuple[LayerGeometry, ...]
     num_blocks: int
-    num_heads: int     # KV heads on this rank
-    planes: int        # 2 (K and V) or 1 (MLA)
+    num_heads: int  # KV heads on this rank
+    planes: int  # 2 (K and V) or 1 (MLA)
 
     def __post_init__(self) -> None:
         for layer in self.layers:
             if len(layer.unit_offsets) != self.planes * self.num_heads:
-                raise ConfigError(f"a layer has {len(layer.unit_offsets)} units, expected "
-                                  f"{self.planes} planes x {self.num_heads} heads")
+                raise ConfigError(
+                    f"a layer has {len(layer.unit_offsets)} units, expected "
+                    f"{self.planes} planes x {self.num_heads} heads"
+                )
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": [g.to_json() for g in self.layers], "num_blocks": self.num_blocks,
-                "num_heads": self.num_heads, "planes": self.planes}
+        return {
+            "layers": [g.to_json() for g in self.layers],
+            "num_blocks": self.num_blocks,
+            "num_heads": self.num_heads,
+            "planes": self.planes,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankCache:
         try:
-            return cls(tuple(LayerGeometry.from_json(g) for g in d["layers"]), int(d["num_blocks"]),
-                       int(d["num_heads"]), int(d["planes"]))
+            return cls(
+                tuple(LayerGeometry.from_json(g) for g in d["layers"]),
+                int(d["num_blocks"]),
+                int(d["num_heads"]),
+                int(d["planes"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed cache description: {exc}") from None
 
 
 def contiguous_runs(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
     """(offset, length) runs, in elements and memory order, that cover a strided view."""
-    dims = sorted(((s, st) for s, st in zip(shape, strides) if s != 1), key=lambda d: -d[1])
+    dims = sorted(((s, st) for s, st in zip(shape, strides, strict=True) if s != 1), key=lambda d: -d[1])
     run = 1
     while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
@@ -87,8 +103,16 @@ def contiguous_runs(shape: Sequence[int], strides: Sequence[int]) -> list[tuple[
     return sorted((sum(offs), run) for offs in itertools.product(*outer))
 
 
-def layer_geometry(shape: Sequence[int], strides: Sequence[int], elem_bytes: int, offset_bytes: int,
-                   region: int, num_blocks: int, num_heads: int, unit_elems: int) -> LayerGeometry:
+def layer_geometry(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    elem_bytes: int,
+    offset_bytes: int,
+    region: int,
+    num_blocks: int,
+    num_heads: int,
+    unit_elems: int,
+) -> LayerGeometry:
     """The geometry of one layer tensor (shape and strides in elements).
 
     The block dimension is the one of size ``num_blocks`` with the largest
@@ -105,14 +129,22 @@ def layer_geometry(shape: Sequence[int], strides: Sequence[int], elem_bytes: int
     units: list[int] = []
     for off, length in runs:
         if length % unit_elems:
-            raise ConfigError(f"KV cache {tuple(shape)} strides {tuple(strides)}: a contiguous run of "
-                              f"{length} elements is not a whole number of {unit_elems}-element units")
+            raise ConfigError(
+                f"KV cache {tuple(shape)} strides {tuple(strides)}: a contiguous run of "
+                f"{length} elements is not a whole number of {unit_elems}-element units"
+            )
         units.extend(off + k * unit_elems for k in range(length // unit_elems))
     if len(units) % num_heads:
-        raise ConfigError(f"KV cache {tuple(shape)}: {len(units)} units per block do not split "
-                          f"into {num_heads} heads")
-    return LayerGeometry(region, offset_bytes, strides[bdim] * elem_bytes,
-                         tuple(u * elem_bytes for u in units), unit_elems * elem_bytes)
+        raise ConfigError(
+            f"KV cache {tuple(shape)}: {len(units)} units per block do not split into {num_heads} heads"
+        )
+    return LayerGeometry(
+        region,
+        offset_bytes,
+        strides[bdim] * elem_bytes,
+        tuple(u * elem_bytes for u in units),
+        unit_elems * elem_bytes,
+    )
 
 
 def head_owner(global_head: int, tp_size: int, total_heads: int) -> tuple[int, int]:
@@ -135,9 +167,18 @@ def rank_heads(rank: int, tp_size: int, total_heads: int) -> list[int]:
     return [rank * total_heads // tp_size]
 
 
-def plan_read(local: RankCache, local_rank: int, local_tp: int, remote: RankCache, remote_tp: int,
-              total_heads: int, local_blocks: Sequence[int], remote_blocks: Sequence[int],
-              *, replicated: bool = False) -> dict[int, tuple[Descs, Descs]]:
+def plan_read(
+    local: RankCache,
+    local_rank: int,
+    local_tp: int,
+    remote: RankCache,
+    remote_tp: int,
+    total_heads: int,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    *,
+    replicated: bool = False,
+) -> dict[int, tuple[Descs, Descs]]:
     """Descriptor pairs, per remote rank, that fill ``local_blocks`` of this
     rank from ``remote_blocks`` of the remote ranks.
 
@@ -147,11 +188,15 @@ def plan_read(local: RankCache, local_rank: int, local_tp: int, remote: RankCach
     if len(local_blocks) != len(remote_blocks):
         raise ConfigError(f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote blocks")
     if len(local.layers) != len(remote.layers) or local.planes != remote.planes:
-        raise ConfigError(f"caches differ: {len(local.layers)} layers x {local.planes} planes here, "
-                          f"{len(remote.layers)} x {remote.planes} remote")
+        raise ConfigError(
+            f"caches differ: {len(local.layers)} layers x {local.planes} planes here, "
+            f"{len(remote.layers)} x {remote.planes} remote"
+        )
     if local.layers and remote.layers and local.layers[0].unit_bytes != remote.layers[0].unit_bytes:
-        raise ConfigError(f"cache units differ: {local.layers[0].unit_bytes} bytes here, "
-                          f"{remote.layers[0].unit_bytes} remote (block size or head size differ)")
+        raise ConfigError(
+            f"cache units differ: {local.layers[0].unit_bytes} bytes here, "
+            f"{remote.layers[0].unit_bytes} remote (block size or head size differ)"
+        )
     lb = np.asarray(local_blocks, dtype=np.uint64)
     rb = np.asarray(remote_blocks, dtype=np.uint64)
     # (remote rank) -> list of (local unit index, remote unit index)
@@ -164,7 +209,8 @@ def plan_read(local: RankCache, local_rank: int, local_tp: int, remote: RankCach
             rank, remote_head = head_owner(g, remote_tp, total_heads)
             for p in range(local.planes):
                 pairs.setdefault(rank, []).append(
-                    (p * local.num_heads + local_head, p * remote.num_heads + remote_head))
+                    (p * local.num_heads + local_head, p * remote.num_heads + remote_head)
+                )
     out: dict[int, tuple[Descs, Descs]] = {}
     for rank, units in sorted(pairs.items()):
         out[rank] = (_descs(local, lb, [u for u, _ in units]), _descs(remote, rb, [u for _, u in units]))

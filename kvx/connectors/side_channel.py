@@ -52,8 +52,12 @@ class SideChannelServer:
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="kvx-side-channel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="kvx-side-channel",
+            daemon=True,
+        )
         self._thread.start()
 
     def publish(self, doc: dict[str, Any]) -> None:

@@ -19,6 +19,8 @@ def __getattr__(name: str) -> Any:
         try:
             from kvx.connectors.vllm.connector import KvxConnector
         except ImportError as exc:
-            raise ImportError(f"KvxConnector needs vLLM ({exc}); install kvx into vLLM's environment") from exc
+            raise ImportError(
+                f"KvxConnector needs vLLM ({exc}); install kvx into vLLM's environment"
+            ) from exc
         return KvxConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,8 +17,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole, KVConnectorTransferResults)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvx.connectors.vllm.config import KvxConnectorConfig
@@ -46,8 +50,11 @@ def _log_like_vllm() -> None:
     if root.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("(kvx pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s",
-                                           "%m-%d %H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(
+            "(kvx pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"
+        )
+    )
     root.addHandler(handler)
     root.setLevel(os.environ.get("KVX_LOG_LEVEL", "INFO").upper())
 
@@ -56,7 +63,9 @@ class KvxConnector(KVConnectorBase_V1):
     # Prompt KV loaded by this connector came from a peer engine.
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         kv = vllm_config.kv_transfer_config
@@ -97,7 +106,9 @@ class KvxConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # pull mode loads whole requests between steps
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # pull mode: decode reads after prefill finished
 
     def wait_for_save(self) -> None:
@@ -110,8 +121,9 @@ class KvxConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sending, recving, failed = self._worker.get_finished()
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -137,11 +149,15 @@ class KvxConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -16,8 +16,10 @@ import hashlib
 import json
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
-                                                                KVConnectorMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.errors import ConfigError
@@ -32,7 +34,7 @@ class RecvRequest:
     request_id: str
     local_block_ids: list[int]
     params: dict[str, Any]
-    release_only: bool = False   # full prefix hit or abort: nothing to read, free prefill's blocks
+    release_only: bool = False  # full prefix hit or abort: nothing to read, free prefill's blocks
 
 
 @dataclasses.dataclass
@@ -56,8 +58,14 @@ class KvxHandshakeMetadata(KVConnectorHandshakeMetadata):
 
     def to_json(self) -> dict[str, Any]:
         import base64
-        return {"tp_rank": self.tp_rank, "agent_name": self.agent_name, "agent_epoch": self.agent_epoch,
-                "agent_metadata": base64.b64encode(self.agent_metadata).decode(), "cache": self.cache}
+
+        return {
+            "tp_rank": self.tp_rank,
+            "agent_name": self.agent_name,
+            "agent_epoch": self.agent_epoch,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+            "cache": self.cache,
+        }
 
 
 def compat_fields(vllm_config: Any, layout: str | None) -> dict[str, Any]:
@@ -85,13 +93,17 @@ def digest(fields: dict[str, Any]) -> str:
 
 def check_compat(mine: dict[str, Any], theirs: dict[str, Any], who: str) -> None:
     """Raise a ConfigError that names every field that differs."""
-    diff = [f"{k}: here {mine.get(k)!r}, {who} {theirs.get(k)!r}"
-            for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    diff = [
+        f"{k}: here {mine.get(k)!r}, {who} {theirs.get(k)!r}"
+        for k in sorted(set(mine) | set(theirs))
+        if mine.get(k) != theirs.get(k)
+    ]
     if diff:
         raise ConfigError(f"KV caches are not compatible with {who}: " + "; ".join(diff))
 
 
 # Notifications decode -> prefill.
+
 
 def note(op: str, request_id: str, n: int = 1) -> bytes:
     return json.dumps({"v": WIRE_VERSION, "op": op, "req": request_id, "n": n}).encode()
@@ -108,8 +120,14 @@ def parse_note(data: bytes) -> tuple[str, str, int]:
     return op, req, n
 
 
-REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
-               "kvx")
+REMOTE_KEYS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "kvx",
+)
 
 
 def remote_params_ok(params: dict[str, Any] | None) -> bool:

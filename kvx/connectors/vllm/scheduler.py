@@ -15,10 +15,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvx.connectors.vllm.config import KvxConnectorConfig
-from kvx.connectors.vllm.meta import (KvxConnectorMetadata, KvxHandshakeMetadata, RecvRequest, compat_fields,
-                                      digest, remote_params_ok)
 from kvx.connectors.side_channel import SideChannelServer
+from kvx.connectors.vllm.config import KvxConnectorConfig
+from kvx.connectors.vllm.meta import (
+    KvxConnectorMetadata,
+    KvxHandshakeMetadata,
+    RecvRequest,
+    compat_fields,
+    digest,
+    remote_params_ok,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,7 +46,7 @@ class KvxScheduler:
         self.compat = compat_fields(vllm_config, layout)
         self._recv: list[RecvRequest] = []
         self._hold: dict[str, float] = {}
-        self._waiting: dict[str, dict[str, Any]] = {}   # decode: params of requests not yet allocated
+        self._waiting: dict[str, dict[str, Any]] = {}  # decode: params of requests not yet allocated
         self._last_renew = 0.0
         self._ranks: dict[int, KvxHandshakeMetadata] = {}
         self._server: SideChannelServer | None = None
@@ -53,9 +59,17 @@ class KvxScheduler:
             return
         if self._server is None:
             self._server = SideChannelServer(self.cfg.host, self.cfg.side_channel_port)
-            logger.info("kvx side channel for engine %s on %s:%d", self.engine_id, self.cfg.host, self._server.port)
-        self._server.publish({"engine_id": self.engine_id, "tp_size": self.tp_size, "compat": self.compat,
-                              "ranks": [self._ranks[r].to_json() for r in sorted(self._ranks)]})
+            logger.info(
+                "kvx side channel for engine %s on %s:%d", self.engine_id, self.cfg.host, self._server.port
+            )
+        self._server.publish(
+            {
+                "engine_id": self.engine_id,
+                "tp_size": self.tp_size,
+                "compat": self.compat,
+                "ranks": [self._ranks[r].to_json() for r in sorted(self._ranks)],
+            }
+        )
 
     # Decode side.
 
@@ -72,7 +86,9 @@ class KvxScheduler:
                 return count, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -85,8 +101,11 @@ class KvxScheduler:
                 # nothing to read, but prefill must free its blocks.
                 self._recv.append(RecvRequest(request.request_id, [], params, release_only=True))
         else:
-            logger.warning("request %s: incomplete kv_transfer_params %s; computing its prompt locally",
-                           request.request_id, params)
+            logger.warning(
+                "request %s: incomplete kv_transfer_params %s; computing its prompt locally",
+                request.request_id,
+                params,
+            )
         params["do_remote_prefill"] = False  # one load per request
         self._waiting.pop(request.request_id, None)
 
@@ -121,13 +140,14 @@ class KvxScheduler:
         if not block_ids:
             return False, None
         if not self._ranks:
-            logger.error("request %s: no kvx agent registered its KV cache; decode will compute it",
-                         request.request_id)
+            logger.error(
+                "request %s: no kvx agent registered its KV cache; decode will compute it", request.request_id
+            )
             return False, None
         # Only the prompt's blocks: decode computes from the prompt, and aligns prefill's blocks
         # with its own from the end (prefill may have generated past the prompt).
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        block_ids = list(block_ids)[:-(-num_tokens // self.block_size)]
+        block_ids = list(block_ids)[: -(-num_tokens // self.block_size)]
         self._hold[request.request_id] = self.cfg.lease_s
         ranks = [self._ranks[r] for r in sorted(self._ranks)]
         return True, {

@@ -21,11 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 from kvx.agent import Agent, Peer
 from kvx.config import Timeouts, read_file
-from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
 from kvx.connectors import side_channel
+from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
 from kvx.connectors.vllm.config import KvxConnectorConfig
-from kvx.connectors.vllm.meta import (KvxConnectorMetadata, KvxHandshakeMetadata, RecvRequest, check_compat,
-                                      compat_fields, digest, note, parse_note)
+from kvx.connectors.vllm.meta import (
+    KvxConnectorMetadata,
+    KvxHandshakeMetadata,
+    RecvRequest,
+    check_compat,
+    compat_fields,
+    digest,
+    note,
+    parse_note,
+)
 from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError, ProtocolError
 from kvx.metadata.client import MetadataOptions
 from kvx.transfer import Transfer
@@ -43,8 +51,8 @@ MAX_EARLY_NOTES = 65536
 @dataclasses.dataclass
 class _Held:
     deadline: float
-    done: int = 0        # "done" notes received
-    expected: int = 1    # decode ranks that will send one (decode's tp size)
+    done: int = 0  # "done" notes received
+    expected: int = 1  # decode ranks that will send one (decode's tp size)
     released: bool = False
 
 
@@ -57,9 +65,18 @@ class _RemoteEngine:
 
 
 class KvxWorker:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, cfg: KvxConnectorConfig,
-                 engine_id: str, layout: str | None) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        cfg: KvxConnectorConfig,
+        engine_id: str,
+        layout: str | None,
+    ) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
         self.cfg = cfg
         self.engine_id = engine_id
@@ -67,8 +84,11 @@ class KvxWorker:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         kv = vllm_config.kv_transfer_config
-        self.role = "prefill" if kv.is_kv_producer and not kv.is_kv_consumer else (
-            "decode" if kv.is_kv_consumer and not kv.is_kv_producer else "both")
+        self.role = (
+            "prefill"
+            if kv.is_kv_producer and not kv.is_kv_consumer
+            else ("decode" if kv.is_kv_consumer and not kv.is_kv_producer else "both")
+        )
         self.compat = compat_fields(vllm_config, layout)
         self.use_mla = bool(vllm_config.model_config.use_mla)
         self.total_heads = self.compat["num_kv_heads"]
@@ -94,22 +114,44 @@ class KvxWorker:
         port = cfg.agent_port + self.tp_rank if cfg.agent_port else 0
         io_s = min(10.0, cfg.transfer_timeout_s)
         self.agent = Agent(
-            f"vllm-{self.engine_id}-tp{self.tp_rank}", listen=f"{cfg.host}:{port}",
-            auth_secret=cfg.auth_secret(), allow_insecure=cfg.allow_insecure, streams=cfg.streams,
+            f"vllm-{self.engine_id}-tp{self.tp_rank}",
+            listen=f"{cfg.host}:{port}",
+            auth_secret=cfg.auth_secret(),
+            allow_insecure=cfg.allow_insecure,
+            streams=cfg.streams,
             backend=cfg.backend,
             timeouts=Timeouts(connect_s=cfg.connect_timeout_s, io_s=io_s, transfer_s=cfg.transfer_timeout_s),
-            on_notify=self._on_note, metadata=cfg.metadata, role=self.role,
+            on_notify=self._on_note,
+            metadata=cfg.metadata,
+            role=self.role,
             labels={"engine_id": self.engine_id, "tp_rank": str(self.tp_rank)},
-            engine_info={"engine": "vllm", "engine_id": self.engine_id, "tp_size": str(self.tp_size),
-                         **({"api_url": cfg.api_url} if cfg.api_url else {})},
-            metadata_options=self._metadata_options() if cfg.metadata else None)
+            engine_info={
+                "engine": "vllm",
+                "engine_id": self.engine_id,
+                "tp_size": str(self.tp_size),
+                **({"api_url": cfg.api_url} if cfg.api_url else {}),
+            },
+            metadata_options=self._metadata_options() if cfg.metadata else None,
+        )
         self.cache = self._describe(kv_caches)
         if cfg.metadata:
             import json
-            self.agent.update_engine_info({"tp_rank": str(self.tp_rank), "kvx_cache": json.dumps(self.cache.to_json()),
-                                           "kvx_compat": json.dumps(self.compat)})
-        logger.info("kvx agent %s: %d layers x %d blocks registered (%d heads, %d planes)", self.agent.name,
-                    len(self.cache.layers), self.cache.num_blocks, self.cache.num_heads, self.cache.planes)
+
+            self.agent.update_engine_info(
+                {
+                    "tp_rank": str(self.tp_rank),
+                    "kvx_cache": json.dumps(self.cache.to_json()),
+                    "kvx_compat": json.dumps(self.compat),
+                }
+            )
+        logger.info(
+            "kvx agent %s: %d layers x %d blocks registered (%d heads, %d planes)",
+            self.agent.name,
+            len(self.cache.layers),
+            self.cache.num_blocks,
+            self.cache.num_heads,
+            self.cache.planes,
+        )
 
     def _metadata_options(self) -> MetadataOptions:
         token = None
@@ -122,12 +164,13 @@ class KvxWorker:
         groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config is not None else []
         if len(groups) != 1:
             raise ConfigError(f"KvxConnector supports one KV-cache group, this model has {len(groups)}")
+        assert self.kv_cache_config is not None  # it has one group
         spec = groups[0].kv_cache_spec
         names = [n for n in groups[0].layer_names if n in kv_caches]
         num_blocks = self.kv_cache_config.num_blocks
         heads = 1 if self.use_mla else int(spec.num_kv_heads)
         unit_elems = int(spec.block_size) * int(spec.head_size)
-        regions: dict[int, int] = {}   # storage address -> region id
+        regions: dict[int, int] = {}  # storage address -> region id
         layers = []
         for name in names:
             t = kv_caches[name]
@@ -135,16 +178,27 @@ class KvxWorker:
             base = storage.data_ptr()
             if base not in regions:
                 regions[base] = self.agent.register((base, storage.nbytes())).id
-            layers.append(layer_geometry(t.shape, t.stride(), t.element_size(), t.data_ptr() - base,
-                                         regions[base], num_blocks, heads, unit_elems))
+            layers.append(
+                layer_geometry(
+                    t.shape,
+                    t.stride(),
+                    t.element_size(),
+                    t.data_ptr() - base,
+                    regions[base],
+                    num_blocks,
+                    heads,
+                    unit_elems,
+                )
+            )
         planes = len(layers[0].unit_offsets) // heads
         return RankCache(tuple(layers), num_blocks, heads, planes)
 
     def handshake_metadata(self) -> KvxHandshakeMetadata | None:
         if self.agent is None or self.cache is None:
             return None
-        return KvxHandshakeMetadata(self.tp_rank, self.agent.name, self.agent.epoch, self.agent.metadata(),
-                                    self.cache.to_json())
+        return KvxHandshakeMetadata(
+            self.tp_rank, self.agent.name, self.agent.epoch, self.agent.metadata(), self.cache.to_json()
+        )
 
     # Each step.
 
@@ -158,9 +212,13 @@ class KvxWorker:
                 self._held[req_id] = held
                 self._check_done(req_id)
         for req in meta.recv:
-            logger.debug("request %s: %s %d blocks from engine %s", req.request_id,
-                         "release" if req.release_only else "read", len(req.local_block_ids),
-                         req.params.get("remote_engine_id"))
+            logger.debug(
+                "request %s: %s %d blocks from engine %s",
+                req.request_id,
+                "release" if req.release_only else "read",
+                len(req.local_block_ids),
+                req.params.get("remote_engine_id"),
+            )
             self._pool.submit(self._receive, req)
         if meta.renew:
             self._pool.submit(self._renew, meta.renew)
@@ -170,8 +228,9 @@ class KvxWorker:
         with self._lock:
             for req_id, held in list(self._held.items()):
                 if now >= held.deadline:
-                    logger.warning("request %s: decode did not read its blocks within the lease; freeing them",
-                                   req_id)
+                    logger.warning(
+                        "request %s: decode did not read its blocks within the lease; freeing them", req_id
+                    )
                     del self._held[req_id]
                     self._done_send.add(req_id)
             for req_id, (_, expiry) in list(self._early.items()):
@@ -180,8 +239,12 @@ class KvxWorker:
             sending, recving, failed = self._done_send, self._done_recv, self._failed_recv
             self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
         if sending or recving or failed:
-            logger.debug("finished sending %s, receiving %s, failed %s", sorted(sending), sorted(recving),
-                         sorted(failed))
+            logger.debug(
+                "finished sending %s, receiving %s, failed %s",
+                sorted(sending),
+                sorted(recving),
+                sorted(failed),
+            )
         return sending, recving | failed, failed
 
     def take_load_errors(self) -> set[int]:
@@ -236,8 +299,11 @@ class KvxWorker:
                 return
             lease_s = float(params["kvx"].get("lease_s", 0))
             if lease_s and lease_s < self.cfg.connect_timeout_s + self.cfg.transfer_timeout_s:
-                logger.warning("prefill's lease (%ss) is shorter than this engine's connect_timeout_s + "
-                               "transfer_timeout_s: a slow read could outlive it", lease_s)
+                logger.warning(
+                    "prefill's lease (%ss) is shorter than this engine's connect_timeout_s + "
+                    "transfer_timeout_s: a slow read could outlive it",
+                    lease_s,
+                )
             self._read(req, engine, remote_id)
         except Exception as exc:  # every failure becomes a failed receive, never a stuck request
             self._fail(req, exc)
@@ -248,16 +314,26 @@ class KvxWorker:
         local_blocks = list(req.local_block_ids)
         if len(local_blocks) < len(remote_blocks):
             # Part of the prompt hit the local prefix cache: read only the tail.
-            remote_blocks = remote_blocks[len(remote_blocks) - len(local_blocks):]
+            remote_blocks = remote_blocks[len(remote_blocks) - len(local_blocks) :]
         elif len(local_blocks) > len(remote_blocks):
-            raise ConfigError(f"decode allocated {len(local_blocks)} blocks but prefill holds "
-                              f"{len(remote_blocks)}")
+            raise ConfigError(
+                f"decode allocated {len(local_blocks)} blocks but prefill holds {len(remote_blocks)}"
+            )
         if not local_blocks:
             self._notify_all(engine, note("done", remote_id, self.tp_size))
             self._succeed(req)
             return
-        plans = plan_read(self.cache, self.tp_rank, self.tp_size, engine.cache, engine.tp_size,
-                          self.total_heads, local_blocks, remote_blocks, replicated=self.use_mla)
+        plans = plan_read(
+            self.cache,
+            self.tp_rank,
+            self.tp_size,
+            engine.cache,
+            engine.tp_size,
+            self.total_heads,
+            local_blocks,
+            remote_blocks,
+            replicated=self.use_mla,
+        )
         done_note = note("done", remote_id, self.tp_size)
         renew_note = note("renew", remote_id, self.tp_size)
         transfers: list[Transfer] = []
@@ -294,8 +370,12 @@ class KvxWorker:
             self._done_recv.add(req.request_id)
 
     def _fail(self, req: RecvRequest, exc: BaseException) -> None:
-        logger.error("request %s: KV load from engine %s failed: %s", req.request_id,
-                     req.params.get("remote_engine_id"), exc)
+        logger.error(
+            "request %s: KV load from engine %s failed: %s",
+            req.request_id,
+            req.params.get("remote_engine_id"),
+            exc,
+        )
         if req.release_only:
             return
         with self._lock:
@@ -348,27 +428,39 @@ class KvxWorker:
     def _engine_doc(self, params: dict[str, Any]) -> dict[str, Any]:
         """Prefill's ranks, from the metadata service when one is configured, else its side channel."""
         if not self.cfg.metadata:
-            return side_channel.fetch(str(params["remote_host"]), int(params["remote_port"]),
-                                      self.cfg.connect_timeout_s)
+            return side_channel.fetch(
+                str(params["remote_host"]), int(params["remote_port"]), self.cfg.connect_timeout_s
+            )
         import json
 
         from kvx.metadata.client import MetadataClient
 
         if self._metadata_client is None:
-            self._metadata_client = MetadataClient(
-                self.cfg.metadata, self._metadata_options())
-        ranks, info = [], {}
+            self._metadata_client = MetadataClient(self.cfg.metadata, self._metadata_options())
+        ranks: list[Any] = []
+        info: dict[str, Any] = {}
         for name in params["kvx"]["agents"]:
             record = self._metadata_client.get(str(name))
             if record is None:
-                raise PeerLostError(f"prefill agent {name!r} is not registered in the metadata service "
-                                    f"{self.cfg.metadata} (it stopped or its lease ran out)")
+                raise PeerLostError(
+                    f"prefill agent {name!r} is not registered in the metadata service "
+                    f"{self.cfg.metadata} (it stopped or its lease ran out)"
+                )
             info = dict(record.engine_info)
-            ranks.append({"tp_rank": int(info.get("tp_rank", len(ranks))), "agent_epoch": record.epoch,
-                          "agent_metadata": base64.b64encode(record.metadata.SerializeToString()).decode(),
-                          "cache": json.loads(info.get("kvx_cache", "null"))})
-        return {"engine_id": info.get("engine_id"), "tp_size": int(info.get("tp_size", len(ranks))),
-                "compat": json.loads(info.get("kvx_compat", "null")), "ranks": ranks}
+            ranks.append(
+                {
+                    "tp_rank": int(info.get("tp_rank", len(ranks))),
+                    "agent_epoch": record.epoch,
+                    "agent_metadata": base64.b64encode(record.metadata.SerializeToString()).decode(),
+                    "cache": json.loads(info.get("kvx_cache", "null")),
+                }
+            )
+        return {
+            "engine_id": info.get("engine_id"),
+            "tp_size": int(info.get("tp_size", len(ranks))),
+            "compat": json.loads(info.get("kvx_compat", "null")),
+            "ranks": ranks,
+        }
 
     def _connect(self, params: dict[str, Any]) -> _RemoteEngine:
         assert self.agent is not None
@@ -376,23 +468,30 @@ class KvxWorker:
         engine_id = str(params["remote_engine_id"])
         doc = self._engine_doc(params)
         if doc.get("engine_id") != engine_id:
-            raise EpochError(f"prefill engine {engine_id} is gone: its address now serves engine "
-                             f"{doc.get('engine_id')!r}")
+            raise EpochError(
+                f"prefill engine {engine_id} is gone: its address now serves engine {doc.get('engine_id')!r}"
+            )
         check_compat(self.compat, doc.get("compat") or {}, f"prefill engine {engine_id}")
         if kvx.get("digest") != digest(self.compat):
-            raise ConfigError(f"kv_transfer_params digest {kvx.get('digest')!r} does not match this engine's "
-                              f"{digest(self.compat)!r}")
+            raise ConfigError(
+                f"kv_transfer_params digest {kvx.get('digest')!r} does not match this engine's "
+                f"{digest(self.compat)!r}"
+            )
         if not isinstance(doc.get("ranks"), list):
             raise ProtocolError(f"prefill engine {engine_id} sent no rank list")
         ranks = sorted(doc["ranks"], key=lambda r: int(r["tp_rank"]))
         epochs = [f"{int(r['agent_epoch']):#x}" for r in ranks]
         if epochs != [str(e) for e in kvx["epochs"]]:
-            raise EpochError(f"prefill engine {engine_id} restarted (agent epochs {kvx['epochs']} -> {epochs}); "
-                             "the request's blocks are gone")
+            raise EpochError(
+                f"prefill engine {engine_id} restarted (agent epochs {kvx['epochs']} -> {epochs}); "
+                "the request's blocks are gone"
+            )
         tp_size = int(doc["tp_size"])
         if [int(r["tp_rank"]) for r in ranks] != list(range(tp_size)):
-            raise ConfigError(f"prefill engine {engine_id} announces tp_size {tp_size} but ranks "
-                              f"{[r['tp_rank'] for r in ranks]}")
+            raise ConfigError(
+                f"prefill engine {engine_id} announces tp_size {tp_size} but ranks "
+                f"{[r['tp_rank'] for r in ranks]}"
+            )
         peers = {int(r["tp_rank"]): self.agent.add_peer(base64.b64decode(r["agent_metadata"])) for r in ranks}
         return _RemoteEngine(engine_id, tp_size, RankCache.from_json(ranks[0]["cache"]), peers)
 
