@@ -1,4 +1,5 @@
-"""Network addresses: the one place that parses "host:port" and binds listeners."""
+"""Network addresses: the one place that parses "host:port", and the listener
+the HTTP servers (admin API, proxy) bind."""
 
 from __future__ import annotations
 

@@ -156,7 +156,8 @@ class Agent:
         self._notify_cv = threading.Condition()
         self._regions = RegionTable(self.limits.max_regions)
         self._peers: dict[str, Peer] = {}
-        self._connecting: dict[str, threading.Lock] = {}  # per peer name: one add_peer at a time
+        # Per peer name: [a lock that lets one add_peer at a time connect, callers using it].
+        self._connecting: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
         self._closed = False
         # What the backends see of this agent, and nothing more.
@@ -170,10 +171,10 @@ class Agent:
             self.timeouts,
             self._deliver,
         )
-        self._backends: dict[str, Backend] = {name: backends.load(name)(ctx) for name in backends.names()}
+        self._backends = _load_backends(ctx)
         self._selector = Selector(self._backends)
         self._links = Links(ctx)
-        handlers = {t: fn for b in self._backends.values() for t, fn in b.handlers().items()}
+        handlers = {name: b.handlers() for name, b in self._backends.items()}
         try:
             self._listener = Listener(ctx, host, port, advertise_host, handlers)
         except BaseException:
@@ -338,22 +339,23 @@ class Agent:
         self._check_open()
         md = parse_metadata(metadata)
         with self._lock:
-            connecting = self._connecting.setdefault(md.name, threading.Lock())
-        with connecting:
-            return self._add_peer(md, streams, backend)
+            entry = self._connecting.setdefault(md.name, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                return self._add_peer(md, streams, backend)
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:  # the last caller for this name: the table stays as small as the work
+                    del self._connecting[md.name]
 
     def _add_peer(self, md: agent_pb2.AgentMetadata, streams: int | None, backend: str | None) -> Peer:
         with self._lock:
             old = self._peers.get(md.name)
-        if old is not None:
-            if old.epoch == md.epoch and old.alive:
-                old._set_regions(md)  # it may have registered or removed regions since
-                return old
-            old._close(
-                EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
-                if old.epoch != md.epoch
-                else PeerLostError(f"peer {md.name!r} reconnected")
-            )
+        if old is not None and old.epoch == md.epoch and old.alive:
+            old._set_regions(md)  # it may have registered or removed regions since
+            return old
         tcp = [e.address for e in md.endpoints if e.backend == agent_pb2.BACKEND_TCP]
         if not tcp:
             raise ConnectError(f"peer {md.name!r} publishes no tcp endpoint")
@@ -376,6 +378,14 @@ class Agent:
                 choice.channel.close()
                 raise ClosedError(f"agent {self.name!r} is closed")
             self._peers[md.name] = peer
+        if old is not None:
+            # Only now: metadata alone (say, a forged new epoch) must not end a live peer;
+            # a peer that answered the handshake as that name and epoch replaces it.
+            old._close(
+                EpochError(f"peer {md.name!r} restarted (epoch {old.epoch:#x} -> {md.epoch:#x})")
+                if old.epoch != md.epoch
+                else PeerLostError(f"peer {md.name!r} reconnected")
+            )
         logger.info(
             "agent %s: peer %s epoch %#x over %s (%s), %d stream(s): %s",
             self.name,
@@ -484,6 +494,24 @@ def parse_metadata(metadata: bytes) -> agent_pb2.AgentMetadata:
     return md
 
 
+def _load_backends(ctx: BackendContext) -> dict[str, Backend]:
+    """Every registered backend, made with the agent's context. One that fails
+    to load is left out with a warning, unless the agent is set to use it."""
+    loaded: dict[str, Backend] = {}
+    for name in backends.names():
+        try:
+            loaded[name] = backends.load(name)(ctx)
+        except Exception as exc:
+            if name == ctx.setting:
+                for backend in loaded.values():
+                    backend.close()
+                raise ConfigError(f"backend {name!r} failed to load: {exc}") from exc
+            logger.warning(
+                "agent %s: backend %s failed to load and is left out: %s", ctx.agent_name, name, exc
+            )
+    return loaded
+
+
 class Peer:
     """A connected remote agent."""
 
@@ -498,7 +526,7 @@ class Peer:
         self.agent = agent
         self.name = md.name
         self.epoch = md.epoch
-        self.backend = backend  # the transport chosen for this peer: "tcp", "shm" or "cuda_ipc"
+        self.backend = backend  # the transport chosen for this peer: "tcp", "shm", "cuda_ipc", ...
         self.backend_reason = backend_reason  # why, in words
         self.host_name = md.host_name
         self._channel = channel
@@ -644,9 +672,13 @@ class Peer:
             raise
         if len(remote_a) > 1:
             remote_a = Descs(remote_a).coalesce().array
-        self._channel.post(
-            transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device, remote_ipc
-        )
+        try:
+            self._channel.post(
+                transfer, op, addrs, lens, total, remote_a, notify, local_device, remote_device, remote_ipc
+            )
+        except BaseException as exc:
+            transfer.fail_unposted(exc)  # releases its slot and its hold on the regions
+            raise
         return transfer
 
     def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import sys
 
-from kvx.config import BACKENDS, parse_size
+from kvx import backends
+from kvx.config import parse_size
 from kvx.errors import KvxError
 
 
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--streams", type=_positive, default=1, help="connections per peer (default: 1)")
     bench.add_argument(
         "--backend",
-        choices=list(BACKENDS),
+        choices=["auto", *backends.names()],
         default="auto",
         help="transport; auto picks as agents do: shm on one host when permitted, "
         "cuda_ipc there for GPU memory (default: auto)",

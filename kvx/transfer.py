@@ -155,6 +155,21 @@ class Transfer:
         self._parts_left = parts
         self._on_parts_done = then
 
+    def fail_unposted(self, error: BaseException) -> bool:
+        """Finish with ``error`` a transfer that never got to ``expect_parts``
+        (posting it raised first); False when parts are under way, which
+        finish it themselves."""
+        with self._lock:
+            if (
+                self._parts_left
+                or self._on_parts_done is not None
+                or self._state is not TransferState.PENDING
+            ):
+                return False
+            self._error = error
+        self._finish()
+        return True
+
     def part_finished(self, error: BaseException | None = None) -> None:
         """One part is done (``error`` when it failed); no byte of it moves any more."""
         with self._lock:

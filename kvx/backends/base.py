@@ -6,7 +6,7 @@ The agent never reaches into a backend, and a backend never sees the agent:
 it gets a ``BackendContext`` (the region table, the secret, limits,
 timeouts, where notifications go), and builds on the shared control
 connection (``kvx.backends.control``): the handshake, authentication, epochs,
-pins and tokens are done once, there, for every backend.
+pins and set-up requests are done once, there, for every backend.
 
 Per peer the selector (``select.py``) asks each candidate whether it can
 reach the peer (``reach``), and the first that can ``connect``s a

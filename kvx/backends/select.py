@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvx.backends.base import Backend, Channel, Unreachable, same_host
-from kvx.errors import ConfigError, ConnectError
+from kvx.errors import ConfigError, ConnectError, KvxError
 from kvx.v1 import agent_pb2
 
 if TYPE_CHECKING:
@@ -33,51 +33,55 @@ class Choice:
 
 
 class Selector:
+    """Picks among the backends an agent loaded, keyed by their registered names."""
+
     def __init__(self, backends: dict[str, Backend]) -> None:
         self.backends = backends
-        self._auto = sorted((b for b in backends.values() if b.auto), key=lambda b: -b.priority)
+        self._auto = sorted(((n, b) for n, b in backends.items() if b.auto), key=lambda nb: -nb[1].priority)
 
-    def candidates(self, md: agent_pb2.AgentMetadata, setting: str) -> list[Backend]:
+    def candidates(self, md: agent_pb2.AgentMetadata, setting: str) -> list[tuple[str, Backend]]:
         if setting != "auto":
             if setting not in self.backends:
                 raise ConfigError(
-                    f"backend {setting!r} was registered after this agent started; "
-                    "register backends before creating agents"
+                    f"backend {setting!r} is not loaded in this agent: it was registered after the agent "
+                    "started, or failed to load (see the log)"
                 )
-            return [self.backends[setting]]
-        return [b for b in self._auto if b.applies(md)]
+            return [(setting, self.backends[setting])]
+        return [(n, b) for n, b in self._auto if b.applies(md)]
 
     def streams(self, md: agent_pb2.AgentMetadata, setting: str, streams: int) -> int:
         """Connections to open to the peer: the most any candidate may want."""
-        return max(b.streams(md, streams) for b in self.candidates(md, setting))
+        return max(b.streams(md, streams) for _, b in self.candidates(md, setting))
 
     def choose(self, md: agent_pb2.AgentMetadata, setting: str, link: Link, uses_gpu: bool) -> Choice:
         """A channel over ``link`` (authenticated, readers not started) from
         the first candidate that reaches the peer."""
         refused: list[tuple[str, str]] = []
-        for backend in self.candidates(md, setting):
-            why_not, reason = backend.reach(md)
-            if why_not is None:
-                try:
+        for name, backend in self.candidates(md, setting):
+            try:
+                why_not, reason = backend.reach(md)
+                if why_not is None:
                     channel, more = backend.connect(md, link)
-                except Unreachable as exc:
-                    why_not = str(exc)
-                else:
-                    if not reason and setting != "auto":
-                        reason = f"backend={setting} was configured"
-                    choice = Choice(
-                        backend.name, self._reason(backend, reason + more, refused, uses_gpu), channel
+            except Unreachable as exc:
+                why_not = str(exc)
+            except KvxError:
+                raise
+            except Exception as exc:  # a backend's bug or an OS error: a clear error, not a traceback
+                raise ConnectError(f"backend {name} failed to connect to peer {md.name!r}: {exc!r}") from exc
+            if why_not is None:
+                if not reason and setting != "auto":
+                    reason = f"backend={setting} was configured"
+                choice = Choice(name, self._reason(backend, reason + more, refused, uses_gpu), channel)
+                if refused and not reason and same_host(md):
+                    logger.warning(
+                        "peer %s is on this host, but %s cannot serve it; using %s: %s",
+                        md.name,
+                        refused[-1][0],
+                        name,
+                        choice.reason,
                     )
-                    if refused and not reason and same_host(md):
-                        logger.warning(
-                            "peer %s is on this host, but %s cannot serve it; using %s: %s",
-                            md.name,
-                            refused[-1][0],
-                            backend.name,
-                            choice.reason,
-                        )
-                    return choice
-            refused.append((backend.name, why_not))
+                return choice
+            refused.append((name, why_not))
         if setting != "auto":
             raise ConnectError(
                 f"backend={setting} was configured, but it cannot reach peer {md.name!r}: {refused[-1][1]}"

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvx.backends.base import Backend, Channel, same_host
 from kvx.backends.control.link import Link
-from kvx.backends.shm.copy import PinnedCopy
+from kvx.backends.control.pinned import PinnedCopy
 from kvx.errors import PeerLostError
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2

@@ -332,3 +332,45 @@ def test_shared_memory_is_plain_host_memory_when_attach_works(make_worker, make_
     assert "shared segments" not in peer.backend_reason
     peer.read(region.descs(0, 1 << 20), peer.regions[0].descs(0, 1 << 20)).wait(10)
     assert np.array_equal(pool, worker.expected(0, 1 << 20))
+
+
+def test_a_slow_segment_client_cannot_hold_the_server(make_agent):
+    """The attack: a local process trickles a request into the segment socket,
+    one byte at a time, to keep everyone else waiting. One deadline bounds
+    the whole request."""
+    import socket
+    import struct
+
+    from kvx.backends.shm import segments
+
+    target = make_agent("seg-slow")
+    target.register(kvx.alloc_shared(1 << 16))
+    name = target._backends["shm"]._segment_server.name
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect("\0" + name)
+    stop = threading.Event()
+
+    def trickle():  # 30 bytes in 15 s: never the 36 of a request's head
+        for _ in range(30):
+            if stop.wait(0.5):
+                return
+            try:
+                slow.send(b"x")
+            except OSError:
+                return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.settimeout(30)
+    other.connect("\0" + name)
+    other.sendall(b"y" * segments.TOKEN_BYTES + struct.pack("<I", 0))
+    answer = other.recv(4)
+    took = time.monotonic() - start
+    stop.set()
+    thread.join(5)
+    slow.close()
+    other.close()
+    assert answer == struct.pack("<I", 1)  # refused: an unknown token, but answered
+    assert took < segments._IO_TIMEOUT_S + 3, f"the slow client held the server for {took:.1f}s"

@@ -4,7 +4,9 @@ One authenticated TCP connection (or several: streams) per peer pair, with
 a small versioned binary wire format (``wire``). On it: the handshake (names,
 epochs, HMAC challenge with the cluster secret, the target's limits),
 notifications, pins (the target checks and pins regions for backends whose
-initiator moves the bytes itself), single-use tokens, and, for the tcp
+initiator moves the bytes itself), the set-up requests a backend makes
+before a link starts (``Link.request``: shm gets its single-use segment
+tokens that way; a backend's own types are ``wire.BACKEND_TYPES``), and, for the tcp
 backend, the bytes themselves.
 
 - ``link``: the initiator's side (``Links`` per agent, a ``Link`` per peer).

@@ -46,6 +46,7 @@ from kvx.errors import (
     AccessError,
     AuthError,
     ClosedError,
+    ConfigError,
     ConnectError,
     EpochError,
     KvxError,
@@ -550,6 +551,7 @@ class Link:
         self._next_conn = itertools.count()
         self._error: KvxError | None = None
         self._readers_left = len(conns)
+        self._started = False
         self._hooks_lock = threading.Lock()
         self._close_hooks: list[Callable[[], None]] = []
         for conn in conns:
@@ -566,6 +568,7 @@ class Link:
 
     def start(self) -> None:
         """Start the readers: from now on responses are taken as they come."""
+        self._started = True
         for conn in self.conns:
             conn.start()
 
@@ -614,18 +617,46 @@ class Link:
         """A control request answered before ``start()`` (the reader would
         take the answer otherwise): a backend's set-up exchange (a segment
         token; a backend's own types from ``wire.BACKEND_TYPES``). Returns the
-        answer's payload; both are at most ``wire.MAX_HANDSHAKE_BYTES``."""
+        answer's payload; both are at most ``wire.MAX_HANDSHAKE_BYTES``.
+
+        An ERROR answer raises its kvx error and leaves the link as it was;
+        anything else that goes wrong (no answer in time, a broken framing)
+        breaks the link, since a late answer would confuse its reader."""
+        if self._started:
+            raise ConfigError("Link.request is for setting up a link, before start()")
         if len(payload) > _wire.MAX_HANDSHAKE_BYTES:
             raise LimitError(f"a control request carries at most {_wire.MAX_HANDSHAKE_BYTES} bytes")
         sock = self.conns[0].sock
         io_timeout = sock.gettimeout()  # the reader's stall detection relies on it: restore it after
+        deadline = time.monotonic() + self.ctx.timeouts.connect_s
         try:
             sock.sendall(_wire.pack(msg_type, payload_len=len(payload)) + payload)
-            return handshake_reply(sock, expect, self.peer, time.monotonic() + self.ctx.timeouts.connect_s)
-        except OSError as exc:
-            raise ConnectError(f"peer {self.peer!r}: control request {msg_type} failed: {exc}") from exc
+            answer, _, payload_len, aux, data_len = check_header(
+                recv_exact(sock, _wire.HEADER_SIZE, deadline)
+            )
+            if payload_len > _wire.MAX_HANDSHAKE_BYTES or data_len:
+                raise ProtocolError(
+                    f"peer {self.peer!r} answered control request {msg_type} with "
+                    f"{payload_len} bytes and {data_len} of data"
+                )
+            body = bytes(recv_exact(sock, payload_len, deadline))
+            if answer not in (expect, MsgType.ERROR):
+                raise ProtocolError(
+                    f"peer {self.peer!r} answered control request {msg_type} with type {answer}"
+                )
+        except (KvxError, OSError) as exc:
+            error = (
+                exc
+                if isinstance(exc, KvxError)
+                else PeerLostError(f"peer {self.peer!r}: control request {msg_type} failed: {exc}")
+            )
+            self._on_break(error)
+            raise error from None
         finally:
             sock.settimeout(io_timeout)
+        if answer == MsgType.ERROR:
+            raise _remote_error(aux, body.decode(errors="replace"), self.peer)
+        return body
 
     def notify(self, transfer: Transfer, data: bytes) -> None:
         """A notification with no data, as one part of ``transfer``."""

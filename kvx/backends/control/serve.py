@@ -93,6 +93,36 @@ class Fatal(Exception):
 Handler = Callable[["InboundConnection", int, int, int, int], None]
 
 
+# Served by every agent: they guard memory, so no backend may replace them.
+_CORE_HANDLERS: dict[int, Handler] = {}  # filled below, once the handlers are defined
+# kvx's own types that its built-in backends serve; other backends use wire.BACKEND_TYPES.
+_BUILTIN_BACKEND_TYPES = {MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.SEG_TOKEN}
+
+
+def merge_handlers(by_backend: dict[str, dict[int, Handler]]) -> dict[int, Handler]:
+    """The listener's dispatch table: the core handlers plus each backend's,
+    refused (ConfigError) where a backend claims a core type, a type outside
+    its range, or one that another backend claimed."""
+    table = dict(_CORE_HANDLERS)
+    owner: dict[int, str] = {}
+    for name, handlers in by_backend.items():
+        for msg_type, handler in handlers.items():
+            if msg_type in _CORE_HANDLERS:
+                raise ConfigError(f"backend {name!r} may not serve message type {msg_type}: kvx serves it")
+            if msg_type not in _wire.BACKEND_TYPES and msg_type not in _BUILTIN_BACKEND_TYPES:
+                raise ConfigError(
+                    f"backend {name!r} serves message type {msg_type}; a backend's own types "
+                    f"are {_wire.BACKEND_TYPES.start}-{_wire.BACKEND_TYPES.stop - 1}"
+                )
+            if msg_type in owner:
+                raise ConfigError(
+                    f"backends {owner[msg_type]!r} and {name!r} both serve message type {msg_type}"
+                )
+            owner[msg_type] = name
+            table[msg_type] = handler
+    return table
+
+
 class Listener:
     """Accepts peers' control connections and serves them."""
 
@@ -102,15 +132,10 @@ class Listener:
         host: str,
         port: int,
         advertise_host: str | None,
-        handlers: dict[int, Handler],
+        handlers: dict[str, dict[int, Handler]],
     ) -> None:
         self.ctx = ctx
-        self.handlers: dict[int, Handler] = {
-            MsgType.NOTIFY: _on_notify,
-            MsgType.SHM_PIN: _on_pin,
-            MsgType.SHM_UNPIN: _on_unpin,
-            **handlers,
-        }
+        self.handlers = merge_handlers(handlers)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -320,6 +345,15 @@ class InboundConnection:
             handler = handlers.get(msg_type)
             if handler is None:
                 raise Fatal(ProtocolError(f"unexpected message type {msg_type}"), request_id)
+            if msg_type in _wire.BACKEND_TYPES and (data_len or payload_len > _wire.MAX_HANDSHAKE_BYTES):
+                # A backend's own control request: small, no data, whatever its handler does.
+                raise Fatal(
+                    LimitError(
+                        f"control request {msg_type} of {payload_len} bytes and {data_len} of "
+                        f"data; at most {_wire.MAX_HANDSHAKE_BYTES} and none"
+                    ),
+                    request_id,
+                )
             handler(self, request_id, payload_len, aux, data_len)
 
     def recv_descs(self, request_id: int, nbytes: int) -> np.ndarray:
@@ -451,3 +485,6 @@ def _on_unpin(conn: InboundConnection, request_id: int, payload_len: int, aux: i
     if token is None:
         raise Fatal(ProtocolError(f"SHM_UNPIN of request {request_id}, which holds no pin"), request_id)
     conn.ctx.regions.release(token)
+
+
+_CORE_HANDLERS.update({MsgType.NOTIFY: _on_notify, MsgType.SHM_PIN: _on_pin, MsgType.SHM_UNPIN: _on_unpin})

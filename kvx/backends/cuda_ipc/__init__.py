@@ -27,8 +27,8 @@ from kvx._datapath import gpu
 from kvx.backends.base import Backend, Channel, same_host
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
+from kvx.backends.control.pinned import PinnedCopy
 from kvx.backends.shm import LANES, ShmChannel, cma_problem, map_segments
-from kvx.backends.shm.copy import PinnedCopy
 from kvx.backends.tcp import TcpChannel
 from kvx.errors import KvxError, TransferError
 from kvx.transfer import Op, Transfer
@@ -178,7 +178,10 @@ class CudaIpcChannel(Channel):
         with self._lock:
             maps, self._maps = list(self._maps.values()), {}
         for ipc_map in maps:
-            ipc_map.close()
+            try:
+                ipc_map.close()
+            except Exception:  # one device's failure must not leak the others' mappings
+                logger.exception("closing CUDA IPC mappings of peer %s failed", self._link.peer)
 
 
 class IpcCopy(PinnedCopy):

@@ -248,6 +248,8 @@ def map_segments(md: agent_pb2.AgentMetadata, link: Link) -> dict[int, Any]:
             md.segment_socket, token, [r.id for r in md.regions if r.shared_segment], md.name
         )
     except (KvxError, OSError) as exc:
+        if not link.alive:
+            raise  # the control connection broke: nothing can use it
         logger.warning("peer %s offers shared segments, but mapping them failed: %s", md.name, exc)
         return {}
 

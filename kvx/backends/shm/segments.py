@@ -105,11 +105,14 @@ class SegmentServer:
                 conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        head = _recv(conn, TOKEN_BYTES + 4)
+        # One request at a time, so one deadline for all of it: a client that
+        # trickles bytes cannot hold the server for more than _IO_TIMEOUT_S.
+        deadline = time.monotonic() + _IO_TIMEOUT_S
+        head = _recv(conn, TOKEN_BYTES + 4, deadline)
         token, count = head[:TOKEN_BYTES], struct.unpack("<I", head[TOKEN_BYTES:])[0]
         if count > MAX_REGIONS_PER_REQUEST:
             raise ProtocolError(f"{count} regions in one segment request")
-        ids = np.frombuffer(_recv(conn, 4 * count), dtype="<u4")
+        ids = np.frombuffer(_recv(conn, 4 * count, deadline), dtype="<u4")
         peer = self._redeem(token)
         if peer is None:
             conn.sendall(struct.pack("<I", 1))  # refused: no answer beyond that
@@ -133,9 +136,9 @@ class SegmentServer:
         self._sock.close()
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
     try:
-        return bytes(recv_exact(sock, n))
+        return bytes(recv_exact(sock, n, deadline))
     except (PeerLostError, TimeoutError) as exc:
         raise ProtocolError(f"segment request cut short: {exc}") from None
 

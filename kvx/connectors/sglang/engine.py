@@ -19,6 +19,7 @@ import bisect
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ class KvxTransferEngine:
         # First contact with a peer happens once: SGLang's transfer threads
         # race for the same session, and two of them must not both connect.
         self._contact_lock = threading.Lock()
-        self._contacts: dict[str, threading.Lock] = {}
+        self._contacts: dict[str, list[Any]] = {}  # session -> [lock, callers using it]
         self._server = side_channel.SideChannelServer(host, 0)
         self._publish()
         self.session_id = f"{host}:{self._server.port}"
@@ -152,27 +153,37 @@ class KvxTransferEngine:
         if cached is not None and cached[0].alive:
             return cached
         with self._contact_lock:
-            contact = self._contacts.setdefault(session_id, threading.Lock())
-        with contact:  # one first contact per session; the others wait for it and reuse it
-            cached = self._peers.get(session_id)
-            if cached is not None and cached[0].alive:
-                return cached
-            host, port = parse_address(session_id)
-            doc = side_channel.fetch(host, port, self.agent.timeouts.connect_s)
-            try:
-                metadata = base64.b64decode(doc["agent_metadata"], validate=True)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(
-                    f"session {session_id}: no agent metadata in its side channel ({exc})"
-                ) from None
-            md = parse_metadata(metadata)
-            remote = _AddressMap()
-            for r in md.regions:
-                if r.remote_write:
-                    remote.add(r.address, r.size_bytes, r.id)
-            entry = (self.agent.add_peer(metadata), remote)
-            self._peers[session_id] = entry
-            return entry
+            contact = self._contacts.setdefault(session_id, [threading.Lock(), 0])
+            contact[1] += 1
+        try:
+            with contact[0]:  # one first contact per session; the others wait for it and reuse it
+                return self._contact(session_id)
+        finally:
+            with self._contact_lock:
+                contact[1] -= 1
+                if not contact[1]:
+                    del self._contacts[session_id]
+
+    def _contact(self, session_id: str) -> tuple[Peer, _AddressMap]:
+        cached = self._peers.get(session_id)
+        if cached is not None and cached[0].alive:
+            return cached
+        host, port = parse_address(session_id)
+        doc = side_channel.fetch(host, port, self.agent.timeouts.connect_s)
+        try:
+            metadata = base64.b64decode(doc["agent_metadata"], validate=True)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(
+                f"session {session_id}: no agent metadata in its side channel ({exc})"
+            ) from None
+        md = parse_metadata(metadata)
+        remote = _AddressMap()
+        for r in md.regions:
+            if r.remote_write:
+                remote.add(r.address, r.size_bytes, r.id)
+        entry = (self.agent.add_peer(metadata), remote)
+        self._peers[session_id] = entry
+        return entry
 
     def batch_transfer_sync(
         self, session_id: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int]
