@@ -70,3 +70,36 @@ def test_an_unsupported_sglang_version_gets_a_clear_error(monkeypatch) -> None:
         get_kv_class(TransferBackend.KVX, KVClassType.MANAGER)
     # Other backends are unaffected by kvx's version check.
     assert get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER) is not None
+
+
+def test_a_failed_transfer_reaches_sglang_with_kvx_reason(monkeypatch) -> None:
+    """The engine returns -1 to SGLang's transfer thread, which concludes the room failed
+    with a reason of its own; the manager adds what kvx knows of the cause."""
+    from sglang.srt.disaggregation.mooncake import MooncakeKVManager
+
+    from kvx.connectors.sglang import conn
+    from kvx.connectors.sglang.engine import KvxTransferEngine
+
+    owner = next(c for c in MooncakeKVManager.__mro__ if "conclude_failure" in vars(c))
+    concluded: dict[int, str] = {}
+
+    def conclude_failure(self, *, bootstrap_room, failure_reason, targets=None):
+        concluded[bootstrap_room] = failure_reason
+
+    monkeypatch.setattr(owner, "conclude_failure", conclude_failure)
+    engine = KvxTransferEngine("prefill-contract")
+    try:
+        manager = object.__new__(conn.KvxKVManager)  # the failure path needs none of SGLang's setup
+        manager.engine = engine
+        dead, fine = "127.0.0.1:1", "127.0.0.1:2"
+        assert engine.batch_transfer_sync(dead, [0x1000], [0x2000], [16]) == -1
+        manager.transfer_infos = {7: {dead: object(), fine: object()}, 8: {fine: object()}}
+        manager.conclude_failure(bootstrap_room=7, failure_reason="Failed to send kv chunk of 7")
+        manager.conclude_failure(bootstrap_room=8, failure_reason="Failed to send kv chunk of 8")
+        manager.conclude_failure(bootstrap_room=9, failure_reason="Failed to send kv chunk of 9")
+    finally:
+        engine.close()
+    assert concluded[7].startswith("Failed to send kv chunk of 7: kvx: ")
+    assert "not inside registered memory" in concluded[7] or "unreachable" in concluded[7], concluded[7]
+    assert concluded[8] == "Failed to send kv chunk of 8"
+    assert concluded[9] == "Failed to send kv chunk of 9"

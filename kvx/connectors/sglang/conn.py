@@ -22,6 +22,10 @@ cluster secret, needed for a non-loopback ``KVX_HOST``), ``KVX_BACKEND``
 backend setting; prefill pushes, so prefill's setting picks the transport,
 and a decode set to ``tcp`` serves no same-host copies, so prefill uses tcp
 towards it).
+
+A transfer that fails (any error, a bug included) returns -1 to SGLang's
+transfer thread, which marks the request failed and tells decode, as for
+Mooncake; ``KvxKVManager`` adds kvx's reason to SGLang's failure record.
 """
 
 from __future__ import annotations
@@ -80,6 +84,17 @@ class KvxKVManager(MooncakeKVManager):
     def init_engine(self) -> None:
         mode = getattr(self.disaggregation_mode, "value", self.disaggregation_mode)
         self.engine = shared_engine(f"sglang-{mode}-{os.getpid()}-r{self.kv_args.engine_rank}")
+
+    def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, targets=None):
+        """SGLang's failure path, with kvx's reason: the engine only returns -1 to SGLang's
+        transfer thread, which reports "Failed to send kv chunk ..." and no cause."""
+        infos = getattr(self, "transfer_infos", {}).get(bootstrap_room) or {}
+        reasons = [why for why in map(self.engine.failure, list(infos)) if why]
+        if reasons:
+            failure_reason = f"{failure_reason}: kvx: {'; '.join(reasons)}"
+        return super().conclude_failure(
+            bootstrap_room=bootstrap_room, failure_reason=failure_reason, targets=targets
+        )
 
 
 class KvxKVSender(MooncakeKVSender):

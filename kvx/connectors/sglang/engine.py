@@ -10,6 +10,12 @@ one-sided WRITE per batch, clear errors in place of hangs.
 
 The session id is ``host:port`` of a small side channel that serves the
 agent's metadata (no secret in it; writes still need the cluster secret).
+
+SGLang calls the engine from its transfer threads: first contact with a
+session happens once (the others wait for it), and nothing raises out of a
+transfer or a probe. A failure returns -1, which SGLang turns into a failed
+transfer; its reason is logged and kept per session (``failure``) until a
+transfer to that session succeeds, so the manager can report it to SGLang.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import base64
 import bisect
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -31,6 +37,20 @@ from kvx.descs import DESC_DTYPE, Descs
 from kvx.errors import AccessError, KvxError, ProtocolError
 
 logger = logging.getLogger(__name__)
+
+# Failure reasons kept at most, one per session: a prefill serves a few decode
+# ranks at a time, but sees a new session each time one restarts.
+MAX_FAILURES = 256
+
+
+class _Contact:
+    """First contact with one session: its lock, and how many callers wait on it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
 
 
 class _AddressMap:
@@ -106,8 +126,9 @@ class KvxTransferEngine:
         self._peers: dict[str, tuple[Peer, _AddressMap]] = {}
         # First contact with a peer happens once: SGLang's transfer threads
         # race for the same session, and two of them must not both connect.
-        self._contact_lock = threading.Lock()
-        self._contacts: dict[str, list[Any]] = {}  # session -> [lock, callers using it]
+        self._contact_lock = threading.Lock()  # guards _contacts and _failures
+        self._contacts: dict[str, _Contact] = {}
+        self._failures: OrderedDict[str, str] = OrderedDict()  # session -> why its last transfer failed
         self._server = side_channel.SideChannelServer(host, 0)
         self._publish()
         self.session_id = f"{host}:{self._server.port}"
@@ -153,15 +174,15 @@ class KvxTransferEngine:
         if cached is not None and cached[0].alive:
             return cached
         with self._contact_lock:
-            contact = self._contacts.setdefault(session_id, [threading.Lock(), 0])
-            contact[1] += 1
+            contact = self._contacts.setdefault(session_id, _Contact())
+            contact.users += 1
         try:
-            with contact[0]:  # one first contact per session; the others wait for it and reuse it
+            with contact.lock:  # one first contact per session; the others wait for it and reuse it
                 return self._contact(session_id)
         finally:
             with self._contact_lock:
-                contact[1] -= 1
-                if not contact[1]:
+                contact.users -= 1
+                if not contact.users:  # the last caller: the table stays as small as the work
                     del self._contacts[session_id]
 
     def _contact(self, session_id: str) -> tuple[Peer, _AddressMap]:
@@ -197,13 +218,16 @@ class KvxTransferEngine:
             with self._lock:
                 local = self._local.descs(buffers, lens, "local")
             peer.write(local, remote.descs(peer_buffer_addresses, lens, f"peer {session_id}")).wait()
-            return 0
         except (KvxError, OSError, ValueError) as exc:
             logger.warning("kvx transfer to %s failed: %s", session_id, exc)
-        except Exception:  # a bug must fail this transfer, not escape into SGLang's thread
+            return self._failed(session_id, str(exc))
+        except Exception as exc:  # a bug must fail this transfer, not escape into SGLang's thread
             logger.exception("kvx transfer to %s failed", session_id)
-        self._peers.pop(session_id, None)
-        return -1
+            return self._failed(session_id, f"{type(exc).__name__}: {exc}")
+        if self._failures:
+            with self._contact_lock:
+                self._failures.pop(session_id, None)
+        return 0
 
     def transfer_sync(self, session_id: str, buffer: int, peer_buffer_address: int, length: int) -> int:
         return self.batch_transfer_sync(session_id, [buffer], [peer_buffer_address], [length])
@@ -216,10 +240,25 @@ class KvxTransferEngine:
             return 0
         except (KvxError, OSError, ValueError) as exc:
             logger.info("kvx probe of %s failed: %s", peer_session_id, exc)
-        except Exception:
+        except Exception:  # as for transfers: a bug must not escape into SGLang's thread
             logger.exception("kvx probe of %s failed", peer_session_id)
         self._peers.pop(peer_session_id, None)
         return -1
+
+    def _failed(self, session_id: str, reason: str) -> int:
+        """Forget the peer (the next transfer contacts it again) and keep the reason."""
+        self._peers.pop(session_id, None)
+        with self._contact_lock:
+            self._failures.pop(session_id, None)
+            self._failures[session_id] = reason
+            if len(self._failures) > MAX_FAILURES:
+                self._failures.popitem(last=False)
+        return -1
+
+    def failure(self, session_id: str) -> str | None:
+        """Why the last transfer to ``session_id`` failed; None once one has succeeded since."""
+        with self._contact_lock:
+            return self._failures.get(session_id)
 
     def get_engine(self) -> KvxTransferEngine:
         return self
