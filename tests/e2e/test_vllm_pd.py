@@ -77,7 +77,9 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
             kvx_config("kv_consumer", transfer_timeout_s=10, metadata=md, api_url=""),
         ),
         # Loaded by module path rather than by the name the plugin registers: both ways work.
-        # Its agent is forced to tcp, the path between hosts, which a same-host pair never takes.
+        # Its agent is forced to tcp, the path between hosts, which a same-host pair never takes;
+        # decode reads, so decode's setting picks the transport (prefill stays "auto": it serves
+        # decode over shm at the same time).
         "decode_recompute": Engine(
             "decode_recompute",
             tiny_model,
@@ -239,18 +241,29 @@ def test_pd_through_proxy_equals_single_engine(
     assert took < LEASE_S / 2
 
 
-def test_side_channel_path_and_discovering_proxy(
+def test_side_channel_path_over_tcp_equals_single_engine(
     cluster: dict[str, Any], reference: dict[int, list[int]]
 ) -> None:
-    # decode_recompute has no metadata service: it finds prefill through prefill's side channel.
-    params = prefill_leg(cluster, PROMPTS[2])
-    assert token_ids(complete(cluster["decode_recompute"].url, PROMPTS[2], kv=params)) == reference[2]
-    # ... and reads over tcp (backend="tcp"), where decode, on the same host, uses shm.
-    assert re.search(
-        r"peer \S+ epoch \S+ over tcp .*backend=tcp was configured",
-        cluster["decode_recompute"].log.read_text(errors="replace"),
-    ), "decode_recompute did not use tcp"
+    """decode_recompute has no metadata service (it finds prefill through prefill's side
+    channel) and its agent is forced to tcp, the path between hosts."""
+    decode = cluster["decode_recompute"]
+    source = {"source": "external_kv_transfer"}
+    before = decode.metric("vllm:prompt_tokens_by_source_total", **source)
+    for i in range(3):
+        params = prefill_leg(cluster, PROMPTS[i])
+        assert token_ids(complete(decode.url, PROMPTS[i], kv=params)) == reference[i], i
+    # Its load-failure policy is "recompute": equal tokens alone could come from a local
+    # prefill. The counter says the prompts' KV was loaded through the connector.
+    after = decode.metric("vllm:prompt_tokens_by_source_total", **source)
+    assert after - before == sum(len(p) for p in PROMPTS[:3]), "the KV did not come through the connector"
+    log = decode.log.read_text(errors="replace")
+    assert re.search(r"peer \S+ epoch \S+ over tcp ", log), "decode_recompute did not read over tcp"
+    assert not re.search(r"peer \S+ epoch \S+ over (?!tcp )", log), "decode_recompute used another backend"
+    # The same pair of engines on one host, backend "auto": decode reads over shm.
     assert " over shm " in cluster["decode"].log.read_text(errors="replace")
+
+
+def test_discovering_proxy(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
     # The second proxy found both engines through the metadata service (their api_url).
     health = httpx.get(cluster["proxy_discovering"] + "/healthz", timeout=10).json()
     assert cluster["prefill"].url in json.dumps(health) and cluster["decode"].url in json.dumps(health)
