@@ -142,8 +142,10 @@ def test_wrong_epoch_is_refused(make_worker, make_agent):
 
 def test_wrong_protocol_version_in_metadata(make_worker, make_agent):
     worker = make_worker()
-    with pytest.raises(kvx.VersionError, match="version 2"):
-        make_agent().add_peer(_tampered(worker.metadata, lambda md: setattr(md, "protocol_version", 2)))
+    with pytest.raises(kvx.VersionError, match=f"version {_wire.PROTOCOL_VERSION + 1}"):
+        make_agent().add_peer(
+            _tampered(worker.metadata, lambda md: setattr(md, "protocol_version", _wire.PROTOCOL_VERSION + 1))
+        )
     with pytest.raises(kvx.ProtocolError):
         make_agent("x").add_peer(b"\xff\xff garbage")
 

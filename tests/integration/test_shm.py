@@ -374,3 +374,28 @@ def test_a_slow_segment_client_cannot_hold_the_server(make_agent):
     other.close()
     assert answer == struct.pack("<I", 1)  # refused: an unknown token, but answered
     assert took < segments._IO_TIMEOUT_S + 3, f"the slow client held the server for {took:.1f}s"
+
+
+def test_a_forged_pid_cannot_make_the_initiator_attach_to_another_process(make_worker, make_agent):
+    """The attack: an authenticated peer names another process in its metadata
+    (here the initiator's own), with a probe address where that process
+    happens to hold the peer's epoch. The old probe passed it, and the peer's
+    pin answers would then steer the initiator's copies into that process.
+    The PROBE challenge sees that the named process never got the nonce."""
+    worker = make_worker()
+    epoch = parse_metadata(worker.metadata).epoch
+    decoy = np.array([epoch], dtype="<u8")  # 8 bytes here equal to the peer's epoch
+
+    def forge(md):
+        md.pid = os.getpid()
+        md.shm_probe_address = decoy.ctypes.data
+
+    forged = _tampered(worker.metadata, forge)
+    with pytest.raises(kvx.ConnectError, match="not the peer that answered the handshake"):
+        make_agent("forced", backend="shm").add_peer(forged)
+    peer = make_agent("auto").add_peer(forged)
+    assert peer.backend == "tcp" and "not the peer that answered the handshake" in peer.backend_reason
+    pool = np.zeros(1 << 16, np.uint8)
+    region = peer.agent.register(pool)
+    peer.read(Descs.from_blocks(region, [0], BLOCK), Descs.from_blocks(peer.regions[0], [5], BLOCK)).wait(10)
+    assert np.array_equal(pool[:BLOCK], worker.expected(5 * BLOCK, BLOCK))  # from the real peer, over tcp

@@ -19,6 +19,10 @@ Protocol version history:
     1  first version: HELLO/HELLO_REPLY/AUTH handshake with HMAC-SHA256,
        READ, WRITE, NOTIFY; SHM_PIN/SHM_PIN_OK/SHM_UNPIN for same-host
        peers, sent only to an agent whose metadata offers shm.
+    2  PROBE/PROBE_OK: before a same-host initiator attaches to the process
+       a peer's metadata names, it proves that process is the one that
+       answered the handshake (a forged pid could otherwise send its
+       copies into any process it may attach to).
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -40,6 +44,14 @@ single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
 presents it on the target's Unix socket to receive the segments' file
 descriptors. Sent only to an agent whose metadata names a segment socket.
 
+Before it attaches (cross-memory attach, or CUDA IPC within one process), a
+same-host initiator sends PROBE with 16 random bytes; the target writes
+them into a slot of its probe area and answers PROBE_OK with the slot's
+uint64 address; the initiator reads 16 bytes at that address in the
+process the metadata names and attaches only if they are its nonce. Only
+the process that answered the handshake, or one with the right to write
+into the named process anyway, can pass.
+
 Types 64 to 127 (BACKEND_TYPES) are left to backends for their own control
 requests (say, exchanging queue pairs); kvx's own types stay below 64. A
 target that serves no handler for a type ends the connection with a
@@ -54,7 +66,7 @@ import hashlib
 import hmac
 import struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KVXF"
 HEADER = struct.Struct("<4sHHQIIQ")
 HEADER_SIZE = HEADER.size
@@ -88,6 +100,8 @@ class MsgType(enum.IntEnum):
     SHM_UNPIN = 14
     SEG_TOKEN = 15
     SEG_TOKEN_OK = 16
+    PROBE = 17
+    PROBE_OK = 18
 
 
 # Message types a backend may define for its own control requests (sent with

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import gpu
-from kvx.backends.base import Backend, Channel, same_host
+from kvx.backends.base import Backend, Channel, Unreachable, same_host
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
 from kvx.backends.control.pinned import PinnedCopy
-from kvx.backends.shm import LANES, ShmChannel, cma_problem, map_segments
+from kvx.backends.shm import LANES, ShmChannel, cma_problem, map_segments, prove
 from kvx.backends.tcp import TcpChannel
 from kvx.errors import KvxError, TransferError
 from kvx.transfer import Op, Transfer
@@ -85,7 +85,14 @@ class CudaIpcBackend(Backend):
         )
 
     def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
-        if cma_problem(md) is None:
+        cma = cma_problem(md) is None
+        if cma or md.pid == os.getpid():
+            # Attaching to md.pid, or (one process) using the peer's addresses as ours: only
+            # once that process proved it is the one that answered the handshake.
+            why = prove(md, link)
+            if why is not None:
+                raise Unreachable(why)
+        if cma:
             return CudaIpcChannel(link, md.pid, ShmChannel(link, md.pid, cma=True)), ""
         maps = map_segments(md, link)
         if maps:

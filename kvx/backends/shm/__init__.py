@@ -21,7 +21,9 @@ through shared segments instead (segments.py); other memory goes over tcp.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
+import os
 import threading
 from typing import Any
 
@@ -32,6 +34,7 @@ from kvx.backends.base import Backend, BackendContext, Channel, Unreachable, sam
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
 from kvx.backends.control.serve import Fatal, Handler, InboundConnection
+from kvx.backends.control.sock import recv_exact
 from kvx.backends.control.wire import MsgType
 from kvx.backends.shm import segments
 from kvx.backends.shm.copy import CmaCopy, SegmentCopy
@@ -65,6 +68,8 @@ class ShmBackend(Backend):
         self._closed = False
         # Started with the first registered kvx.alloc_shared region.
         self._segment_server: segments.SegmentServer | None = None
+        self._slots = np.zeros((PROBE_SLOTS, NONCE_BYTES), np.uint8)
+        self._next_slot = itertools.count()
 
     @property
     def offered(self) -> bool:
@@ -101,7 +106,28 @@ class ShmBackend(Backend):
                 )
 
     def handlers(self) -> dict[int, Handler]:
-        return {MsgType.SEG_TOKEN: self._on_seg_token}
+        return {MsgType.SEG_TOKEN: self._on_seg_token, MsgType.PROBE: self._on_probe}
+
+    def _on_probe(
+        self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
+    ) -> None:
+        if payload_len != NONCE_BYTES or aux or data_len:
+            raise Fatal(
+                ProtocolError(f"PROBE carries a {NONCE_BYTES}-byte nonce and nothing else"), request_id
+            )
+        nonce = np.frombuffer(recv_exact(conn.sock, NONCE_BYTES), np.uint8)
+        if not self.offered:
+            conn.send_error(
+                request_id,
+                AccessError(
+                    f"agent {self.ctx.agent_name!r} does not offer shm (backend={self.ctx.setting!r})"
+                ),
+            )
+            return
+        slot = self._slots[next(self._next_slot) % PROBE_SLOTS]
+        slot[:] = nonce
+        address = np.array([slot.ctypes.data], "<u8").tobytes()
+        conn.sock.sendall(_wire.pack(MsgType.PROBE_OK, request_id, payload_len=8) + address)
 
     def _on_seg_token(
         self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
@@ -139,6 +165,9 @@ class ShmBackend(Backend):
 
     def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
         if cma_problem(md) is None:
+            why = prove(md, link)
+            if why is not None:
+                raise Unreachable(why)
             return ShmChannel(link, md.pid, cma=True), ""
         maps = map_segments(md, link)
         if not maps:
@@ -329,3 +358,36 @@ def ptrace_scope() -> int | None:
 def probe_buffer(epoch: int) -> np.ndarray:
     """The 8 bytes a peer reads to prove it may attach to this process."""
     return np.array([epoch], dtype="<u8")
+
+
+NONCE_BYTES = 16
+# PROBE answers land in a ring of slots: concurrent initiators each read
+# their own nonce back, as long as fewer than this many probe at once.
+PROBE_SLOTS = 256
+
+
+def prove(md: agent_pb2.AgentMetadata, link: Link) -> str | None:
+    """None when the process ``md.pid`` is the one that answered the handshake
+    on ``link`` (it wrote our nonce into its memory), else why not. Called
+    before anything attaches to ``md.pid`` or trusts its addresses."""
+    nonce = os.urandom(NONCE_BYTES)
+    answer = link.request(MsgType.PROBE, MsgType.PROBE_OK, nonce)
+    if len(answer) != 8:
+        raise ProtocolError(f"peer {md.name!r} answered PROBE with {len(answer)} bytes")
+    found = np.zeros(NONCE_BYTES, np.uint8)
+    try:
+        _io.vm_readv(
+            md.pid,
+            np.array([found.ctypes.data], np.uint64),
+            np.array([NONCE_BYTES], np.uint64),
+            np.frombuffer(answer, "<u8").astype(np.uint64),
+            np.array([NONCE_BYTES], np.uint64),
+        )
+    except OSError as exc:
+        return f"pid {md.pid} is not the peer that answered the handshake ({explain(exc, md.pid)})"
+    if found.tobytes() != nonce:
+        return (
+            f"pid {md.pid} is not the peer that answered the handshake (it does not hold the nonce the "
+            "peer was given): the metadata names another process"
+        )
+    return None
