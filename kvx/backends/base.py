@@ -72,12 +72,15 @@ class Unreachable(Exception):
 
 
 class Channel(abc.ABC):
-    """A connected peer, over one backend."""
+    """A connected peer, over one backend, built on the peer's control link."""
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
 
     @property
-    @abc.abstractmethod
     def link(self) -> Link:
         """The control connections to the peer this channel builds on."""
+        return self._link
 
     @property
     def alive(self) -> bool:

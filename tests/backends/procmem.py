@@ -46,13 +46,9 @@ class ProcMemBackend(Backend):
 
 class ProcMemChannel(Channel):
     def __init__(self, link: Link, pid: int) -> None:
-        self._link = link
+        super().__init__(link)
         self._fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         link.when_closed(lambda: os.close(self._fd))
-
-    @property
-    def link(self) -> Link:
-        return self._link
 
     def post(
         self,

@@ -119,16 +119,12 @@ class CudaIpcChannel(Channel):
     """GPU-to-GPU bytes through CUDA IPC; everything else through ``host``."""
 
     def __init__(self, link: Link, pid: int, host: Channel) -> None:
-        self._link = link
+        super().__init__(link)
         self.pid = pid
         self.host = host
         self._maps: dict[int, Any] = {}  # local device -> gpu.IpcMap
         self._lock = threading.Lock()
         link.when_closed(self._close_maps)  # after the last reader: no copy can run
-
-    @property
-    def link(self) -> Link:
-        return self._link
 
     @property
     def cma(self) -> bool:

@@ -195,7 +195,7 @@ class ShmChannel(Channel):
     def __init__(
         self, link: Link, pid: int, *, cma: bool, segment_maps: dict[int, Any] | None = None
     ) -> None:
-        self._link = link
+        super().__init__(link)
         self.tcp = TcpChannel(link)
         self.pid = pid
         self.cma = cma
@@ -204,10 +204,6 @@ class ShmChannel(Channel):
         if self.segment_maps:
             maps = self.segment_maps
             link.when_closed(lambda: segments.close_all(maps))  # no copy can run any more
-
-    @property
-    def link(self) -> Link:
-        return self._link
 
     def post(
         self,

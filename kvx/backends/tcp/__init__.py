@@ -46,11 +46,7 @@ class TcpChannel(Channel):
     memory they do not move themselves."""
 
     def __init__(self, link: Link) -> None:
-        self._link = link
-
-    @property
-    def link(self) -> Link:
-        return self._link
+        super().__init__(link)
 
     def post(
         self,
