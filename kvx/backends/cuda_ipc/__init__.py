@@ -28,7 +28,7 @@ from kvx.backends.base import Backend, Channel, Unreachable, same_host
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
 from kvx.backends.control.pinned import PinnedCopy
-from kvx.backends.shm import LANES, ShmChannel, cma_problem, map_segments, prove
+from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, prove
 from kvx.backends.tcp import TcpChannel
 from kvx.errors import KvxError, TransferError
 from kvx.transfer import Op, Transfer
@@ -59,9 +59,7 @@ class CudaIpcBackend(Backend):
         )
 
     def streams(self, md: agent_pb2.AgentMetadata, streams: int) -> int:
-        if md.shm_probe_address and same_host(md):
-            return max(streams, LANES)
-        return streams
+        return lanes(md, streams)
 
     def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
         if not same_host(md):

@@ -148,9 +148,7 @@ class ShmBackend(Backend):
         conn.sock.sendall(_wire.pack(MsgType.SEG_TOKEN_OK, request_id, payload_len=len(token)) + token)
 
     def streams(self, md: agent_pb2.AgentMetadata, streams: int) -> int:
-        if md.shm_probe_address and same_host(md):
-            return max(streams, LANES)  # shm is likely: copy large transfers on several threads
-        return streams
+        return lanes(md, streams)
 
     def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
         why = cma_problem(md)
@@ -253,6 +251,14 @@ class ShmChannel(Channel):
         if not len(self._segment_ids):
             return False
         return bool(np.isin(remote["region"], self._segment_ids).all())
+
+
+def lanes(md: agent_pb2.AgentMetadata, streams: int) -> int:
+    """Connections to a peer the same-host backends may serve: at least LANES,
+    so that large transfers are copied on several threads."""
+    if md.shm_probe_address and same_host(md):
+        return max(streams, LANES)
+    return streams
 
 
 def segments_offered(md: agent_pb2.AgentMetadata) -> bool:
