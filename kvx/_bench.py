@@ -165,6 +165,114 @@ LIMITS = {"tcp": "raw socket", "shm": "process_vm_readv", "cuda_ipc": "process_v
 MEMORIES = ("host", "cuda")
 
 
+class _Session:
+    """One target worker, one initiator agent and the limit of the path
+    between them, reused for every transfer size measured."""
+
+    def __init__(self, pool_bytes: int, streams: int, backend: str, memory: str) -> None:
+        self.memory = memory
+        secret = secrets.token_bytes(32)
+        if memory == "cuda":
+            from kvx._datapath import gpu
+
+            self.cp = gpu.cupy_module()
+            if not gpu.available():
+                raise ConfigError("--memory cuda needs a CUDA device, and this process sees none")
+        self.worker = Worker(
+            WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory)
+        )
+        self.agent: Agent | None = None
+        self.raw: RawClient | None = None
+        try:
+            self.agent = Agent("bench-initiator", auth_secret=secret, streams=streams, backend=backend)
+            self.pool = (
+                self.cp.zeros(pool_bytes, self.cp.uint8)
+                if memory == "cuda"
+                else np.zeros(pool_bytes, np.uint8)
+            )
+            self.region = self.agent.register(self.pool)
+            self.peer = self.agent.add_peer(self.worker.metadata)
+        except BaseException:
+            self.close()
+            raise
+
+    def limit(self, block_size: int, ids: np.ndarray, nbytes: int) -> tuple[str, Any]:
+        peer = self.peer
+        if self.memory == "cuda" and peer.backend == "cuda_ipc":
+            return "cudaMemcpy device to device", CudaCopyLimit(nbytes)
+        if self.memory == "host" and peer.backend in ("shm", "cuda_ipc"):
+            return LIMITS[peer.backend], CmaLimit(
+                self.worker.pid, self.region.address, peer.regions[0].address, ids * block_size, block_size
+            )
+        # tcp, and GPU memory staged over the socket: the host-memory socket rate.
+        if self.raw is None:
+            self.raw = RawClient(len(self.pool) // 2)
+        return "raw socket", self.raw
+
+    def measure(
+        self, op: str, block_size: int, blocks: int, iters: int, warmup: int, progress: bool = False
+    ) -> dict[str, Any]:
+        """Transfers of ``blocks`` non-adjacent blocks (every other one),
+        alternating with the limit's; then the bytes are checked."""
+        nbytes = block_size * blocks
+        ids = np.arange(0, 2 * blocks, 2)
+        local = Descs.from_blocks(self.region, ids, block_size)
+        remote = Descs.from_blocks(self.peer.regions[0], ids, block_size)
+        limit_name, limit_path = self.limit(block_size, ids, nbytes)
+        post = self.peer.read if op == "read" else self.peer.write
+        kvx_s: list[float] = []
+        raw_s: list[float] = []
+        for i in range(warmup + iters):
+            raw_t = limit_path.transfer(op, nbytes)
+            start = time.perf_counter()
+            post(local, remote).wait(60)
+            kvx_t = time.perf_counter() - start
+            if i >= warmup:
+                raw_s.append(raw_t)
+                kvx_s.append(kvx_t)
+                _progress(i - warmup + 1, iters, progress)
+        mine, limit = _stats(kvx_s, nbytes), _stats(raw_s, nbytes)
+        return {
+            "bytes": nbytes,
+            "block_size_bytes": block_size,
+            "blocks": blocks,
+            "iters": iters,
+            **mine,
+            "limit": limit_name,
+            "limit_gbps": limit["throughput_gbps"],
+            "limit_latency_us_p50": limit["latency_us_p50"],
+            "limit_latency_us_p99": limit["latency_us_p99"],
+            "ratio": mine["throughput_gbps"] / limit["throughput_gbps"],
+            "verified": self.verify(op, block_size, ids),
+        }
+
+    def verify(self, op: str, block_size: int, ids: np.ndarray) -> bool:
+        pool = self.cp.asnumpy(self.pool) if self.memory == "cuda" else self.pool
+        if op == "read":
+            got = pool[: 2 * len(ids) * block_size].reshape(-1, block_size)[ids]
+            want = self.worker.expected(0, 2 * len(ids) * block_size).reshape(-1, block_size)[ids]
+            return bool(np.array_equal(got, want))
+        return bool(self.worker.call("peek", 0, block_size) == pool[:block_size].tobytes())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.peer.backend,
+            "backend_reason": self.peer.backend_reason,
+            "memory": self.memory,
+            "data_path": _io.IMPL,
+            "streams": self.peer.streams,
+        }
+
+    def close(self) -> None:
+        try:
+            if self.raw is not None:
+                self.raw.close()
+            if self.agent is not None:
+                self.agent.close()
+        finally:
+            self.worker.stop()
+
+
 def run(
     op: str,
     block_size: int,
@@ -176,80 +284,112 @@ def run(
     backend: str = "auto",
     memory: str = "host",
 ) -> dict[str, Any]:
-    nbytes = block_size * blocks
-    pool_bytes = block_size * blocks * 2  # every other block: the descriptors are not adjacent
-    secret = secrets.token_bytes(32)
-    if memory == "cuda":
-        from kvx._datapath import gpu
-
-        cp = gpu.cupy_module()
-        if not gpu.available():
-            raise ConfigError("--memory cuda needs a CUDA device, and this process sees none")
-    worker = Worker(
-        WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory)
-    )
-    limit_path: Any = None
+    # Every other block: the descriptors are not adjacent.
+    session = _Session(block_size * blocks * 2, streams, backend, memory)
     try:
-        with Agent("bench-initiator", auth_secret=secret, streams=streams, backend=backend) as agent:
-            pool = cp.zeros(pool_bytes, cp.uint8) if memory == "cuda" else np.zeros(pool_bytes, np.uint8)
-            region = agent.register(pool)
-            peer = agent.add_peer(worker.metadata)
-            ids = np.arange(0, 2 * blocks, 2)
-            local = Descs.from_blocks(region, ids, block_size)
-            remote = Descs.from_blocks(peer.regions[0], ids, block_size)
-            if memory == "cuda" and peer.backend == "cuda_ipc":
-                limit_name, limit_path = "cudaMemcpy device to device", CudaCopyLimit(nbytes)
-            elif memory == "host" and peer.backend in ("shm", "cuda_ipc"):
-                limit_name = LIMITS[peer.backend]
-                limit_path = CmaLimit(
-                    worker.pid, region.address, peer.regions[0].address, ids * block_size, block_size
-                )
-            else:  # tcp, and GPU memory staged over the socket: the host-memory socket rate
-                limit_name, limit_path = "raw socket", RawClient(nbytes)
-            post = peer.read if op == "read" else peer.write
-            kvx_s: list[float] = []
-            raw_s: list[float] = []
-            for i in range(warmup + iters):
-                raw_t = limit_path.transfer(op, nbytes)
-                start = time.perf_counter()
-                post(local, remote).wait(60)
-                kvx_t = time.perf_counter() - start
-                if i >= warmup:
-                    raw_s.append(raw_t)
-                    kvx_s.append(kvx_t)
-                    _progress(i - warmup + 1, iters, progress)
-            if memory == "cuda":
-                pool = cp.asnumpy(pool)
-            if op == "read":
-                got = pool.reshape(-1, block_size)[ids]
-                verified = bool(
-                    np.array_equal(got, worker.expected(0, pool_bytes).reshape(-1, block_size)[ids])
-                )
-            else:
-                verified = worker.call("peek", 0, block_size) == pool[:block_size].tobytes()
+        point = session.measure(op, block_size, blocks, iters, warmup, progress)
+        about = session.describe()
     finally:
-        if limit_path is not None:
-            limit_path.close()
-        worker.stop()
-    mine, limit = _stats(kvx_s, nbytes), _stats(raw_s, nbytes)
+        session.close()
     return {
         "op": op,
-        "backend": peer.backend,
-        "backend_reason": peer.backend_reason,
-        "limit": limit_name,
-        "memory": memory,
-        "data_path": _io.IMPL,
-        "block_size_bytes": block_size,
-        "blocks": blocks,
-        "bytes_per_transfer": nbytes,
-        "streams": peer.streams,
-        "iters": iters,
-        **mine,
-        "limit_gbps": limit["throughput_gbps"],
-        "limit_latency_us_p50": limit["latency_us_p50"],
-        "ratio": mine["throughput_gbps"] / limit["throughput_gbps"],
-        "verified": verified,
+        **about,
+        "bytes_per_transfer": point.pop("bytes"),
+        **point,
     }
+
+
+# The transfer sizes of ``kvx bench --sweep``: 4 KiB to 64 MiB.
+SWEEP_SIZES = tuple(4096 << (2 * k) for k in range(8))
+SWEEP_BLOCK = 16 * 1024
+
+
+def sweep_plan(size: int) -> tuple[int, int, int, int]:
+    """(block size, blocks, measured transfers, warm-up) at one sweep size:
+    16 KiB blocks (one block below that), and enough transfers that each
+    size takes about the same time."""
+    block = min(SWEEP_BLOCK, size)
+    iters = max(10, min(1000, (256 << 20) // size))
+    return block, size // block, iters, max(2, iters // 10)
+
+
+def sweep(
+    op: str,
+    streams: int,
+    backend: str = "auto",
+    memory: str = "host",
+    sizes: tuple[int, ...] = SWEEP_SIZES,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The curve: transfer size -> throughput, latency and ratio to the limit."""
+    session = _Session(2 * max(sizes), streams, backend, memory)
+    points = []
+    try:
+        for size in sizes:
+            block, blocks, iters, warmup = sweep_plan(size)
+            points.append(session.measure(op, block, blocks, iters, warmup))
+            if progress:
+                sys.stderr.write(f"  {_size(size):>8}: {points[-1]['throughput_gbps']:.3f} GB/s\n")
+        about = session.describe()
+    finally:
+        session.close()
+    return {"op": op, **about, "limit": points[0]["limit"], "points": points}
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def render_sweep(result: dict[str, Any]) -> str:
+    r = result
+    lines = [
+        f"kvx bench --sweep: {r['op']}, {r['backend']}, {r['memory']} memory, {r['streams']} stream(s) "
+        f"({r['data_path']} data path); limit: {r['limit']}",
+        f"  {'size':>8} {'blocks':>7} {'kvx GB/s':>9} {'p50 us':>9} {'p99 us':>9} "
+        f"{'limit GB/s':>10} {'p50 us':>9} {'ratio':>6}",
+    ]
+    for p in r["points"]:
+        lines.append(
+            f"  {_size(p['bytes']):>8} {p['blocks']:>7} {p['throughput_gbps']:9.3f} {p['latency_us_p50']:9.1f} "
+            f"{p['latency_us_p99']:9.1f} {p['limit_gbps']:10.3f} {p['limit_latency_us_p50']:9.1f} "
+            f"{p['ratio']:6.2f}" + ("" if p["verified"] else "  DATA NOT VERIFIED")
+        )
+    lines.append(f"  backend: {r['backend']}: {r['backend_reason']}")
+    return "\n".join(lines)
+
+
+def plot_sweep(result: dict[str, Any], path: str) -> None:
+    """Draw the curve (throughput and ratio against size) into ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(f"--plot needs matplotlib: pip install 'kvx[bench]' ({exc})") from None
+    points = result["points"]
+    sizes = [p["bytes"] for p in points]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
+    top.plot(sizes, [p["throughput_gbps"] for p in points], "o-", label=f"kvx ({result['backend']})")
+    top.plot(sizes, [p["limit_gbps"] for p in points], "s--", label=f"limit: {result['limit']}")
+    top.set_ylabel("GB/s")
+    top.set_title(f"kvx bench --sweep: {result['op']}, {result['backend']}, {result['memory']} memory")
+    top.legend()
+    top.grid(True, which="both", alpha=0.3)
+    bottom.plot(sizes, [p["ratio"] for p in points], "o-")
+    bottom.axhline(1.0, color="grey", linewidth=0.8)
+    bottom.set_ylabel("ratio to the limit")
+    bottom.set_xlabel("bytes per transfer")
+    bottom.set_xscale("log", base=2)
+    bottom.set_xticks(sizes, [_size(s) for s in sizes], rotation=30)
+    bottom.set_ylim(0, max(1.1, max(p["ratio"] for p in points) * 1.1))
+    bottom.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def render(result: dict[str, Any]) -> str:

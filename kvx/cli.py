@@ -9,7 +9,7 @@ import sys
 
 from kvx import backends
 from kvx.config import parse_size
-from kvx.errors import KvxError
+from kvx.errors import ConfigError, KvxError
 
 
 def _size(text: str) -> int:
@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["host", "cuda"],
         default="host",
         help="where both sides' blocks live: host memory, or CUDA device 0 (needs kvx[gpu]; default: host)",
+    )
+    bench.add_argument(
+        "--sweep",
+        action="store_true",
+        help="measure the curve instead: transfer sizes from 4 KiB to 64 MiB in 16 KiB blocks "
+        "(--block-size, --blocks, --iters and --warmup are then chosen per size)",
+    )
+    bench.add_argument(
+        "--plot", metavar="FILE.png", help="with --sweep: draw the curve into FILE.png (needs kvx[bench])"
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     meta = sub.add_parser(
@@ -299,6 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from kvx import _bench
 
+            if args.plot and not args.sweep:
+                raise ConfigError("--plot draws the curve of --sweep; add --sweep")
+            if args.sweep:
+                curve = _bench.sweep(
+                    args.op,
+                    args.streams,
+                    backend=args.backend,
+                    memory=args.memory,
+                    progress=not args.json and sys.stderr.isatty(),
+                )
+                print(_bench.main_json(curve) if args.json else _bench.render_sweep(curve))
+                if args.plot:
+                    _bench.plot_sweep(curve, args.plot)
+                return 0 if all(p["verified"] for p in curve["points"]) else 1
             result = _bench.run(
                 args.op,
                 args.block_size,

@@ -74,3 +74,26 @@ def test_bad_arguments_are_clear_errors():
     result = kvx("demo", "--blocks", "10", "--num-blocks", "5")
     assert result.returncode == 2 and "--blocks must not exceed" in result.stderr
     assert kvx("--help").returncode == 0 and "demo" in kvx("--help").stdout
+
+
+@pytest.mark.slow
+def test_bench_sweep_prints_the_curve_and_plots_it(tmp_path):
+    png = tmp_path / "curve.png"
+    result = kvx("bench", "--sweep", "--backend", "shm", "--json", "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    sizes = [p["bytes"] for p in data["points"]]
+    assert sizes == [4096 << (2 * k) for k in range(8)]  # 4 KiB to 64 MiB
+    for p in data["points"]:
+        assert p["verified"] is True and p["blocks"] * p["block_size_bytes"] == p["bytes"]
+        assert p["block_size_bytes"] == min(16384, p["bytes"])
+        assert 0 < p["latency_us_p50"] <= p["latency_us_p99"]
+        assert abs(p["ratio"] - p["throughput_gbps"] / p["limit_gbps"]) < 1e-9
+    assert data["backend"] == "shm" and data["limit"] == "process_vm_readv"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bench_plot_needs_sweep(tmp_path):
+    result = kvx("bench", "--plot", str(tmp_path / "x.png"))
+    assert result.returncode != 0 and "--plot draws the curve of --sweep" in result.stderr
+    assert not (tmp_path / "x.png").exists()

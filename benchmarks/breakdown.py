@@ -1,0 +1,190 @@
+"""Where the time of one small transfer goes: a traced breakdown.
+
+Two processes on this host, as in ``kvx bench``; both are instrumented by
+wrapping kvx functions (nothing in kvx changes) with timestamps from
+CLOCK_MONOTONIC, which both processes share. Each transfer is posted alone
+and waited for, so the stamps of one transfer line up across the processes.
+The table gives, per stage, the median time from the previous stage that the
+transfer went through (stages a path does not take are left out), and the
+median total.
+
+    python benchmarks/breakdown.py --backend tcp --size 4096 --iters 2000
+    python benchmarks/breakdown.py --backend shm --size 16384
+
+The wrappers cost about a microsecond each; the total is a little above
+``kvx bench``'s p50 for the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import multiprocessing
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+# The checkout's kvx, also for the spawned target.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+
+STAMPS: list[tuple[str, int]] = []
+
+
+def stamp(name: str) -> None:
+    STAMPS.append((name, time.monotonic_ns()))
+
+
+def wrap(owner: Any, attr: str, before: str | None, after: str | None) -> None:
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            stamp(before)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if after:
+                stamp(after)
+
+    setattr(owner, attr, traced)
+
+
+def instrument_target() -> None:
+    from kvx.backends.control import serve
+
+    merge = serve.merge_handlers
+
+    def merged(by_backend: Any) -> Any:
+        table = merge(by_backend)
+        for msg_type, handler in list(table.items()):
+            box = type("Box", (), {"fn": staticmethod(handler)})
+            wrap(box, "fn", f"target: handler {msg_type} in", f"target: handler {msg_type} out")
+            table[msg_type] = box.fn
+        return table
+
+    serve.merge_handlers = merged
+    wrap(serve, "recv_header", None, "target: header read")
+
+
+def instrument_initiator() -> None:
+    from kvx import agent, transfer
+    from kvx.backends.control import link, pinned
+
+    wrap(agent.Peer, "_post", "post called", None)
+    for module, cls in (
+        ("kvx.backends.tcp", "TcpChannel"),
+        ("kvx.backends.shm", "ShmChannel"),
+    ):
+        wrap(getattr(sys.modules[module], cls), "post", "channel.post", "channel.post returned")
+    wrap(link.Connection, "submit", None, "request sent")
+    wrap(link.Connection, "_read_response", "response header read", "response handled")
+    wrap(pinned.PinnedCopy, "__call__", "copy start", "copy end")
+    wrap(transfer.Transfer, "_finish", "transfer finishing", None)
+
+
+def target_main(conn: Any, size: int, backend: str, secret: bytes) -> None:
+    instrument_target()
+    import kvx
+
+    pool = np.arange(2 * size, dtype=np.uint8)
+    agent = kvx.Agent("breakdown-target", auth_secret=secret, backend=backend)
+    agent.register(pool)
+    conn.send(agent.metadata())
+    conn.recv()  # start recording
+    STAMPS.clear()
+    conn.recv()  # done
+    conn.send(list(STAMPS))
+    agent.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backend", default="tcp")
+    parser.add_argument("--size", type=int, default=4096, help="bytes of the one block read")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200)
+    args = parser.parse_args()
+
+    import kvx
+    import kvx.backends.shm  # noqa: F401  (instrumented below)
+    import kvx.backends.tcp  # noqa: F401
+
+    instrument_initiator()
+    secret = secrets.token_bytes(32)
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    child = ctx.Process(target=target_main, args=(theirs, args.size, args.backend, secret), daemon=True)
+    child.start()
+    try:
+        if not mine.poll(60):
+            raise RuntimeError("target did not start")
+        metadata = mine.recv()
+        with kvx.Agent("breakdown-initiator", auth_secret=secret, backend=args.backend) as agent:
+            pool = np.zeros(2 * args.size, np.uint8)
+            region = agent.register(pool)
+            peer = agent.add_peer(metadata)
+            local = kvx.Descs.from_blocks(region, [0], args.size)
+            remote = kvx.Descs.from_blocks(peer.regions[0], [1], args.size)
+            for _ in range(args.warmup):
+                peer.read(local, remote).wait(30)
+            mine.send("start")
+            STAMPS.clear()
+            bounds = []
+            for _ in range(args.iters):
+                begin = len(STAMPS)
+                peer.read(local, remote).wait(30)
+                stamp("wait returned")
+                bounds.append((begin, len(STAMPS)))
+            mine.send("done")
+            target = mine.recv()
+            initiator = list(STAMPS)
+            assert pool[: args.size].tobytes() == bytes(np.arange(2 * args.size, dtype=np.uint8)[args.size :])
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    # The target's stamps that fall inside each transfer belong to it.
+    offsets: dict[str, list[float]] = {}
+    totals = []
+    t_index = 0
+    for begin, end in bounds:
+        events = initiator[begin:end]
+        start, stop = events[0][1], events[-1][1]
+        while t_index < len(target) and target[t_index][1] < start:
+            t_index += 1
+        while t_index < len(target) and target[t_index][1] <= stop:
+            events.append(target[t_index])
+            t_index += 1
+        totals.append((stop - start) / 1e3)
+        seen = set()
+        for name, t in events:
+            if name not in seen:  # the first time a transfer passes a stage
+                seen.add(name)
+                offsets.setdefault(name, []).append((t - start) / 1e3)
+    print(
+        f"breakdown: READ of one {args.size}-byte block, backend {peer.backend}, "
+        f"{args.iters} transfers, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores"
+    )
+    print("  median us since post | since the stage before | stage")
+    previous = 0.0
+    for name, samples in sorted(offsets.items(), key=lambda item: np.median(item[1])):
+        at = float(np.median(samples))
+        share = len(samples) / len(bounds)
+        note = "" if share > 0.99 else f"   (in {share:.0%} of transfers)"
+        print(f"  {at:8.1f} | {at - previous:8.1f} | {name}{note}")
+        previous = at
+    print(f"  total p50 {np.median(totals):.1f} us, p99 {np.percentile(totals, 99):.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
