@@ -246,6 +246,32 @@ class _Session:
             "verified": self.verify(op, block_size, ids),
         }
 
+    def pingpong(self, op: str, iters: int = 1000) -> dict[str, float]:
+        """A 4 KiB kvx transfer against a bare Python socket ping-pong of the
+        same bytes between two processes, alternating: the latency floor of
+        a request and its answer on this machine, whatever the backend."""
+        if self.raw is None:
+            self.raw = RawClient(len(self.pool) // 2)
+        local = Descs.from_blocks(self.region, [0], 4096)
+        remote = Descs.from_blocks(self.peer.regions[0], [0], 4096)
+        post = self.peer.read if op == "read" else self.peer.write
+        kvx_s, raw_s = [], []
+        for i in range(iters + iters // 10):
+            raw_t = self.raw.transfer(op, 4096)
+            start = time.perf_counter()
+            post(local, remote).wait(60)
+            kvx_t = time.perf_counter() - start
+            if i >= iters // 10:
+                kvx_s.append(kvx_t)
+                raw_s.append(raw_t)
+        mine, raw = _stats(kvx_s, 4096), _stats(raw_s, 4096)
+        return {
+            "kvx_us_p50": mine["latency_us_p50"],
+            "kvx_us_p99": mine["latency_us_p99"],
+            "socket_us_p50": raw["latency_us_p50"],
+            "ratio_p50": mine["latency_us_p50"] / raw["latency_us_p50"],
+        }
+
     def verify(self, op: str, block_size: int, ids: np.ndarray) -> bool:
         pool = self.cp.asnumpy(self.pool) if self.memory == "cuda" else self.pool
         if op == "read":
@@ -330,10 +356,11 @@ def sweep(
             points.append(session.measure(op, block, blocks, iters, warmup))
             if progress:
                 sys.stderr.write(f"  {_size(size):>8}: {points[-1]['throughput_gbps']:.3f} GB/s\n")
+        pingpong = session.pingpong(op)
         about = session.describe()
     finally:
         session.close()
-    return {"op": op, **about, "limit": points[0]["limit"], "points": points}
+    return {"op": op, **about, "limit": points[0]["limit"], "points": points, "pingpong": pingpong}
 
 
 def _size(n: int) -> str:
@@ -357,6 +384,12 @@ def render_sweep(result: dict[str, Any]) -> str:
             f"{p['latency_us_p99']:9.1f} {p['limit_gbps']:10.3f} {p['limit_latency_us_p50']:9.1f} "
             f"{p['ratio']:6.2f}" + ("" if p["verified"] else "  DATA NOT VERIFIED")
         )
+    pp = r["pingpong"]
+    lines.append(
+        f"  4 KiB, alternating with a bare Python socket ping-pong of the same bytes: kvx p50 "
+        f"{pp['kvx_us_p50']:.1f} us (p99 {pp['kvx_us_p99']:.1f}), socket p50 {pp['socket_us_p50']:.1f} us, "
+        f"{pp['ratio_p50']:.2f}x"
+    )
     lines.append(f"  backend: {r['backend']}: {r['backend_reason']}")
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ every byte it reads without a copy of the pool.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -114,6 +115,11 @@ def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) 
         region = agent.register(buf, remote_access=remote_access)
         regions[region.id] = region
         return region.id
+    if cmd == "fill_region":  # every byte of a region registered with "register"
+        rid, value = args
+        region = regions[rid]
+        np.frombuffer((ctypes.c_uint8 * region.size_bytes).from_address(region.address), np.uint8)[:] = value
+        return None
     if cmd == "deregister":
         agent.deregister(regions.pop(args[0]))
         return None

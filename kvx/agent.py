@@ -180,6 +180,7 @@ class Agent:
         except BaseException:
             self._close_backends()
             raise
+        self._regions.on_remove = self._listener.revoke  # peers give their leases back
         logger.info("agent %s epoch %#x listening on %s", name, self.epoch, self._listener.endpoint)
         self._directory: Directory | None = None
         if metadata is not None:

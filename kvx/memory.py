@@ -12,6 +12,7 @@ import array
 import dataclasses
 import enum
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ import numpy as np
 from kvx._datapath import gpu, shared
 from kvx.descs import Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
+
+logger = logging.getLogger(__name__)
 
 # Region ids are never reused within an epoch, and index dense arrays.
 MAX_REGION_ID = 1 << 20
@@ -136,7 +139,12 @@ class RegionTable:
         self._device = np.full(64, -1, dtype=np.int32)
         self._cuda = 0  # CUDA regions registered
         self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
-        self._active: dict[int, None] = {}
+        # Pins: token -> None (a transfer's: any region it named) or the one
+        # region a lease holds (a same-host peer's pin that outlives transfers).
+        self._active: dict[int, int | None] = {}
+        # Called with a region id when its deregistration starts (outside the
+        # lock): the listener revokes the leases on it (Listener.revoke).
+        self.on_remove: Callable[[int], None] | None = None
         self._removing: set[int] = set()
         self._tokens = itertools.count(1)
         self._waiters = 0
@@ -220,7 +228,8 @@ class RegionTable:
             return region
 
     def remove(self, region: Region | int, timeout_s: float) -> None:
-        """Deregister; waits for accesses that started before, up to timeout_s."""
+        """Deregister; waits for accesses that started before, and for the
+        leases peers hold on it (revoked through ``on_remove``), up to timeout_s."""
         rid = region.id if isinstance(region, Region) else int(region)
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -231,16 +240,26 @@ class RegionTable:
             self._removing.add(rid)
             saved = self._flags[rid]
             self._flags[rid] = 0  # no new access can resolve against it from here on
-            before = set(self._active)
+            before = {t for t, held in self._active.items() if held is None}
+            leased = any(held == rid for held in self._active.values())
+        if leased and self.on_remove is not None:
+            try:
+                self.on_remove(rid)  # the holders give their leases back (release)
+            except Exception:  # the wait below still guards the memory
+                logger.exception("revoking the leases on region %d failed", rid)
+        with self._cond:
             self._waiters += 1
             try:
-                while before.intersection(self._active):
+                while any(
+                    held == rid or (held is None and token in before) for token, held in self._active.items()
+                ):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         self._flags[rid] = saved
                         raise RegionBusyError(
-                            f"region {rid} still has transfers in flight after {timeout_s}s; "
-                            "wait for them (Transfer.wait) and deregister again"
+                            f"region {rid} still has transfers in flight, or a peer that has not given "
+                            f"back its lease on it, after {timeout_s}s; wait for them (Transfer.wait) "
+                            "and deregister again"
                         )
                     self._cond.wait(left)
             finally:
@@ -320,6 +339,27 @@ class RegionTable:
                     f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})"
                 )
             return self._base[ids].copy(), self._size[ids].copy(), self._pin()
+
+    def lease(self, ids: list[int], need: int, who: str) -> list[tuple[int, int, int]]:
+        """Like ``pin_regions``, with one pin per region that outlives
+        transfers (a lease): (base, size, token) per region. ``remove``
+        revokes it (``on_remove``) and waits for its ``release``."""
+        with self._lock:
+            out: list[tuple[int, int, int]] = []
+            for rid in ids:
+                flags = int(self._flags[rid]) if rid < len(self._flags) else 0
+                if flags & (need | VALID) != need | VALID:
+                    for token in (t for _, _, t in out):
+                        self._active.pop(token, None)
+                    if not flags & VALID:
+                        raise AccessError(f"{who}: unknown region {rid}")
+                    raise AccessError(
+                        f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})"
+                    )
+                token = next(self._tokens)
+                self._active[token] = rid
+                out.append((int(self._base[rid]), int(self._size[rid]), token))
+            return out
 
     def _pin(self) -> int:
         token = next(self._tokens)

@@ -7,6 +7,7 @@ backend can hand to an authenticated peer (kvx/backends/shm/segments.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
@@ -27,6 +28,16 @@ class _Segment:
 
 _segments: dict[int, _Segment] = {}  # address -> segment
 _lock = threading.Lock()
+# Segments whose array died. The finalizer only appends here (atomic): it can
+# run inside any allocation, also one made while _lock is held, so it must
+# not take the lock; the next user of _segments drops them first.
+_dead: collections.deque[int] = collections.deque()
+
+
+def _drop_dead() -> None:
+    """With _lock held."""
+    while _dead:
+        _segments.pop(_dead.popleft(), None)
 
 
 def alloc_shared(nbytes: int) -> np.ndarray:
@@ -45,20 +56,21 @@ def alloc_shared(nbytes: int) -> np.ndarray:
     array = np.frombuffer(mapping, dtype=np.uint8)
     address = array.ctypes.data
     with _lock:
+        _drop_dead()
         _segments[address] = _Segment(fd, nbytes, address)
     weakref.finalize(array, _forget, address, fd)
     return array
 
 
 def _forget(address: int, fd: int) -> None:
-    with _lock:
-        _segments.pop(address, None)
+    _dead.append(address)
     os.close(fd)
 
 
 def find(address: int, size: int) -> tuple[int, int] | None:
     """(fd, offset) when [address, address + size) lies in one kvx segment."""
     with _lock:
+        _drop_dead()
         for seg in _segments.values():
             if seg.address <= address and address + size <= seg.address + seg.size:
                 return seg.fd, address - seg.address

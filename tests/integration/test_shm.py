@@ -24,7 +24,7 @@ from kvx.agent import parse_metadata
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
 from tests.conftest import SECRET
-from tests.integration.test_faults import _expect_error_then_close, _read_message, _session, _tampered
+from tests.integration.test_faults import _expect_error_then_close, _read_message, _recv, _session, _tampered
 
 BLOCK = 4096
 
@@ -202,8 +202,15 @@ def test_malformed_pin_messages_close_the_connection(make_worker, make_agent):
     assert "holds no pin" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
     ids = np.array([worker.region_id], "<u4").tobytes()
-    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=9) + ids)
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=17) + ids)  # unknown bit
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    keep_ipc = _wire.PIN_READ | _wire.PIN_KEEP | _wire.PIN_IPC  # IPC handles are never leased
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=keep_ipc) + ids)
+    _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    sock.sendall(_wire.pack(MsgType.SHM_RELEASE, worker.region_id, payload_len=4) + b"\0" * 4)
+    assert "SHM_RELEASE carries nothing" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
     sock.sendall(
         _wire.pack(MsgType.SHM_PIN, 1, payload_len=6, aux=_wire.PIN_READ) + b"\0" * 6
@@ -399,3 +406,118 @@ def test_a_forged_pid_cannot_make_the_initiator_attach_to_another_process(make_w
     region = peer.agent.register(pool)
     peer.read(Descs.from_blocks(region, [0], BLOCK), Descs.from_blocks(peer.regions[0], [5], BLOCK)).wait(10)
     assert np.array_equal(pool[:BLOCK], worker.expected(5 * BLOCK, BLOCK))  # from the real peer, over tcp
+
+
+# Leases: pins that outlive a transfer (SHM_PIN with PIN_KEEP), so that a
+# same-host copy needs no round trip. They must hold deregister back exactly
+# like a transfer in flight, and go when the peer gives them back or dies.
+
+
+def _revoked(sock):
+    """The next message must be an SHM_REVOKE: the region id it names."""
+    _, _, msg_type, request_id, payload_len, aux, data_len = _wire.unpack(_recv(sock, 32))
+    assert (msg_type, payload_len, aux, data_len) == (MsgType.SHM_REVOKE, 0, 0, 0)
+    return request_id
+
+
+def _lease(sock, request_id, *regions):
+    return _pin(sock, request_id, *regions, aux=_wire.PIN_READ | _wire.PIN_KEEP)
+
+
+def test_a_lease_holds_deregister_until_the_peer_releases_it(make_worker):
+    worker = make_worker()
+    rid = worker.call("register", 1 << 16, True)
+    other = worker.call("register", 1 << 16, True)
+    md = parse_metadata(worker.call("metadata"))
+    sock, _ = _session(worker)
+    (msg_type, _), body = _lease(sock, 1, rid, other)
+    assert msg_type == MsgType.SHM_PIN_OK
+    bases = {r.id: r.address for r in md.regions}
+    assert np.frombuffer(body, np.uint64).tolist() == [bases[rid], 1 << 16, bases[other], 1 << 16]
+    # Leasing again answers the same and takes nothing more.
+    (msg_type, _), again = _lease(sock, 2, rid)
+    assert msg_type == MsgType.SHM_PIN_OK and np.frombuffer(again, np.uint64).tolist() == [
+        bases[rid],
+        1 << 16,
+    ]
+    # A release of a region this connection does not lease changes nothing.
+    sock.sendall(_wire.pack(MsgType.SHM_RELEASE, worker.region_id))
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.call("deregister", rid), done.set()), daemon=True).start()
+    assert _revoked(sock) == rid  # the target asks for it back...
+    assert not done.wait(0.5), "deregister went through a held lease"  # ...and waits for it
+    sock.sendall(_wire.pack(MsgType.SHM_RELEASE, rid))
+    assert done.wait(10)
+    # Gone for good: a new lease is refused; the lease on the other region holds on.
+    (msg_type, aux), text = _lease(sock, 3, rid)
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"unknown region" in text
+    done.clear()
+    threading.Thread(target=lambda: (worker.call("deregister", other), done.set()), daemon=True).start()
+    assert _revoked(sock) == other
+    assert not done.wait(0.3)
+    sock.close()  # a connection that ends gives its leases back
+    assert done.wait(10)
+
+
+def test_a_peer_that_holds_a_lease_and_stops_holds_deregister_until_it_dies(make_worker, make_agent):
+    agent = make_agent("target")
+    pool = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)[: 1 << 16].copy()
+    region = agent.register(pool)
+    reader = make_worker("reader")
+    reader.call("read_from", agent.metadata(), 0, region.id, 0, BLOCK)
+    assert reader.call("peek", 0, BLOCK) == pool[:BLOCK].tobytes()
+    reader.freeze()  # between transfers, with its lease
+    try:
+        with pytest.raises(kvx.RegionBusyError, match="lease"):
+            agent.deregister(region, timeout_s=0.5)
+    finally:
+        reader.thaw()
+    started = time.monotonic()
+    agent.deregister(region, timeout_s=10)  # answered at once by a live peer
+    assert time.monotonic() - started < 5
+    # A peer that dies gives its leases back with its connection.
+    second = agent.register(pool)
+    reader.call("read_from", agent.metadata(), 0, second.id, 0, BLOCK)
+    reader.freeze()
+    reader.kill()
+    agent.deregister(second, timeout_s=10)
+
+
+def test_reads_racing_a_deregister_get_the_bytes_or_an_error_never_garbage(make_worker, make_agent):
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.zeros(BLOCK, np.uint8)
+    local = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    for round_ in range(5):
+        rid = worker.call("register", 1 << 16, True)
+        worker.call("fill_region", rid, round_ + 1)
+        peer = agent.add_peer(worker.call("metadata"))  # the new region
+        remote = peer.region(rid).descs(BLOCK, BLOCK)
+        peer.read(local.descs(0, BLOCK), remote).wait(10)  # leased from here on
+        stop = threading.Event()
+        outcomes: list[str] = []
+
+        def hammer(peer=peer, remote=remote, stop=stop, outcomes=outcomes, value=round_ + 1) -> None:
+            while not stop.is_set():
+                pool[:] = 0
+                try:
+                    peer.read(local.descs(0, BLOCK), remote).wait(10)
+                except kvx.AccessError:
+                    outcomes.append("refused")
+                    continue
+                outcomes.append("ok" if (pool == value).all() else "garbage")
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        time.sleep(0.05)
+        worker.call("deregister", rid)
+        time.sleep(0.05)
+        stop.set()
+        thread.join(10)
+        assert "garbage" not in outcomes and outcomes[-1] == "refused", outcomes[-5:]
+        assert "ok" in outcomes
+    # The peer's other leases (its pool) are untouched by the revocations.
+    peer.read(local.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(10)
+    assert pool.tobytes() == worker.expected(0, BLOCK).tobytes()

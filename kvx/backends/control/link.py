@@ -57,6 +57,7 @@ from kvx.errors import (
     TransferError,
     VersionError,
 )
+from kvx.memory import SMALL_LIST
 from kvx.transfer import Op, Transfer
 from kvx.v1 import handshake_pb2
 
@@ -225,7 +226,7 @@ class Part:
     response, the send and a connection failure come in.
     """
 
-    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy", "device")
+    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy", "device", "keep")
 
     def __init__(
         self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int, device: int = -1
@@ -241,6 +242,8 @@ class Part:
         self.copy: Callable[[np.ndarray], None] | None = None
         # The CUDA device of addrs, or -1 (host memory): device bytes go through pinned buffers (_staging).
         self.device = device
+        # SHM_PIN with PIN_KEEP: (region ids, for writing) that the answer leases to this connection.
+        self.keep: tuple[np.ndarray, bool] | None = None
 
     @property
     def sends_data(self) -> bool:
@@ -279,7 +282,15 @@ class Connection:
         self.lock = threading.Lock()
         self.pending: dict[int, Part] = {}
         self.receiving: Part | None = None  # the part the reader is moving bytes into
-        self.copying = False  # the reader is moving bytes of a pinned shm range: keep the pin
+        # Copies of pinned (or leased) ranges running, on the reader or on posting
+        # threads: while any runs, the socket stays up, so the target keeps the pins.
+        self.copies = 0
+        self.copies_done = threading.Condition(self.lock)
+        self.copy_waiters = 0
+        # Leases held on this connection: (region id, for writing) -> (base, size),
+        # and per region the copies using it (see wire.py, PIN_KEEP).
+        self.leases: dict[tuple[int, bool], tuple[int, int]] = {}
+        self.lease_uses: collections.Counter[int] = collections.Counter()
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
         self.closed = False
@@ -393,10 +404,10 @@ class Connection:
             self.pending = {i: p for i, p in self.pending.items() if p is self.receiving}
             queued, self.queue = list(self.queue), collections.deque()
             self.queue_cv.notify_all()
-            # While the reader copies a pinned shm range the socket stays up: its
+            # While a pinned shm range is being copied the socket stays up: its
             # end would let the target unpin (and free) memory still being copied.
-            # The reader shuts it down when the copy returns.
-            copying = self.copying
+            # The last copy to end shuts it down.
+            copying = self.copies > 0
         if not copying:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
@@ -415,6 +426,9 @@ class Connection:
                 if header is None:
                     raise PeerLostError(f"peer {self.peer!r} closed the connection")
                 msg_type, request_id, payload_len, aux, data_len = check_header(header)
+                if msg_type == MsgType.SHM_REVOKE:
+                    self._revoke(request_id, payload_len, aux, data_len)
+                    continue
                 with self.lock:
                     if self.error is not None:
                         raise _again(self.error)
@@ -436,7 +450,7 @@ class Connection:
                     self.receiving = None
                     self.last_progress = time.monotonic()
                 self._release(part, result)
-                if msg_type == MsgType.SHM_PIN_OK:
+                if msg_type == MsgType.SHM_PIN_OK and part.keep is None:
                     # Unpinned only now: finishing the transfer first takes the send off its critical path.
                     self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
         except BaseException as exc:
@@ -481,23 +495,85 @@ class Connection:
         if data_len or payload_len % 8 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
             raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_PIN_OK")
         remote_addrs = np.frombuffer(recv_exact(self.sock, payload_len), dtype=np.uint64)
+        if part.keep is not None and len(remote_addrs) != 2 * len(part.keep[0]):
+            raise ProtocolError(f"peer {self.peer!r} answered a lease of {len(part.keep[0])} regions badly")
         with self.lock:
             if self.error is not None:
                 raise _again(self.error)
-            self.copying = True
+            self.copies += 1
+            if part.keep is not None:
+                regions, writing = part.keep
+                for i, rid in enumerate(regions.tolist()):
+                    self.leases[(rid, writing)] = (int(remote_addrs[2 * i]), int(remote_addrs[2 * i + 1]))
         try:
             part.copy(remote_addrs)
             result = None
         except KvxError as exc:
             result = exc
         finally:
-            with self.lock:
-                self.copying = False
-                broken = self.error is not None
-            if broken:  # shutdown() came during the copy and left the socket to us
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
+            self._copy_ended()
         return result
+
+    def lease(self, regions: list[int], writing: bool) -> tuple[int, ...] | None:
+        """The (base, size) pairs this connection leases for ``regions``, with
+        a copy begun on them (``unlease`` ends it); None when one is not leased."""
+        with self.lock:
+            if self.error is not None:
+                return None
+            leases = self.leases
+            pairs: tuple[int, ...] | None
+            if len(regions) == 1:
+                pairs = leases.get((regions[0], writing))
+                if pairs is None:
+                    return None
+            else:
+                found = [leases.get((rid, writing)) for rid in regions]
+                if None in found:
+                    return None
+                pairs = tuple(v for pair in found if pair is not None for v in pair)
+            uses = self.lease_uses
+            for rid in regions:
+                uses[rid] += 1
+            self.copies += 1
+        return pairs
+
+    def unlease(self, regions: list[int]) -> None:
+        with self.lock:
+            uses = self.lease_uses
+            for rid in regions:
+                uses[rid] -= 1
+                if not uses[rid]:
+                    del uses[rid]
+            self.copies -= 1
+            if self.copy_waiters:
+                self.copies_done.notify_all()
+            broken = self.error is not None and not self.copies
+        if broken:  # shutdown() came during the copy and left the socket to us
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _copy_ended(self) -> None:
+        with self.lock:
+            self.copies -= 1
+            if self.copy_waiters:
+                self.copies_done.notify_all()
+            broken = self.error is not None and not self.copies
+        if broken:  # shutdown() came during the copy and left the socket to us
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _revoke(self, region_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        """SHM_REVOKE: forget the lease, let the copies using it end, release it."""
+        if payload_len or aux or data_len:
+            raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_REVOKE")
+        with self.lock:
+            self.leases.pop((region_id, False), None)
+            self.leases.pop((region_id, True), None)
+            self.copy_waiters += 1
+            while self.lease_uses.get(region_id):
+                self.copies_done.wait()
+            self.copy_waiters -= 1
+        self.send_oneway(_wire.pack(MsgType.SHM_RELEASE, region_id))
 
     def send_oneway(self, prefix: bytes) -> None:
         """Send a message that gets no answer: now if the socket is free, else queued."""
@@ -521,6 +597,11 @@ class Connection:
         sender = self.sender
         if sender is not None and sender is not threading.current_thread():
             sender.join(self.links.ctx.timeouts.close_s)
+        with self.lock:
+            self.copy_waiters += 1
+            while self.copies:  # copies of leased ranges on posting threads: they end soon
+                self.copies_done.wait()
+            self.copy_waiters -= 1
         with self.send_lock:
             self.closed = True
             self.sock.close()
@@ -682,25 +763,68 @@ class Link:
         remote: np.ndarray,
         notify: bytes | None,
         flags: int,
-        make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[np.ndarray], None]],
+        make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[Any], None]],
+        keep: bool = False,
     ) -> None:
         """A transfer whose bytes the initiator moves itself: per part, the
         target checks and pins the regions (SHM_PIN), then the reader calls
         ``make_copy(addrs, lens, remote descs, region ids)(pinned)`` with
-        the (base, size, ...) the target answered, and unpins."""
+        the (base, size, ...) the target answered, and unpins. With ``keep``
+        the pins become leases of the first connection (``Connection.lease``),
+        which later transfers copy through at once (``copy_leased``)."""
         parts = self.split(local_addrs, local_lens, total, remote, _NO_BYTE_LIMIT)
         transfer.expect_parts(len(parts), self.notify_after(notify))
         aux = (_wire.PIN_WRITE if op is Op.WRITE else _wire.PIN_READ) | flags
+        if keep:
+            aux |= _wire.PIN_KEEP
         for wire, addrs, lens, nbytes in parts:
-            conn = self.conn()
+            conn = self.conns[0] if keep else self.conn()
             request_id = next(conn.ids)
-            ids = wire["region"]
-            regions = (ids[:1] if (ids == ids[0]).all() else np.unique(ids)).astype("<u4")
+            regions = region_ids(wire)
             payload = regions.tobytes()
             part = Part(transfer, MsgType.SHM_PIN, addrs, lens, nbytes)
             part.copy = make_copy(addrs, lens, wire, regions)
+            if keep:
+                part.keep = (regions, op is Op.WRITE)
             prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
             conn.submit(part, prefix, request_id)
+
+    def copy_leased(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        remote: np.ndarray,
+        notify: bytes | None,
+        make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[Any], None]],
+    ) -> bool:
+        """Copy a transfer now, on this thread, through the leases of the
+        first connection; False (nothing done) when its regions are not all
+        leased: post it with ``post_pinned(keep=True)`` then."""
+        if len(remote) <= SMALL_LIST:
+            rids = sorted(set(remote["region"].tolist()))
+            regions = np.array(rids, "<u4")
+        else:
+            regions = region_ids(remote)
+            rids = regions.tolist()
+        conn = self.conns[0]
+        pinned = conn.lease(rids, op is Op.WRITE)
+        if pinned is None:
+            return False
+        error: KvxError | None = None
+        try:
+            transfer.expect_parts(1, self.notify_after(notify))
+            make_copy(local_addrs, local_lens, remote, regions)(pinned)
+        except KvxError as exc:
+            error = exc
+        except Exception as exc:  # a bug: the transfer must still finish
+            logger.exception("copy to peer %s failed", self.peer)
+            error = TransferError(f"internal error: {exc!r}")
+        finally:
+            conn.unlease(rids)
+        transfer.part_finished(error)
+        return True
 
     def split(
         self, local_addrs: Any, local_lens: Any, total: int, remote: np.ndarray, max_bytes: int
@@ -730,6 +854,12 @@ class Link:
                 )
             )
         return parts
+
+
+def region_ids(remote: np.ndarray) -> np.ndarray:
+    """The sorted, distinct region ids of descriptors, as the wire has them."""
+    ids = remote["region"]
+    return (ids[:1] if (ids == ids[0]).all() else np.unique(ids)).astype("<u4")
 
 
 def plan_cuts(remote: np.ndarray, total: int, max_bytes: int, max_descs: int, streams: int) -> np.ndarray:

@@ -38,7 +38,8 @@ class PinnedCopy:
         self.remote = remote
         self.regions = regions
 
-    def __call__(self, pinned: np.ndarray) -> None:
+    def __call__(self, pinned: Any) -> None:
+        pinned = np.asarray(pinned, np.uint64)  # a lease's pairs come as a tuple
         n = len(self.regions)
         if len(pinned) * 8 != n * (16 + self.extra_bytes):
             raise ProtocolError(

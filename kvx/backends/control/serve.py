@@ -194,6 +194,14 @@ class Listener:
                 logger.exception("could not serve connection from %s", address)
                 sock.close()
 
+    def revoke(self, region_id: int) -> None:
+        """Ask every peer that leases ``region_id`` to give it back
+        (RegionTable.on_remove: a deregistration started)."""
+        with self._lock:
+            inbound = list(self._inbound)
+        for conn in inbound:
+            conn.revoke(region_id)
+
     def _inbound_done(self, conn: InboundConnection) -> None:
         with self._lock:
             self._inbound.discard(conn)
@@ -224,6 +232,13 @@ class InboundConnection:
         self._deadline: float | None = None  # of the handshake
         self.closing = False
         self.pins: dict[int, int] = {}  # SHM_PIN request id -> region table token
+        # Leases (SHM_PIN with PIN_KEEP): (region id, for writing) -> region table token.
+        self.leases: dict[tuple[int, bool], int] = {}
+        self.lease_lock = threading.Lock()
+        # The serving thread holds send_lock while it serves a request; other
+        # threads' messages (SHM_REVOKE) wait in the outbox until it is free.
+        self.send_lock = threading.Lock()
+        self._outbox: list[bytes] = []
         self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
 
     def start(self) -> None:
@@ -254,6 +269,10 @@ class InboundConnection:
             for token in self.pins.values():
                 self.ctx.regions.release(token)
             self.pins.clear()
+            with self.lease_lock:
+                leases, self.leases = list(self.leases.values()), {}
+            for token in leases:
+                self.ctx.regions.release(token)
             try:
                 self.sock.close()
             finally:
@@ -354,7 +373,32 @@ class InboundConnection:
                     ),
                     request_id,
                 )
-            handler(self, request_id, payload_len, aux, data_len)
+            with self.send_lock:
+                handler(self, request_id, payload_len, aux, data_len)
+            if self._outbox:
+                self._flush()
+
+    def revoke(self, region_id: int) -> None:
+        """Send SHM_REVOKE if this peer leases the region; its SHM_RELEASE
+        (or the end of the connection) releases the lease."""
+        with self.lease_lock:
+            if (region_id, False) not in self.leases and (region_id, True) not in self.leases:
+                return
+            self._outbox.append(_wire.pack(MsgType.SHM_REVOKE, region_id))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what waits in the outbox, unless the serving thread is
+        sending (it flushes after its request)."""
+        while self._outbox and self.send_lock.acquire(blocking=False):
+            try:
+                with self.lease_lock:
+                    messages, self._outbox = self._outbox, []
+                self.sock.sendall(b"".join(messages))
+            except OSError:
+                pass  # the connection is going; its end releases the leases
+            finally:
+                self.send_lock.release()
 
     def recv_descs(self, request_id: int, nbytes: int) -> np.ndarray:
         """A request's descriptor payload, within the limits."""
@@ -441,9 +485,13 @@ def _on_notify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
 def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     ctx = conn.ctx
     ipc = bool(aux & _wire.PIN_IPC)
-    aux &= ~_wire.PIN_IPC
-    if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4:
-        raise Fatal(ProtocolError("SHM_PIN carries region ids, no data, and says read or write"), request_id)
+    keep = bool(aux & _wire.PIN_KEEP)
+    aux &= ~(_wire.PIN_IPC | _wire.PIN_KEEP)
+    if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4 or (ipc and keep):
+        raise Fatal(
+            ProtocolError("SHM_PIN carries region ids, no data, says read or write, and keeps no IPC pin"),
+            request_id,
+        )
     if payload_len // 4 > ctx.limits.max_descs_per_message:
         raise Fatal(LimitError(f"{payload_len // 4} regions in one SHM_PIN"), request_id)
     if request_id in conn.pins:
@@ -458,6 +506,9 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
         return
     writing = aux == _wire.PIN_WRITE
     who = "remote write" if writing else "remote read"
+    if keep:
+        _lease(conn, request_id, ids, writing, who)
+        return
     try:
         bases, sizes, token = ctx.regions.pin_regions(ids, REMOTE_WRITE if writing else REMOTE_READ, who)
     except AccessError as exc:
@@ -478,6 +529,46 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
         raise PeerLostError("connection lost while answering SHM_PIN") from None
 
 
+def _lease(conn: InboundConnection, request_id: int, ids: np.ndarray, writing: bool, who: str) -> None:
+    """SHM_PIN with PIN_KEEP: lease each region to this connection (once)
+    and answer as for a pin."""
+    table = conn.ctx.regions
+    need = REMOTE_WRITE if writing else REMOTE_READ
+    # Under lease_lock: a deregistration that starts meanwhile finds the lease and revokes it.
+    with conn.lease_lock:
+        rids = ids.tolist()
+        new = sorted({rid for rid in rids if (rid, writing) not in conn.leases})
+        try:
+            # Every region, leased already or not, is checked: one being
+            # deregistered is refused, though its lease is not given back yet.
+            bases, sizes, token = table.pin_regions(ids, need, who)
+            try:
+                granted = table.lease(new, need, who)
+            finally:
+                table.release(token)
+        except AccessError as exc:
+            conn.send_error(request_id, exc)
+            return
+        for rid, (_, _, lease) in zip(new, granted, strict=True):
+            conn.leases[(rid, writing)] = lease
+    body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
+    try:
+        conn.sock.sendall(_wire.pack(MsgType.SHM_PIN_OK, request_id, payload_len=len(body)) + body)
+    except OSError:
+        raise PeerLostError("connection lost while answering SHM_PIN") from None
+
+
+def _on_release(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+    """SHM_RELEASE: the peer gave its lease on region ``request_id`` back."""
+    if payload_len or aux or data_len:
+        raise Fatal(ProtocolError("SHM_RELEASE carries nothing but the region id"), request_id)
+    with conn.lease_lock:
+        tokens = [conn.leases.pop((request_id, w), None) for w in (False, True)]
+    for token in tokens:
+        if token is not None:
+            conn.ctx.regions.release(token)
+
+
 def _on_unpin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     if payload_len or aux or data_len:
         raise Fatal(ProtocolError("SHM_UNPIN carries nothing but the pin's request id"), request_id)
@@ -487,4 +578,11 @@ def _on_unpin(conn: InboundConnection, request_id: int, payload_len: int, aux: i
     conn.ctx.regions.release(token)
 
 
-_CORE_HANDLERS.update({MsgType.NOTIFY: _on_notify, MsgType.SHM_PIN: _on_pin, MsgType.SHM_UNPIN: _on_unpin})
+_CORE_HANDLERS.update(
+    {
+        MsgType.NOTIFY: _on_notify,
+        MsgType.SHM_PIN: _on_pin,
+        MsgType.SHM_UNPIN: _on_unpin,
+        MsgType.SHM_RELEASE: _on_release,
+    }
+)

@@ -23,6 +23,8 @@ Protocol version history:
        a peer's metadata names, it proves that process is the one that
        answered the handshake (a forged pid could otherwise send its
        copies into any process it may attach to).
+    3  Leases: SHM_PIN with aux bit 8 (PIN_KEEP) keeps its pins after the
+       transfer; SHM_REVOKE and SHM_RELEASE end them.
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -31,6 +33,19 @@ pins them and answers SHM_PIN_OK with (uint64 base address, uint64 size) per
 region; the initiator checks every descriptor against those sizes, moves the
 bytes itself (process_vm_readv/writev) and sends SHM_UNPIN with the pin's
 request id (no answer). A connection that ends releases its pins.
+
+So that a same-host copy needs no round trip, the initiator asks for pins
+that outlive the transfer: SHM_PIN with aux bit 8 (PIN_KEEP) added. The
+target then holds one pin per region (a lease) for the connection, answers
+as above, and expects no SHM_UNPIN; the initiator keeps the (base, size)
+pairs and copies later transfers on those regions at once, checking every
+descriptor against them as before. When a region is deregistered the target
+sends SHM_REVOKE (request id: the region id; nothing else) on each
+connection that leases it; the initiator forgets the lease, waits for its
+copies that use it to end, and answers SHM_RELEASE (request id: the region
+id), after which the target lets the region go. Deregistration waits for
+that answer like it waits for a transfer in flight; a connection that ends
+releases its leases.
 
 The cuda_ipc backend pins the same way, with aux bit 4 (PIN_IPC) added: the
 answer then carries, after the (base, size) pairs, per region its uint64
@@ -66,7 +81,7 @@ import hashlib
 import hmac
 import struct
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KVXF"
 HEADER = struct.Struct("<4sHHQIIQ")
 HEADER_SIZE = HEADER.size
@@ -102,6 +117,8 @@ class MsgType(enum.IntEnum):
     SEG_TOKEN_OK = 16
     PROBE = 17
     PROBE_OK = 18
+    SHM_REVOKE = 19
+    SHM_RELEASE = 20
 
 
 # Message types a backend may define for its own control requests (sent with
@@ -112,6 +129,7 @@ BACKEND_TYPES = range(64, 128)
 PIN_READ = 1
 PIN_WRITE = 2
 PIN_IPC = 4  # or'd with one of the two: answer with CUDA IPC handles too
+PIN_KEEP = 8  # or'd with one of the two: the pins are leases, kept until revoked
 
 
 class ErrorCode(enum.IntEnum):

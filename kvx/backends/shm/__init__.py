@@ -53,6 +53,10 @@ PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 # Measured with `kvx bench` (benchmarks/RESULTS.md): 2 lanes reach the
 # process_vm_readv limit, 1 lane about 83% of it.
 LANES = 2
+# Transfers up to this size are copied on the thread that posts them, through
+# the regions' leases (no round trip, no thread hand-off); larger ones in
+# parts on the lanes' threads, where those costs are small against the copy.
+INLINE_COPY_BYTES = 4 << 20
 
 
 class ShmBackend(Backend):
@@ -216,32 +220,21 @@ class ShmChannel(Channel):
         remote_device: int = -1,
         remote_ipc: bool = False,
     ) -> None:
-        if local_device < 0 and remote_device < 0 and self.cma:
-            pid, peer = self.pid, self._link.peer
-            self._link.post_pinned(
-                transfer,
-                op,
-                local_addrs,
-                local_lens,
-                total,
-                remote,
-                notify,
-                0,
-                lambda *part: CmaCopy(pid, op, peer, *part),
-            )
-        elif local_device < 0 and remote_device < 0 and self._in_segments(remote):
-            maps, peer = self.segment_maps, self._link.peer
-            self._link.post_pinned(
-                transfer,
-                op,
-                local_addrs,
-                local_lens,
-                total,
-                remote,
-                notify,
-                0,
-                lambda *part: SegmentCopy(maps, op, peer, *part),
-            )
+        link = self._link
+        if local_device < 0 and remote_device < 0 and (self.cma or self._in_segments(remote)):
+            if self.cma:
+                pid, peer = self.pid, link.peer
+                make_copy: Any = lambda *part: CmaCopy(pid, op, peer, *part)  # noqa: E731
+            else:
+                maps, peer = self.segment_maps, link.peer
+                make_copy = lambda *part: SegmentCopy(maps, op, peer, *part)  # noqa: E731
+            if total > INLINE_COPY_BYTES:  # copied in parts on the connections' threads
+                link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0, make_copy)
+            elif not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
+                # The first transfer on these regions: the target leases them to us.
+                link.post_pinned(
+                    transfer, op, local_addrs, local_lens, total, remote, notify, 0, make_copy, keep=True
+                )
         else:
             self.tcp.post(
                 transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device
