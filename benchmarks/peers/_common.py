@@ -88,6 +88,11 @@ def parse_args(peer: str, extra=None) -> argparse.Namespace:
     p.add_argument("--lat-warmup", type=int, default=200, help="untimed iterations of workload B")
     p.add_argument("--timeout", type=float, default=300.0, help="hard limit for the whole run, seconds")
     p.add_argument("--json-only", action="store_true", help="print only the JSON result")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead: READs of 4 KiB to 16 MiB in 16 KiB blocks, as `kvx bench --sweep` (sweep())",
+    )
     if extra:
         extra(p)
     return p.parse_args()
@@ -206,3 +211,46 @@ class Peer:
         if p.is_alive():
             p.kill()
             p.join(2.0)
+
+
+# `--sweep`: the sizes of `kvx bench --sweep` that fit in the pool. Blocks of
+# 16 KiB (one block below that), each at the start of a 32 KiB block, so no
+# two are adjacent; 64 MiB would need twice this pool and is left out.
+SWEEP_SIZES = [4096 << (2 * k) for k in range(7)]  # 4 KiB .. 16 MiB
+SWEEP_BLOCK = 16 * 1024
+
+
+def sweep(read_blocks, local_base: int, remote_base: int, pool: np.ndarray) -> list[dict]:
+    """read_blocks(local addrs, remote addrs, lengths) -> seconds, one
+    complete READ; per size the same iterations and warm-up as kvx's sweep.
+    The first READ at each size is checked byte for byte."""
+    expected = np.empty(POOL_BYTES, dtype=np.uint8)
+    fill_pattern(expected)
+    points = []
+    for size in SWEEP_SIZES:
+        block = min(SWEEP_BLOCK, size)
+        offsets = [k * BLOCK_SIZE for k in range(size // block)]
+        local = [local_base + o for o in offsets]
+        remote = [remote_base + o for o in offsets]
+        lengths = [block] * len(offsets)
+        iters = max(10, min(1000, (256 << 20) // size))
+        pool[:] = 0
+        read_blocks(local, remote, lengths)
+        verified = all(np.array_equal(pool[o : o + block], expected[o : o + block]) for o in offsets)
+        for _ in range(max(2, iters // 10)):
+            read_blocks(local, remote, lengths)
+        samples = [read_blocks(local, remote, lengths) for _ in range(iters)]
+        stats = lat_stats(samples)
+        points.append(
+            {
+                "bytes": size,
+                "block_size_bytes": block,
+                "blocks": len(offsets),
+                "iters": iters,
+                "throughput_gbps": size / (stats["p50_us"] * 1e-6) / 1e9,
+                "latency_us_p50": stats["p50_us"],
+                "latency_us_p99": stats["p99_us"],
+                "verified": verified,
+            }
+        )
+    return points

@@ -35,6 +35,7 @@ from _common import (  # noqa: E402
     lat_stats,
     parse_args,
     set_deadline,
+    sweep,
     verify_blocks,
 )
 
@@ -131,6 +132,24 @@ def main() -> int:
             raise RuntimeError(f"register_memory returned {rc}")
         info = peer.recv(timeout=120)
         segment, raddr = info["segment"], info["addr"]
+        if args.sweep:
+
+            def read_blocks(local, remote_addrs, lengths) -> float:
+                if len(local) == 1:
+                    return read_one(engine, segment, local[0], remote_addrs[0], lengths[0])
+                return read(engine, segment, local, remote_addrs, lengths)
+
+            result.update(
+                {
+                    "version": version("mooncake-transfer-engine-non-cuda"),
+                    "sweep": sweep(read_blocks, addr, raddr, pool),
+                    **host_info(),
+                }
+            )
+            peer.send("stop")
+            peer.recv(timeout=30)
+            out.result(result)
+            return 0
 
         offs = [int(b) * BLOCK_SIZE for b in XFER_BLOCK_IDS]
         local = [addr + o for o in offs]

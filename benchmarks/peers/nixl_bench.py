@@ -38,6 +38,7 @@ from _common import (  # noqa: E402
     lat_stats,
     parse_args,
     set_deadline,
+    sweep,
     verify_blocks,
 )
 
@@ -178,6 +179,33 @@ def main() -> int:
         remote = agent.add_remote_agent(info["meta"])
         raddr = info["addr"]
         agent.make_connection(remote)
+        if args.sweep:
+            # Lists prepared once per size, as kvx builds its descriptors once: cache them.
+            prepared: dict = {}
+
+            def read_prepared(local, remote_addrs, lengths) -> float:
+                key = (len(local), lengths[0])
+                if key not in prepared:
+                    ld = np.array([local, lengths, [0] * len(local)], dtype=np.uint64).T.copy()
+                    rd = np.array([remote_addrs, lengths, [0] * len(local)], dtype=np.uint64).T.copy()
+                    prepared[key] = (
+                        agent.prep_xfer_dlist("NIXL_INIT_AGENT", ld, "DRAM"),
+                        agent.prep_xfer_dlist(remote, rd, "DRAM"),
+                        np.arange(len(local), dtype=np.int32),
+                    )
+                lh, rh, idx = prepared[key]
+                return run_fresh(agent, lh, idx, rh, idx)
+
+            result.update(
+                {"version": version("nixl"), "sweep": sweep(read_prepared, addr, raddr, pool), **host_info()}
+            )
+            for lh, rh, _ in prepared.values():
+                agent.release_dlist_handle(lh)
+                agent.release_dlist_handle(rh)
+            peer.send("stop")
+            peer.recv(timeout=30)
+            out.result(result)
+            return 0
 
         lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(addr), "DRAM")
         rp = agent.prep_xfer_dlist(remote, block_descs(raddr), "DRAM")
