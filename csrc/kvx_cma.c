@@ -191,7 +191,49 @@ static PyObject *kvx_vm_writev(PyObject *self, PyObject *args)
     return cma(args, 1);
 }
 
+/* A descriptor as kvx.descs.DESC_DTYPE lays it out (aligned: 24 bytes). */
+struct kvx_desc {
+    uint32_t region;
+    uint32_t pad;
+    uint64_t offset;
+    uint64_t length;
+};
+
+/* descs_bad(descs, flags, sizes, need) -> index of the first descriptor whose
+ * region (an index into the uint8 flags and uint64 sizes tables) lacks the
+ * `need` bits, or whose range lies outside the region; -1 when all are good. */
+static PyObject *kvx_descs_bad(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer descs, flags, sizes;
+    unsigned int need;
+    if (!PyArg_ParseTuple(args, "y*y*y*I:descs_bad", &descs, &flags, &sizes, &need))
+        return NULL;
+    Py_ssize_t found = -2;
+    if (descs.len % (Py_ssize_t)sizeof(struct kvx_desc) || sizes.len != flags.len * (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "descs_bad: malformed descriptor or table buffers");
+    } else {
+        const struct kvx_desc *d = descs.buf;
+        const uint8_t *f = flags.buf;
+        const uint64_t *z = sizes.buf;
+        size_t n = (size_t)descs.len / sizeof(struct kvx_desc), top = (size_t)flags.len;
+        found = -1;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t r = d[i].region;
+            if (r >= top || (f[r] & need) != need || d[i].offset > z[r] || d[i].length > z[r] - d[i].offset) {
+                found = (Py_ssize_t)i;
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&descs);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&sizes);
+    return found == -2 ? NULL : PyLong_FromSsize_t(found);
+}
+
 static PyMethodDef methods[] = {
+    {"descs_bad", kvx_descs_bad, METH_VARARGS, "descs_bad(descs, flags, sizes, need) -> first bad index or -1"},
     {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"vm_writev", kvx_vm_writev, METH_VARARGS,
      "vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import gpu, shared
-from kvx.descs import Descs
+from kvx._datapath import io as _io
+from kvx.descs import DESC_DTYPE, Descs
 from kvx.errors import AccessError, ConfigError, RegionBusyError, RegionError
 
 logger = logging.getLogger(__name__)
@@ -411,8 +412,11 @@ def check_descs(
     ``flags`` and ``sizes`` are indexed by region id. ``who`` names the side
     in error messages; a callable is only called when there is an error.
     """
-    if len(descs) <= SMALL_LIST and _small_ok(descs.tolist(), flags, sizes, need | VALID):
-        return
+    if len(descs) <= SMALL_LIST:
+        if _small_ok(descs.tolist(), flags, sizes, need | VALID):
+            return
+    elif descs.dtype == DESC_DTYPE and descs.flags.c_contiguous and _io.descs_bad(descs, flags, sizes, need | VALID) < 0:
+        return  # one pass in C; below, numpy finds the bad one and says why
     if callable(who):
         who = who()
     ids = descs["region"]

@@ -92,3 +92,23 @@ def memcpyv(dsts, srcs, lens) -> None:
         raise ValueError("dsts, srcs and lens must be uint64 buffers of equal length")
     for dst, src, length in zip(d.tolist(), s.tolist(), n.tolist(), strict=True):
         ctypes.memmove(dst, src, length)
+
+
+def descs_bad(descs, flags, sizes, need: int) -> int:
+    """The twin of the C descs_bad: the index of the first descriptor that
+    names a region (into ``flags``/``sizes``) without the ``need`` bits or
+    lies outside it; -1 when all are good."""
+    import numpy as np
+
+    ids = descs["region"].astype(np.int64)
+    known = ids < len(flags)
+    safe = np.where(known, ids, 0)
+    size = sizes[safe]
+    offsets, lengths = descs["offset"], descs["length"]
+    bad = (
+        ~known
+        | ((flags[safe] & need) != need)
+        | (offsets > size)
+        | (lengths > size - np.minimum(offsets, size))
+    )
+    return int(np.argmax(bad)) if bad.any() else -1

@@ -29,6 +29,7 @@ recvv: Callable[[int, Any, Any, int], None]
 vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
 memcpyv: Callable[[Any, Any, Any], None]
+descs_bad: Callable[[Any, Any, Any, int], int]
 
 
 def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
@@ -57,10 +58,11 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv
+    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
+    descs_bad = cma.descs_bad
     return IMPL
 
 

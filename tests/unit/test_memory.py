@@ -225,3 +225,42 @@ def test_a_second_concurrent_deregister_is_refused_not_raced():
     first.join()
     table.release(token)
     table.remove(r, timeout_s=1)
+
+
+def test_the_one_pass_descriptor_check_agrees_with_its_twin_and_numpy():
+    from kvx._datapath import cma_py
+    from kvx.descs import DESC_DTYPE
+    from kvx.memory import REMOTE_READ, VALID, check_descs
+
+    try:
+        from kvx._datapath import _cma
+    except ImportError:
+        pytest.skip("the C extension is not built (the twin is checked by the numpy path below)")
+    rng = np.random.default_rng(7)
+    flags = np.array([0, VALID | REMOTE_READ, VALID, VALID | REMOTE_READ], np.uint8)
+    sizes = np.array([0, 1 << 20, 1 << 20, 4096], np.uint64)
+    for _ in range(300):
+        n = int(rng.integers(17, 80))
+        descs = np.zeros(n, DESC_DTYPE)
+        descs["region"] = rng.choice([1, 3], n)
+        descs["offset"] = rng.integers(0, 2048, n)
+        descs["length"] = rng.integers(0, 2048, n)
+        if rng.random() < 0.7:  # one bad descriptor somewhere
+            i = int(rng.integers(0, n))
+            kind = int(rng.integers(0, 4))
+            if kind == 0:
+                descs["region"][i] = int(rng.choice([0, 2, 4, 1 << 20]))
+            elif kind == 1:
+                descs["offset"][i] = 4097 if descs["region"][i] == 3 else (1 << 20) + 1
+            elif kind == 2:
+                descs["length"][i] = 1 << 63
+            else:
+                descs["offset"][i], descs["length"][i] = 4000, 97 if descs["region"][i] == 3 else 0
+        need = VALID | REMOTE_READ
+        got = _cma.descs_bad(descs, flags, sizes, need)
+        assert got == cma_py.descs_bad(descs, flags, sizes, need)
+        if got < 0:
+            check_descs(descs, flags, sizes, REMOTE_READ, "t")
+        else:
+            with pytest.raises(kvx.AccessError, match=f"region {int(descs['region'][got])}\\b"):
+                check_descs(descs, flags, sizes, REMOTE_READ, "t")
