@@ -415,7 +415,11 @@ def check_descs(
     if len(descs) <= SMALL_LIST:
         if _small_ok(descs.tolist(), flags, sizes, need | VALID):
             return
-    elif descs.dtype == DESC_DTYPE and descs.flags.c_contiguous and _io.descs_bad(descs, flags, sizes, need | VALID) < 0:
+    elif (
+        descs.dtype == DESC_DTYPE
+        and descs.flags.c_contiguous
+        and _io.descs_bad(descs, flags, sizes, need | VALID) < 0
+    ):
         return  # one pass in C; below, numpy finds the bad one and says why
     if callable(who):
         who = who()
