@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import mmap
 import os
 import threading
@@ -46,9 +47,12 @@ def alloc_shared(nbytes: int) -> np.ndarray:
     memfd segment. Register it as any array; it is freed with the array."""
     if not isinstance(nbytes, int) or nbytes <= 0:
         raise ConfigError(f"alloc_shared takes a positive size in bytes, not {nbytes!r}")
-    fd = os.memfd_create("kvx-segment", os.MFD_CLOEXEC)
+    fd = os.memfd_create("kvx-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        # Its descriptor may go to peers: none of them may resize it (a shrink
+        # would turn every mapping's next access into SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

@@ -20,7 +20,9 @@ import pytest
 
 import kvx
 from kvx import Descs
+from kvx._datapath import io as _io
 from kvx.agent import parse_metadata
+from kvx.backends import shm as shm_backend
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
 from tests.conftest import SECRET
@@ -341,12 +343,31 @@ def test_shared_memory_is_plain_host_memory_when_attach_works(make_worker, make_
     assert np.array_equal(pool, worker.expected(0, 1 << 20))
 
 
-def test_a_slow_segment_client_cannot_hold_the_server(make_agent):
-    """The attack: a local process trickles a request into the segment socket,
-    one byte at a time, to keep everyone else waiting. One deadline bounds
-    the whole request."""
+def _ask_with_unknown_token(name):
+    """An honest-looking request (with a token the target never issued): the
+    server answers it with a refusal; how long that took."""
     import socket
     import struct
+
+    from kvx.backends.shm import segments
+
+    start = time.monotonic()
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.settimeout(30)
+    try:
+        other.connect("\0" + name)
+        other.sendall(b"y" * segments.TOKEN_BYTES + struct.pack("<I", 0))
+        assert other.recv(4) == struct.pack("<I", 1)  # refused: an unknown token, but answered
+    finally:
+        other.close()
+    return time.monotonic() - start
+
+
+def test_a_slow_segment_client_cannot_hold_the_server(make_agent):
+    """The attack: a local process trickles a request into the segment socket,
+    one byte at a time, to keep everyone else waiting. Clients are served side
+    by side: the honest one is answered while the slow one still trickles."""
+    import socket
 
     from kvx.backends.shm import segments
 
@@ -368,19 +389,145 @@ def test_a_slow_segment_client_cannot_hold_the_server(make_agent):
 
     thread = threading.Thread(target=trickle, daemon=True)
     thread.start()
-    start = time.monotonic()
-    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    other.settimeout(30)
-    other.connect("\0" + name)
-    other.sendall(b"y" * segments.TOKEN_BYTES + struct.pack("<I", 0))
-    answer = other.recv(4)
-    took = time.monotonic() - start
-    stop.set()
-    thread.join(5)
-    slow.close()
-    other.close()
-    assert answer == struct.pack("<I", 1)  # refused: an unknown token, but answered
-    assert took < segments._IO_TIMEOUT_S + 3, f"the slow client held the server for {took:.1f}s"
+    time.sleep(1)  # the slow client is in the middle of its request
+    try:
+        took = _ask_with_unknown_token(name)
+    finally:
+        stop.set()
+        thread.join(5)
+        slow.close()
+    # One client at a time made the honest one wait out the slow one's deadline.
+    assert took < segments._IO_TIMEOUT_S, f"the slow client held the server for {took:.1f}s"
+
+
+def test_a_flood_of_idle_segment_clients_cannot_lock_peers_out(make_agent):
+    """The attack: a local process opens more connections to the segment
+    socket than the server serves at once and sends nothing. The oldest go;
+    an honest client is answered, and later honest clients too."""
+    import socket
+
+    from kvx.backends.shm import segments
+
+    target = make_agent("seg-flood")
+    target.register(kvx.alloc_shared(1 << 16))
+    name = target._backends["shm"]._segment_server.name
+    idle = []
+    try:
+        for _ in range(3 * segments.MAX_CLIENTS):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect("\0" + name)
+            idle.append(sock)
+        assert _ask_with_unknown_token(name) < segments._IO_TIMEOUT_S
+        assert _ask_with_unknown_token(name) < segments._IO_TIMEOUT_S
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+_SEGMENT_PEER = """
+import ctypes, errno, fcntl, json, mmap, os, socket, struct, sys
+import numpy as np
+from kvx.backends.shm import segments
+name, token, rw, ro = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("\\0" + name)
+sock.sendall(token + struct.pack("<I", 2) + np.array([rw, ro], "<u4").tobytes())
+data, fds, _, _ = socket.recv_fds(sock, 4 + 2 * 20, 2)
+out = {"entries": [list(struct.unpack_from("<IQQ", data, 4 + 20 * i)) for i in range(2)]}
+rw_fd, ro_fd = fds
+
+def attempt(fn):
+    try:
+        fn()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+out["ro_map_write"] = attempt(lambda: mmap.mmap(ro_fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+out["ro_write"] = attempt(lambda: os.pwrite(ro_fd, b"evil", 0))
+reopened = os.open(f"/proc/self/fd/{ro_fd}", os.O_RDWR)  # the known way around a read-only descriptor
+out["ro_reopen_map_write"] = attempt(lambda: mmap.mmap(reopened, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+out["ro_reopen_write"] = attempt(lambda: os.pwrite(reopened, b"evil", 0))
+out["ro_truncate"] = attempt(lambda: os.ftruncate(reopened, 0))
+out["rw_truncate"] = attempt(lambda: os.ftruncate(rw_fd, 0))
+out["rw_grow"] = attempt(lambda: os.ftruncate(rw_fd, 1 << 30))
+print(json.dumps(out))
+"""
+
+
+def test_segment_descriptors_give_no_more_than_was_registered(make_agent):
+    """The attack: a peer that obtained segment descriptors the normal way
+    (a token) tries to read beyond its region, write a region registered
+    read-only, and truncate a segment, which would kill the target and every
+    other peer that mapped it with SIGBUS on their next access."""
+    from kvx.backends.shm import segments
+
+    target = make_agent("seg-narrow")
+    writable = kvx.alloc_shared(1 << 16)
+    writable[:] = 1
+    read_only = kvx.alloc_shared(1 << 16)
+    read_only[:] = 2
+    read_only.flags.writeable = False
+    part = kvx.alloc_shared(1 << 16)
+    part[:] = 3
+    rw = target.register(writable)
+    ro = target.register(read_only)
+    assert not ro.remote_write
+    sliced = target.register(part[: 1 << 12])  # part of a segment: the rest was never registered
+    md = target.metadata_message()
+    assert [r.shared_segment for r in md.regions] == [True, True, False]
+    server = target._backends["shm"]._segment_server
+    maps = segments.fetch(md.segment_socket, server.issue("honest"), [rw.id, ro.id, sliced.id], "seg-narrow")
+    assert sorted(maps) == [rw.id, ro.id] and maps[rw.id].writable and not maps[ro.id].writable
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SEGMENT_PEER,
+            md.segment_socket,
+            server.issue("evil").hex(),
+            str(rw.id),
+            str(ro.id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["entries"] == [[segments.OK_READ_WRITE, 0, 1 << 16], [segments.OK_READ_ONLY, 0, 1 << 16]]
+    assert out["ro_map_write"] == "EACCES" and out["ro_write"] == "EBADF"
+    assert out["ro_reopen_map_write"] == "EPERM" and out["ro_reopen_write"] == "EPERM"
+    assert out["ro_truncate"] == "EPERM" and out["rw_truncate"] == "EPERM" and out["rw_grow"] == "EPERM"
+    # Nothing changed, and the target and the honest peer's mappings still read fine.
+    assert (read_only == 2).all() and (writable == 1).all()
+    honest = np.ctypeslib.as_array((ctypes.c_uint8 * (1 << 16)).from_address(maps[rw.id].base))
+    assert (honest == 1).all()
+    segments.close_all(maps)
+
+
+def test_an_initiator_maps_only_sealed_segments_as_large_as_named(tmp_path):
+    """The attack, the other way round: a hostile target hands out a
+    descriptor it can truncate later, or one smaller than it claims; mapping
+    either would let it crash the initiator with SIGBUS."""
+    from kvx.backends.shm import segments
+
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 1 << 16)
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    sealed = kvx.alloc_shared(1 << 16)
+    fd, _ = kvx._datapath.shared.find(sealed.ctypes.data, 1 << 16)
+    try:
+        with pytest.raises(kvx.ProtocolError, match="not sealed against shrinking"):
+            segments.check_segment(unsealed, 0, 1 << 16, "hostile")
+        with pytest.raises(kvx.ProtocolError, match="names 131072 bytes"):
+            segments.check_segment(fd, 0, 1 << 17, "hostile")
+        with pytest.raises(kvx.ProtocolError, match="not a sealed segment"):
+            segments.check_segment(directory, 0, 1, "hostile")
+        segments.check_segment(fd, 0, 1 << 16, "honest")
+    finally:
+        os.close(unsealed)
+        os.close(directory)
 
 
 def test_a_forged_pid_cannot_make_the_initiator_attach_to_another_process(make_worker, make_agent):
@@ -388,7 +535,7 @@ def test_a_forged_pid_cannot_make_the_initiator_attach_to_another_process(make_w
     (here the initiator's own), with a probe address where that process
     happens to hold the peer's epoch. The old probe passed it, and the peer's
     pin answers would then steer the initiator's copies into that process.
-    The PROBE challenge sees that the named process never got the nonce."""
+    The kernel says the named process does not hold the connection."""
     worker = make_worker()
     epoch = parse_metadata(worker.metadata).epoch
     decoy = np.array([epoch], dtype="<u8")  # 8 bytes here equal to the peer's epoch
@@ -406,6 +553,119 @@ def test_a_forged_pid_cannot_make_the_initiator_attach_to_another_process(make_w
     region = peer.agent.register(pool)
     peer.read(Descs.from_blocks(region, [0], BLOCK), Descs.from_blocks(peer.regions[0], [5], BLOCK)).wait(10)
     assert np.array_equal(pool[:BLOCK], worker.expected(5 * BLOCK, BLOCK))  # from the real peer, over tcp
+
+
+_VICTIM = """
+import sys, numpy as np
+decoy = np.array([int(sys.argv[1])], "<u8")  # the peer's epoch, where the forged metadata points
+private = np.full(4096, 0x5A, np.uint8)
+print(decoy.ctypes.data, private.ctypes.data, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_peer_cannot_steer_the_initiator_into_a_third_process(make_worker, make_agent):
+    """The attack: an authenticated peer names a third process in its metadata,
+    one that holds what the old checks looked for (the peer's epoch at the
+    probe address; the nonce, which a peer can put there with a WRITE into a
+    third agent). An initiator that may attach to that process (root here)
+    would then copy into it wherever the peer's pin answers point. The kernel
+    says the third process does not hold the connection: no attach, tcp."""
+    worker = make_worker()
+    epoch = parse_metadata(worker.metadata).epoch
+    victim = subprocess.Popen(
+        [sys.executable, "-c", _VICTIM, str(epoch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        decoy, private = map(int, victim.stdout.readline().split())
+
+        def forge(md):
+            md.pid = victim.pid
+            md.shm_probe_address = decoy
+
+        forged = _tampered(worker.metadata, forge)
+        assert shm_backend.cma_problem(parse_metadata(forged)) is None  # the permission probe passes
+        with pytest.raises(kvx.ConnectError, match="does not hold the peer's end of the connection"):
+            make_agent("forced", backend="shm").add_peer(forged)
+        peer = make_agent("auto").add_peer(forged)
+        assert peer.backend == "tcp" and "not the peer that answered the handshake" in peer.backend_reason
+        pool = np.full(1 << 16, 0xEE, np.uint8)
+        region = peer.agent.register(pool)
+        peer.write(region.descs(0, BLOCK), peer.regions[0].descs(3 * BLOCK, BLOCK)).wait(10)
+        assert worker.call("peek", 3 * BLOCK, BLOCK) == bytes([0xEE]) * BLOCK  # the real peer, over tcp
+        seen = np.zeros(4096, np.uint8)
+        _io.vm_readv(
+            victim.pid,
+            np.array([seen.ctypes.data], np.uint64),
+            np.array([4096], np.uint64),
+            np.array([private], np.uint64),
+            np.array([4096], np.uint64),
+        )
+        assert (seen == 0x5A).all()  # the third process's memory is untouched
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_the_kernel_names_the_process_at_the_far_end(tmp_path):
+    """owner.holds_far_end: true for the process that holds the accepted
+    socket, false for any other, IPv4 and IPv6."""
+    import socket
+
+    from kvx.backends.shm import owner
+
+    families = [(socket.AF_INET, "127.0.0.1")]
+    if socket.has_ipv6:
+        try:
+            socket.socket(socket.AF_INET6).bind(("::1", 0))
+            families.append((socket.AF_INET6, "::1"))
+        except OSError:
+            pass
+    for family, host in families:
+        listener = socket.socket(family)
+        listener.bind((host, 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
+                "print('up', flush=True); sys.stdin.read()",
+                host,
+                str(port),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            accepted, _ = listener.accept()
+            assert child.stdout.readline().strip() == "up"
+            assert owner.holds_far_end(accepted, child.pid) is None
+            assert "does not hold" in owner.holds_far_end(accepted, os.getpid())
+            other = subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+            )
+            try:
+                assert "does not hold" in owner.holds_far_end(accepted, other.pid)
+            finally:
+                other.kill()
+                other.wait(10)
+            accepted.close()
+        finally:
+            child.kill()
+            child.wait(10)
+            listener.close()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    pair = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(pair.getsockname())
+    try:
+        assert "no process" in owner.holds_far_end(client, gone.pid)
+    finally:
+        client.close()
+        pair.close()
 
 
 # Leases: pins that outlive a transfer (SHM_PIN with PIN_KEEP), so that a

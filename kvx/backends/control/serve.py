@@ -96,7 +96,7 @@ Handler = Callable[["InboundConnection", int, int, int, int], None]
 # Served by every agent: they guard memory, so no backend may replace them.
 _CORE_HANDLERS: dict[int, Handler] = {}  # filled below, once the handlers are defined
 # kvx's own types that its built-in backends serve; other backends use wire.BACKEND_TYPES.
-_BUILTIN_BACKEND_TYPES = {MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.SEG_TOKEN, MsgType.PROBE}
+_BUILTIN_BACKEND_TYPES = {MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.SEG_TOKEN}
 
 
 def merge_handlers(by_backend: dict[str, dict[int, Handler]]) -> dict[int, Handler]:

@@ -25,6 +25,12 @@ Protocol version history:
        copies into any process it may attach to).
     3  Leases: SHM_PIN with aux bit 8 (PIN_KEEP) keeps its pins after the
        transfer; SHM_REVOKE and SHM_RELEASE end them.
+    4  PROBE/PROBE_OK (types 17 and 18) removed: a peer that could get the
+       nonce into a third process by other means passed it. A same-host
+       initiator now asks the kernel which process holds the far end of its
+       connection (kvx/backends/shm/owner.py); nothing goes over the wire.
+       Segment answers say per region whether its descriptor is read-only
+       (status 2), and the segments' descriptors are sealed against resizing.
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -60,12 +66,9 @@ presents it on the target's Unix socket to receive the segments' file
 descriptors. Sent only to an agent whose metadata names a segment socket.
 
 Before it attaches (cross-memory attach, or CUDA IPC within one process), a
-same-host initiator sends PROBE with 16 random bytes; the target writes
-them into a slot of its probe area and answers PROBE_OK with the slot's
-uint64 address; the initiator reads 16 bytes at that address in the
-process the metadata names and attaches only if they are its nonce. Only
-the process that answered the handshake, or one with the right to write
-into the named process anyway, can pass.
+same-host initiator checks that the process the metadata names holds the far
+end of each of its connections to the peer (kvx/backends/shm/owner.py): the
+pin answers are trusted only as the sender's own memory.
 
 Types 64 to 127 (BACKEND_TYPES) are left to backends for their own control
 requests (say, exchanging queue pairs); kvx's own types stay below 64. A
@@ -81,7 +84,7 @@ import hashlib
 import hmac
 import struct
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"KVXF"
 HEADER = struct.Struct("<4sHHQIIQ")
 HEADER_SIZE = HEADER.size
@@ -115,8 +118,7 @@ class MsgType(enum.IntEnum):
     SHM_UNPIN = 14
     SEG_TOKEN = 15
     SEG_TOKEN_OK = 16
-    PROBE = 17
-    PROBE_OK = 18
+    # 17, 18: PROBE, PROBE_OK (versions 2 and 3); never reuse them.
     SHM_REVOKE = 19
     SHM_RELEASE = 20
 

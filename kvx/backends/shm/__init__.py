@@ -21,9 +21,7 @@ through shared segments instead (segments.py); other memory goes over tcp.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
-import os
 import threading
 from typing import Any
 
@@ -34,9 +32,8 @@ from kvx.backends.base import Backend, BackendContext, Channel, Unreachable, sam
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
 from kvx.backends.control.serve import Fatal, Handler, InboundConnection
-from kvx.backends.control.sock import recv_exact
 from kvx.backends.control.wire import MsgType
-from kvx.backends.shm import segments
+from kvx.backends.shm import owner, segments
 from kvx.backends.shm.copy import CmaCopy, SegmentCopy
 from kvx.backends.tcp import TcpChannel
 from kvx.errors import AccessError, KvxError, ProtocolError
@@ -72,8 +69,6 @@ class ShmBackend(Backend):
         self._closed = False
         # Started with the first registered kvx.alloc_shared region.
         self._segment_server: segments.SegmentServer | None = None
-        self._slots = np.zeros((PROBE_SLOTS, NONCE_BYTES), np.uint8)
-        self._next_slot = itertools.count()
 
     @property
     def offered(self) -> bool:
@@ -89,7 +84,7 @@ class ShmBackend(Backend):
         md.segment_socket = server.name
         for pb in md.regions:
             region = self.ctx.regions.get(pb.id)
-            pb.shared_segment = region is not None and region.segment_fd >= 0
+            pb.shared_segment = region is not None and segments.whole_segment(region)
 
     def registered(self, region: Region) -> None:
         """Start the socket that hands shared segments to same-host peers
@@ -110,28 +105,7 @@ class ShmBackend(Backend):
                 )
 
     def handlers(self) -> dict[int, Handler]:
-        return {MsgType.SEG_TOKEN: self._on_seg_token, MsgType.PROBE: self._on_probe}
-
-    def _on_probe(
-        self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
-    ) -> None:
-        if payload_len != NONCE_BYTES or aux or data_len:
-            raise Fatal(
-                ProtocolError(f"PROBE carries a {NONCE_BYTES}-byte nonce and nothing else"), request_id
-            )
-        nonce = np.frombuffer(recv_exact(conn.sock, NONCE_BYTES), np.uint8)
-        if not self.offered:
-            conn.send_error(
-                request_id,
-                AccessError(
-                    f"agent {self.ctx.agent_name!r} does not offer shm (backend={self.ctx.setting!r})"
-                ),
-            )
-            return
-        slot = self._slots[next(self._next_slot) % PROBE_SLOTS]
-        slot[:] = nonce
-        address = np.array([slot.ctypes.data], "<u8").tobytes()
-        conn.sock.sendall(_wire.pack(MsgType.PROBE_OK, request_id, payload_len=8) + address)
+        return {MsgType.SEG_TOKEN: self._on_seg_token}
 
     def _on_seg_token(
         self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
@@ -355,34 +329,13 @@ def probe_buffer(epoch: int) -> np.ndarray:
     return np.array([epoch], dtype="<u8")
 
 
-NONCE_BYTES = 16
-# PROBE answers land in a ring of slots: concurrent initiators each read
-# their own nonce back, as long as fewer than this many probe at once.
-PROBE_SLOTS = 256
-
-
 def prove(md: agent_pb2.AgentMetadata, link: Link) -> str | None:
-    """None when the process ``md.pid`` is the one that answered the handshake
-    on ``link`` (it wrote our nonce into its memory), else why not. Called
-    before anything attaches to ``md.pid`` or trusts its addresses."""
-    nonce = os.urandom(NONCE_BYTES)
-    answer = link.request(MsgType.PROBE, MsgType.PROBE_OK, nonce)
-    if len(answer) != 8:
-        raise ProtocolError(f"peer {md.name!r} answered PROBE with {len(answer)} bytes")
-    found = np.zeros(NONCE_BYTES, np.uint8)
-    try:
-        _io.vm_readv(
-            md.pid,
-            np.array([found.ctypes.data], np.uint64),
-            np.array([NONCE_BYTES], np.uint64),
-            np.frombuffer(answer, "<u8").astype(np.uint64),
-            np.array([NONCE_BYTES], np.uint64),
-        )
-    except OSError as exc:
-        return f"pid {md.pid} is not the peer that answered the handshake ({explain(exc, md.pid)})"
-    if found.tobytes() != nonce:
-        return (
-            f"pid {md.pid} is not the peer that answered the handshake (it does not hold the nonce the "
-            "peer was given): the metadata names another process"
-        )
+    """None when the process ``md.pid`` holds the far end of every connection
+    of ``link`` (the kernel says so: owner.py), else why not. Called before
+    anything attaches to ``md.pid`` or trusts the addresses its pin answers
+    give: those are trusted only as the sender's own memory."""
+    for conn in link.conns:
+        why = owner.holds_far_end(conn.sock, md.pid)
+        if why is not None:
+            return f"pid {md.pid} is not the peer that answered the handshake ({why})"
     return None

@@ -75,6 +75,11 @@ class SegmentCopy(PinnedCopy):
         mapped = [self.maps[int(rid)] for rid in self.regions.tolist()]
         if any(m.size != int(size) for m, size in zip(mapped, sizes.tolist(), strict=True)):
             raise ProtocolError(f"peer {self.peer!r} pinned a region whose size differs from its segment")
+        if self.op is Op.WRITE and not all(m.writable for m in mapped):
+            # The target pins such a region for writing only if it lies; never write a read-only mapping.
+            raise AccessError(
+                f"peer {self.peer!r} gave a read-only segment for a region it pinned for writing"
+            )
         dsts, srcs, lens = self.triples(np.array([m.base for m in mapped], np.uint64))
         _io.memcpyv(
             np.ascontiguousarray(dsts, np.uint64),
