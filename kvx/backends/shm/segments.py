@@ -162,7 +162,7 @@ class SegmentServer:
                 elif key.fileobj == self._wake_r:
                     return
                 else:
-                    self._readable(self._clients.get(key.fileobj))  # type: ignore[arg-type]
+                    self._readable(key.data)
             now = time.monotonic()
             for client in [c for c in self._clients.values() if c.deadline <= now]:
                 logger.info("segment request refused: not complete within %.0f s", _IO_TIMEOUT_S)
@@ -182,8 +182,9 @@ class SegmentServer:
                 logger.warning("%d segment clients at once; dropping the oldest", MAX_CLIENTS)
                 self._drop(oldest)
             conn.setblocking(False)
-            self._clients[conn] = _Client(conn, time.monotonic() + _IO_TIMEOUT_S)
-            self._selector.register(conn, selectors.EVENT_READ)
+            client = _Client(conn, time.monotonic() + _IO_TIMEOUT_S)
+            self._clients[conn] = client
+            self._selector.register(conn, selectors.EVENT_READ, client)
 
     def _drop(self, client: _Client) -> None:
         self._clients.pop(client.sock, None)
@@ -191,9 +192,9 @@ class SegmentServer:
             self._selector.unregister(client.sock)
         client.sock.close()
 
-    def _readable(self, client: _Client | None) -> None:
-        if client is None:
-            return
+    def _readable(self, client: _Client) -> None:
+        if client.sock not in self._clients:
+            return  # dropped meanwhile
         try:
             more = client.sock.recv(TOKEN_BYTES + 4 + 4 * MAX_REGIONS_PER_REQUEST - len(client.data))
         except (BlockingIOError, InterruptedError):
