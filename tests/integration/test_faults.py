@@ -510,6 +510,59 @@ def test_trickling_handshake_is_cut_off(make_worker):
     sock.close()
 
 
+def _idle_connections(address, count, source):
+    """``count`` connections to ``address`` from ``source`` that never say a word."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((source, 0))
+        sock.connect(address)
+        socks.append(sock)
+    return socks
+
+
+def test_connections_that_never_authenticate_cannot_lock_peers_out(make_worker, make_agent):
+    """The attack: connections that never send a byte fill the handshake
+    slots, from another address and from the honest peers' own. Before, 64
+    of them made every new peer fail with ConnectError for as long as the
+    attacker reconnected. Now the oldest handshakes make room, and one
+    address holds only a few slots: honest peers connect and transfer while
+    a flooder keeps opening connections."""
+    import threading
+
+    from kvx.backends.control import serve
+
+    worker = make_worker(auth_secret=SECRET, timeouts={"connect_s": 30.0})
+    address = parse_address(parse_metadata(worker.metadata).endpoints[0].address)
+    held = _idle_connections(address, 3 * serve.MAX_HANDSHAKES, "127.0.0.2")
+    held += _idle_connections(address, 3 * serve.MAX_HANDSHAKES_PER_ADDRESS, "127.0.0.1")
+    stop = threading.Event()
+    opened = []
+
+    def flood():  # bounded: at most 2,000 connections or until the peers are done
+        while not stop.is_set() and len(opened) < 2000:
+            opened.extend(_idle_connections(address, 1, "127.0.0.3"))
+            if len(opened) > 200:
+                opened.pop(0).close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        for i in range(3):
+            agent = make_agent(f"honest-{i}", auth_secret=SECRET)
+            pool = np.zeros(BLOCK, np.uint8)
+            region = agent.register(pool)
+            peer = agent.add_peer(worker.metadata)
+            peer.read(region.descs(0, BLOCK), peer.regions[0].descs(7 * BLOCK, BLOCK)).wait(10)
+            assert pool.tobytes() == worker.expected(7 * BLOCK, BLOCK).tobytes()
+            agent.close()
+    finally:
+        stop.set()
+        flooder.join(30)
+        for sock in held + opened:
+            sock.close()
+
+
 def test_hello_with_an_invalid_name_is_refused(make_worker):
     worker = make_worker()
     md = parse_metadata(worker.metadata)

@@ -13,6 +13,7 @@ way the agent goes on serving every other peer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import logging
@@ -56,8 +57,14 @@ DESC_SIZE = DESC_DTYPE.itemsize
 # SHM_PIN ranges one connection may hold at once (the initiator holds one per
 # request in flight, and Limits.max_inflight_per_peer bounds those).
 MAX_PINS = 4096
-# Inbound connections still in their handshake (not yet authenticated) at once.
+# Inbound connections still in their handshake (not yet authenticated) at
+# once, in all and from one address. Past either bound the oldest such
+# connection (from the address with the most) is dropped to make room: a
+# client that opens connections and never authenticates can then hold a
+# slot only until newer connections come, never lock honest peers out,
+# and one address can hold only a few slots at all.
 MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_ADDRESS = 8
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
 _LINGER_BYTES = 1 << 20
@@ -149,6 +156,8 @@ class Listener:
         self.endpoint = format_address(advertise_host or host, bound_port)
         self._lock = threading.Lock()
         self._inbound: set[InboundConnection] = set()
+        # Those in their handshake, oldest first (a dict keeps the order).
+        self._handshakes: dict[InboundConnection, None] = {}
         self._closed = False
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}", daemon=True
@@ -173,26 +182,60 @@ class Listener:
                     if self._closed:
                         sock.close()
                         return
-                    unauthenticated = sum(1 for c in self._inbound if not c.authenticated)
-                    if (
-                        len(self._inbound) >= self.ctx.limits.max_connections
-                        or unauthenticated >= MAX_HANDSHAKES
-                    ):
+                    authenticated = len(self._inbound) - len(self._handshakes)
+                    if authenticated >= self.ctx.limits.max_connections:
                         logger.warning(
-                            "refusing connection from %s: %d open, %d in handshake (Limits.max_connections)",
+                            "refusing connection from %s: %d peers connected (Limits.max_connections)",
                             address,
-                            len(self._inbound),
-                            unauthenticated,
+                            authenticated,
                         )
                         sock.close()
                         continue
+                    evicted = self._make_room(addr[0])
                     tune(sock, self.ctx.timeouts.connect_s)
                     conn = InboundConnection(self, sock, address)
+                    conn.host = addr[0]
                     self._inbound.add(conn)
+                    self._handshakes[conn] = None
+                if evicted is not None:
+                    evicted.shutdown()
                 conn.start()
             except Exception:  # a failure with one connection must not stop the listener
                 logger.exception("could not serve connection from %s", address)
                 sock.close()
+
+    def _make_room(self, host: str) -> InboundConnection | None:
+        """With _lock held, before a connection from ``host`` joins the
+        handshakes: the oldest handshake to drop for it, if any (its
+        address's oldest when that address holds its share, else the oldest
+        of the address holding the most)."""
+        mine = [c for c in self._handshakes if c.host == host]
+        if len(mine) >= MAX_HANDSHAKES_PER_ADDRESS:
+            victim = mine[0]
+        elif len(self._handshakes) >= MAX_HANDSHAKES:
+            counts = collections.Counter(c.host for c in self._handshakes)
+            busiest = counts.most_common(1)[0][0]
+            victim = next(c for c in self._handshakes if c.host == busiest)
+        else:
+            return None
+        del self._handshakes[victim]
+        victim.evicted = True
+        logger.warning(
+            "dropping connection from %s, still in its handshake, to make room for one from %s",
+            victim.address,
+            host,
+        )
+        return victim
+
+    def authenticated(self, conn: InboundConnection) -> bool:
+        """The connection passed its handshake: it leaves the handshakes and
+        keeps its place; False when it was dropped to make room first."""
+        with self._lock:
+            if conn.evicted:
+                return False
+            self._handshakes.pop(conn, None)
+            conn.authenticated = True
+            return True
 
     def revoke(self, region_id: int) -> None:
         """Ask every peer that leases ``region_id`` to give it back
@@ -205,6 +248,7 @@ class Listener:
     def _inbound_done(self, conn: InboundConnection) -> None:
         with self._lock:
             self._inbound.discard(conn)
+            self._handshakes.pop(conn, None)
 
     def close(self) -> list[threading.Thread]:
         """Stop accepting and end every inbound connection; returns the threads to join."""
@@ -228,7 +272,9 @@ class InboundConnection:
         self.sock = sock
         self.address = address
         self.peer_name = f"<unauthenticated {address}>"
+        self.host = address  # the peer's address without its port (set by the listener)
         self.authenticated = False
+        self.evicted = False  # dropped during its handshake to make room
         self._deadline: float | None = None  # of the handshake
         self.closing = False
         self.pins: dict[int, int] = {}  # SHM_PIN request id -> region table token
@@ -342,10 +388,11 @@ class InboundConnection:
                         f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, auth_secret"
                     )
                 )
+        if not self.listener.authenticated(self):
+            raise PeerLostError("dropped during the handshake to make room for newer connections")
         self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
         self.peer_name = hello.name
-        self.authenticated = True
         self.sock.settimeout(ctx.timeouts.io_s)
         logger.debug("peer %s (epoch %#x) connected from %s", hello.name, hello.epoch, self.address)
 
