@@ -88,7 +88,9 @@ class Limits:
                             past it the sending peer's transfer fails with
                             LimitError rather than losing one.
     max_regions:            registered regions.
-    max_connections:        inbound connections the agent serves at once.
+    max_connections:        authenticated inbound connections the agent serves at
+                            once (those still in their handshake have their own,
+                            fixed bound: kvx/backends/control/serve.py).
     """
 
     max_message_bytes: int = 256 * MiB
