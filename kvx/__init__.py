@@ -26,6 +26,7 @@ from kvx.errors import (
     ConfigError,
     ConnectError,
     EpochError,
+    IntegrityError,
     KvxError,
     LimitError,
     MetadataError,
@@ -74,6 +75,7 @@ __all__ = [
     "Timeouts",
     "Transfer",
     "TransferError",
+    "IntegrityError",
     "TransferState",
     "VersionError",
 ]

@@ -23,6 +23,7 @@ from typing import Any, overload
 import numpy as np
 
 from kvx import backends
+from kvx._datapath import checksum as _checksum
 from kvx._net import is_loopback, parse_address
 from kvx.backends.base import Backend, BackendContext, Channel, boot_id
 from kvx.backends.control import Links, Listener
@@ -101,6 +102,12 @@ class Agent:
                     fails to connect to a peer it cannot use, saying why).
                     ``peer.backend`` and ``peer.backend_reason`` say what
                     was chosen.
+    verify:         the default of ``verify`` for this agent's READs and
+                    WRITEs (each can override it): end-to-end checksums, one
+                    CRC-32C per remote descriptor on each side, compared
+                    before the transfer is done and before its notification
+                    goes; a difference fails it with ``IntegrityError``.
+                    Host memory only; needs ``pip install 'kvx[verify]'``.
     """
 
     def __init__(
@@ -121,8 +128,14 @@ class Agent:
         engine_info: dict[str, str] | None = None,
         metadata_options: MetadataOptions | None = None,
         backend: str = "auto",
+        verify: bool = False,
     ) -> None:
         self.name = check_name(name)
+        if not isinstance(verify, bool):
+            raise ConfigError(f"verify is True or False, not {verify!r}")
+        if verify and not _checksum.available():
+            raise ConfigError(f"verify=True needs the crc32c package: {_checksum.EXTRA}")
+        self.verify = verify
         self.backend_setting = check_backend(backend)
         self.epoch = secrets.randbits(64) or 1
         self.timeouts = timeouts or Timeouts()
@@ -591,16 +604,29 @@ class Peer:
         raise AccessError(f"peer {self.name!r} has no region {region_id}")
 
     def read(
-        self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None
+        self,
+        local: Descs | np.ndarray,
+        remote: Descs | np.ndarray,
+        notify: bytes | None = None,
+        *,
+        verify: bool | None = None,
     ) -> Transfer:
-        """Copy ``remote`` (the peer's memory) into ``local``; one-sided."""
-        return self._post(Op.READ, local, remote, notify)
+        """Copy ``remote`` (the peer's memory) into ``local``; one-sided.
+        ``verify`` (default: the agent's setting) checks every descriptor's
+        bytes end to end before the transfer is done (``Agent``)."""
+        return self._post(Op.READ, local, remote, notify, verify)
 
     def write(
-        self, local: Descs | np.ndarray, remote: Descs | np.ndarray, notify: bytes | None = None
+        self,
+        local: Descs | np.ndarray,
+        remote: Descs | np.ndarray,
+        notify: bytes | None = None,
+        *,
+        verify: bool | None = None,
     ) -> Transfer:
-        """Copy ``local`` into ``remote`` (the peer's memory); one-sided."""
-        return self._post(Op.WRITE, local, remote, notify)
+        """Copy ``local`` into ``remote`` (the peer's memory); one-sided.
+        ``verify`` as for ``read``."""
+        return self._post(Op.WRITE, local, remote, notify, verify)
 
     def notify(self, data: bytes) -> Transfer:
         """Send a notification with no data."""
@@ -634,7 +660,7 @@ class Peer:
         if error is not None:
             raise PeerLostError(f"peer {self.name!r} is lost ({error}); add_peer() its metadata again")
 
-    def _post(self, op: Op, local: Any, remote: Any, notify: bytes | None) -> Transfer:
+    def _post(self, op: Op, local: Any, remote: Any, notify: bytes | None, verify: bool | None) -> Transfer:
         # The hot path: a few microseconds of Python for a short list.
         if notify is not None:
             notify = self._check_notify(notify)
@@ -667,10 +693,20 @@ class Peer:
                     "(Limits.max_transfer_bytes)"
                 )
             local_device = self.agent._regions.device_of(local_a, "local descriptors")
+            if verify is not None and not isinstance(verify, bool):
+                raise ConfigError(f"verify is True or False, not {verify!r}")
+            if verify or (verify is None and self.agent.verify):
+                self._check_verify(remote_a, local_device, remote_device)
+                checked = remote_a  # the caller's descriptors, one checksum each
+            else:
+                checked = None
             transfer = self._start(op, total, 0, token)
         except BaseException:
             self.agent._regions.release(token)
             raise
+        if checked is not None:
+            transfer._verify = self._verifier(addrs, lens, checked, notify)
+            notify = None  # it goes with the VERIFY, once the checksums match
         if len(remote_a) > 1:
             remote_a = Descs(remote_a).coalesce().array
         try:
@@ -681,6 +717,35 @@ class Peer:
             transfer.fail_unposted(exc)  # releases its slot and its hold on the regions
             raise
         return transfer
+
+    def _check_verify(self, remote: np.ndarray, local_device: int, remote_device: int) -> None:
+        if local_device >= 0 or remote_device >= 0:
+            raise ConfigError("verify=True covers host memory only; this transfer touches GPU memory")
+        limit = self._channel.link.max_descs
+        if len(remote) > limit:
+            raise LimitError(
+                f"verify=True: {len(remote)} remote descriptors; peer {self.name!r} checks at most {limit} "
+                "in one transfer (its Limits.max_descs_per_message)"
+            )
+        if not _checksum.available():
+            raise ConfigError(f"verify=True needs the crc32c package: {_checksum.EXTRA}")
+
+    def _verifier(
+        self, addrs: Any, lens: Any, remote: np.ndarray, notify: bytes | None
+    ) -> Callable[[Transfer], None]:
+        """The trailing part of a verified transfer: once its bytes moved,
+        the checksums of this side go to the peer with the notification."""
+        link = self._channel.link
+
+        def verify(transfer: Transfer) -> None:
+            try:
+                sums = _checksum.segments(addrs, lens, remote["length"])
+            except BaseException as exc:  # the part must finish, or the transfer never does
+                transfer.part_finished(exc)
+                return
+            link.verify(transfer, remote, sums, notify)
+
+        return verify
 
     def _start(self, op: Op, nbytes: int, parts: int, token: int | None) -> Transfer:
         timeout_s = self.agent.timeouts.transfer_s

@@ -17,6 +17,7 @@ the original chained as ``__cause__``::
     ├── TransferError          one transfer failed; the agent and peer stay usable
     │   ├── AccessError        a descriptor left the registered memory, or named an
     │   │                      unknown region, or one without remote access
+    │   ├── IntegrityError     verify=True: a descriptor's bytes differ on the two sides
     │   ├── LimitError         a request exceeds a configured limit
     │   ├── PeerLostError      the connection to the peer died mid-transfer
     │   └── TimeoutError       no progress within the timeout (also builtins.TimeoutError)
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "EpochError",
+    "IntegrityError",
     "KvxError",
     "LimitError",
     "MetadataError",
@@ -103,6 +105,11 @@ class TransferError(KvxError):
 
 class AccessError(TransferError):
     """A descriptor is outside registered memory, or the region forbids the access."""
+
+
+class IntegrityError(TransferError):
+    """A transfer with ``verify=True``: a descriptor's checksum where the bytes
+    were read differs from where they landed; the message names it."""
 
 
 class LimitError(TransferError):

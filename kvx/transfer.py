@@ -59,6 +59,7 @@ class Transfer:
         "_callbacks",
         "_default_timeout_s",
         "_on_parts_done",
+        "_verify",
         "_cleanup",
     )
 
@@ -79,6 +80,9 @@ class Transfer:
         self._default_timeout_s = default_timeout_s
         # Posts one trailing part (a notification) once all data parts are done (expect_parts).
         self._on_parts_done: Callable[[Transfer], None] | None = None
+        # verify=True: posts the trailing VERIFY part (which carries the
+        # notification) once all data parts are done; set by the agent.
+        self._verify: Callable[[Transfer], None] | None = None
         # Run when the transfer finishes, before waiters wake (releases pins); set by the agent.
         self._cleanup: Callable[[], None] | None = None
 
@@ -178,7 +182,8 @@ class Transfer:
             self._parts_left -= 1
             if self._parts_left > 0:
                 return
-            hook, self._on_parts_done = self._on_parts_done, None
+            hook, self._on_parts_done = self._on_parts_done or self._verify, None
+            self._verify = None
             if hook is not None and self._error is None:
                 self._parts_left = 1  # the hook's own part
             else:

@@ -49,6 +49,7 @@ from kvx.errors import (
     ConfigError,
     ConnectError,
     EpochError,
+    IntegrityError,
     KvxError,
     LimitError,
     PeerLostError,
@@ -81,6 +82,7 @@ _ERRORS: dict[int, type[KvxError]] = {
     ErrorCode.VERSION: VersionError,
     ErrorCode.EPOCH: EpochError,
     ErrorCode.AUTH: AuthError,
+    ErrorCode.INTEGRITY: IntegrityError,
 }
 
 
@@ -89,6 +91,7 @@ _RESPONSE = {
     MsgType.WRITE_REQ: MsgType.WRITE_RESP,
     MsgType.NOTIFY: MsgType.NOTIFY_ACK,
     MsgType.SHM_PIN: MsgType.SHM_PIN_OK,
+    MsgType.VERIFY: MsgType.VERIFY_OK,
 }
 
 
@@ -745,6 +748,17 @@ class Link:
         request_id = next(conn.ids)
         prefix = _wire.pack(MsgType.NOTIFY, request_id, payload_len=len(data)) + data
         conn.submit(Part(transfer, MsgType.NOTIFY, None, None, 0), prefix, request_id)
+
+    def verify(self, transfer: Transfer, remote: np.ndarray, sums: np.ndarray, notify: bytes | None) -> None:
+        """VERIFY, as one part of ``transfer``: the target checks ``sums``
+        (CRC-32C per descriptor of ``remote``) against its memory, then
+        delivers ``notify``."""
+        conn = self.conns[0]
+        request_id = next(conn.ids)
+        extra = notify or b""
+        payload = remote.tobytes() + sums.astype("<u4").tobytes() + extra
+        prefix = _wire.pack(MsgType.VERIFY, request_id, payload_len=len(payload), aux=len(extra)) + payload
+        conn.submit(Part(transfer, MsgType.VERIFY, None, None, 0), prefix, request_id)
 
     def notify_after(self, notify: bytes | None) -> Callable[[Transfer], None] | None:
         """For ``transfer.expect_parts``: the notification as a trailing part,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvx._datapath import checksum as _checksum
 from kvx._net import format_address
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.sock import check_header, recv_exact, recv_header, tune
@@ -38,6 +39,7 @@ from kvx.errors import (
     ConfigError,
     ConnectError,
     EpochError,
+    IntegrityError,
     KvxError,
     LimitError,
     PeerLostError,
@@ -71,6 +73,7 @@ _LINGER_BYTES = 1 << 20
 
 _ERROR_CODES: list[tuple[type[KvxError], ErrorCode]] = [
     (AccessError, ErrorCode.ACCESS),
+    (IntegrityError, ErrorCode.INTEGRITY),
     (LimitError, ErrorCode.LIMIT),
     (VersionError, ErrorCode.VERSION),
     (EpochError, ErrorCode.EPOCH),
@@ -529,6 +532,60 @@ def _on_notify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
         conn.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
 
 
+def _on_verify(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+    """VERIFY: the initiator's checksums of a transfer it made, checked
+    against this agent's memory; the notification goes only when all match."""
+    limits = conn.ctx.limits
+    notify_len = aux
+    if data_len or notify_len > payload_len or notify_len > limits.max_notify_bytes:
+        raise Fatal(
+            ProtocolError("VERIFY carries descriptors, checksums and a notification, no data"), request_id
+        )
+    row = DESC_SIZE + 4
+    if (payload_len - notify_len) % row:
+        raise Fatal(ProtocolError("VERIFY: not a whole number of descriptors with checksums"), request_id)
+    count = (payload_len - notify_len) // row
+    if count > limits.max_descs_per_message:
+        raise Fatal(
+            LimitError(f"{count} descriptors in one VERIFY; at most {limits.max_descs_per_message}"),
+            request_id,
+        )
+    descs = conn.recv_descs(request_id, count * DESC_SIZE)
+    theirs = np.frombuffer(recv_exact(conn.sock, 4 * count), "<u4")
+    notify = bytes(recv_exact(conn.sock, notify_len)) if notify_len else None
+    table = conn.ctx.regions
+    try:
+        addrs, lens, _, token = table.resolve(descs, REMOTE_READ, "verify")
+    except AccessError as exc:
+        conn.send_error(request_id, exc)
+        return
+    try:
+        if table.device_of(descs, "verify") >= 0:
+            raise AccessError("verify=True covers host memory only")
+        ours = _checksum.segments(addrs, lens, lens)
+    except (AccessError, ConfigError) as exc:
+        conn.send_error(request_id, AccessError(str(exc)) if isinstance(exc, ConfigError) else exc)
+        return
+    finally:
+        table.release(token)
+    differ = np.flatnonzero(ours != theirs)
+    if len(differ):
+        i = int(differ[0])
+        region, offset, length = descs[i].tolist()
+        conn.send_error(
+            request_id,
+            IntegrityError(
+                f"descriptor {i} (region {region}, offset {offset}, {length} bytes) differs: CRC-32C "
+                f"{int(theirs[i]):#010x} on the initiator, {int(ours[i]):#010x} on agent "
+                f"{conn.ctx.agent_name!r} ({len(differ)} of {count} descriptors differ)"
+            ),
+        )
+        return
+    if notify is not None and not conn.deliver(request_id, notify):
+        return
+    conn.sock.sendall(_wire.pack(MsgType.VERIFY_OK, request_id))
+
+
 def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     ctx = conn.ctx
     ipc = bool(aux & _wire.PIN_IPC)
@@ -631,5 +688,6 @@ _CORE_HANDLERS.update(
         MsgType.SHM_PIN: _on_pin,
         MsgType.SHM_UNPIN: _on_unpin,
         MsgType.SHM_RELEASE: _on_release,
+        MsgType.VERIFY: _on_verify,
     }
 )

@@ -31,6 +31,7 @@ Protocol version history:
        connection (kvx/backends/shm/owner.py); nothing goes over the wire.
        Segment answers say per region whether its descriptor is read-only
        (status 2), and the segments' descriptors are sealed against resizing.
+       VERIFY/VERIFY_OK: end-to-end checksums of a transfer (verify=True).
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -69,6 +70,16 @@ Before it attaches (cross-memory attach, or CUDA IPC within one process), a
 same-host initiator checks that the process the metadata names holds the far
 end of each of its connections to the peer (kvx/backends/shm/owner.py): the
 pin answers are trusted only as the sender's own memory.
+
+A transfer posted with ``verify=True`` ends, once its bytes have moved and
+before its notification, with VERIFY: aux is the notification's length, the
+payload is the transfer's remote descriptors (n x 24 bytes, as the caller
+gave them), then one uint32 CRC-32C per descriptor of the bytes on the
+initiator's side (what landed for a READ, what was sent for a WRITE), then
+the notification. The target checks the descriptors as for a read, computes
+the same checksums over its memory, and answers VERIFY_OK (delivering the
+notification) when all match, else an ERROR with code INTEGRITY that names
+the first descriptor that differs (the notification is not delivered).
 
 Types 64 to 127 (BACKEND_TYPES) are left to backends for their own control
 requests (say, exchanging queue pairs); kvx's own types stay below 64. A
@@ -121,6 +132,8 @@ class MsgType(enum.IntEnum):
     # 17, 18: PROBE, PROBE_OK (versions 2 and 3); never reuse them.
     SHM_REVOKE = 19
     SHM_RELEASE = 20
+    VERIFY = 21
+    VERIFY_OK = 22
 
 
 # Message types a backend may define for its own control requests (sent with
@@ -143,6 +156,7 @@ class ErrorCode(enum.IntEnum):
     EPOCH = 5
     AUTH = 6
     INTERNAL = 7
+    INTEGRITY = 8
 
 
 def pack(msg_type: int, request_id: int = 0, payload_len: int = 0, aux: int = 0, data_len: int = 0) -> bytes:
