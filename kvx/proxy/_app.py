@@ -432,6 +432,40 @@ class _Router:
         return JSONResponse(body, status_code=503 if missing else 200)
 
 
+# The OpenAPI document's account of the completion routes, which read their body themselves.
+_COMPLETION_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": "An OpenAI request, passed on as it is but for kv_transfer_params "
+                    "(and, on the prefill leg, max_tokens and stream)",
+                }
+            }
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "The decode instance's answer: JSON, or server-sent events with stream: true",
+            "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
+        },
+    },
+}
+# Errors: the proxy's own as {"error": {"message", "type", "leg"}}, an instance's as it sent them.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The body is not a JSON object, or nests too deeply"},
+    408: {"description": "The body did not come within body_timeout_s"},
+    413: {"description": "The body is over max_body_bytes"},
+    502: {"description": "An instance could not be reached or answered nonsense"},
+    503: {"description": "No prefill or no decode instance"},
+    504: {"description": "An instance did not answer within timeout_s"},
+    "4XX": {"description": "An instance's own error, as it sent it"},
+    "5XX": {"description": "An instance's own error, as it sent it"},
+}
+
+
 def build_app(config: ProxyConfig) -> FastAPI:
     """The proxy as an ASGI app; it needs its lifespan run (uvicorn does by default)."""
     router = _Router(config)
@@ -452,15 +486,32 @@ def build_app(config: ProxyConfig) -> FastAPI:
     )
     app.state.router = router
 
-    @app.post("/v1/completions", tags=["openai"], summary="Completion: prefill, then decode")
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        summary="Completion: prefill, then decode",
+        openapi_extra=_COMPLETION_OPENAPI,
+        responses=_ERRORS,
+    )
     async def completions(request: Request) -> Response:
         return await router.complete(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions", tags=["openai"], summary="Chat completion: prefill, then decode")
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        summary="Chat completion: prefill, then decode",
+        openapi_extra=_COMPLETION_OPENAPI,
+        responses=_ERRORS,
+    )
     async def chat_completions(request: Request) -> Response:
         return await router.complete(request, "/v1/chat/completions")
 
-    @app.get("/v1/models", tags=["openai"], summary="The models of a decode instance")
+    @app.get(
+        "/v1/models",
+        tags=["openai"],
+        summary="The models of a decode instance",
+        responses={k: v for k, v in _ERRORS.items() if k in (502, 503, 504, "4XX", "5XX")},
+    )
     async def models(request: Request) -> Response:
         return await router.models(request)
 
