@@ -216,6 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="how long an unreachable instance is skipped while others are up (default: 5)",
     )
+    proxy.add_argument(
+        "--max-body-size",
+        type=_size,
+        metavar="SIZE",
+        default=_size("8MiB"),
+        help="largest request body a client may send; larger ones get 413 (default: 8MiB)",
+    )
+    proxy.add_argument(
+        "--header-timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=10.0,
+        help="longest wait for a client's request headers; then the connection is closed (default: 10)",
+    )
+    proxy.add_argument(
+        "--body-timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=60.0,
+        help="longest wait for a client's whole request body; then 408 (default: 60)",
+    )
     return parser
 
 
@@ -283,6 +304,9 @@ def _run_proxy(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout_s,
         refresh_s=args.refresh_s,
         cooldown_s=args.cooldown_s,
+        max_body_bytes=args.max_body_size,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
     )
     with contextlib.suppress(KeyboardInterrupt):
         serve(config)

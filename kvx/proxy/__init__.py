@@ -24,6 +24,10 @@ an instance that cannot be reached gives 502 (type ``upstream_unavailable``),
 one that does not answer in time 504 (``upstream_timeout``); a stream that
 breaks ends with a ``data: {"error": ...}`` event.
 
+Clients are not trusted: a body over ``max_body_bytes`` gets 413, one not in
+within ``body_timeout_s`` 408, one nested deeper than ``max_json_depth`` 400;
+a connection whose headers are not in within ``header_timeout_s`` is closed.
+
 Needs httpx (``pip install kvx[proxy]``), imported when an app is built.
 """
 

@@ -20,9 +20,11 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvx._version import __version__
-from kvx.errors import ConfigError
+from kvx.errors import ConfigError, ProtocolError
+from kvx.proxy._body import parse_object
 from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
 
@@ -59,9 +61,25 @@ def error_body(message: str, kind: str, leg: str | None = None) -> dict[str, Any
     return {"error": error}
 
 
-def _error(status: int, message: str, kind: str, leg: str | None = None) -> JSONResponse:
-    headers = {FAILED_LEG_HEADER: leg} if leg is not None else None
+def _error(status: int, message: str, kind: str, leg: str | None = None, close: bool = False) -> JSONResponse:
+    headers = {FAILED_LEG_HEADER: leg} if leg is not None else {}
+    if close:  # the server then closes the connection instead of reading what the client still sends
+        headers["Connection"] = "close"
     return JSONResponse(error_body(message, kind, leg), status_code=status, headers=headers)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(
+        413,
+        f"request body over {limit} bytes; send less, or raise max_body_bytes (--max-body-size)",
+        "invalid_request_error",
+        close=True,
+    )
+
+
+async def _dumps(obj: Any) -> bytes:
+    """JSON for an upstream, encoded off the event loop (a body may be megabytes)."""
+    return await anyio.to_thread.run_sync(lambda: json.dumps(obj).encode())
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +265,7 @@ class _Router:
     async def _prefill(
         self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
     ) -> dict[str, Any]:
-        content = json.dumps(prefill_body(body)).encode()
+        content = await _dumps(prefill_body(body))
         url, response = await self._call("prefill", "POST", path, headers, request_id, content)
         try:
             answer = response.json()
@@ -328,34 +346,39 @@ class _Router:
     # -- the routes -------------------------------------------------------
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
+        """The client's body as a JSON object; an error answer when it is too large, too
+        slow, too deep or not one. A body refused before it was read whole closes the
+        connection, so the rest of it is not read either."""
         limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _LegFailed(_too_large(limit))
         chunks, size = [], 0
         try:
-            with anyio.fail_after(self.config.timeout_s):
+            with anyio.fail_after(self.config.body_timeout_s):
                 async for chunk in request.stream():
                     size += len(chunk)
-                    if size > limit:
-                        raise _LegFailed(
-                            _error(413, f"request body over {limit} bytes", "invalid_request_error")
-                        )
+                    if size > limit:  # a chunked body, or one longer than it said
+                        raise _LegFailed(_too_large(limit))
                     chunks.append(chunk)
+        except ClientDisconnect:  # nobody reads the answer; it only ends the request quietly
+            raise _LegFailed(
+                _error(400, "the client left before its body was read", "invalid_request_error")
+            ) from None
         except TimeoutError:
             raise _LegFailed(
                 _error(
                     408,
-                    f"request body not received within {self.config.timeout_s} s",
+                    f"request body not received within {self.config.body_timeout_s} s; "
+                    "send it faster, or raise body_timeout_s (--body-timeout-s)",
                     "invalid_request_error",
+                    close=True,
                 )
             ) from None
         try:
-            body = json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise _LegFailed(
-                _error(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
-            ) from None
-        if not isinstance(body, dict):
-            raise _LegFailed(_error(400, "request body must be a JSON object", "invalid_request_error"))
-        return body
+            return await anyio.to_thread.run_sync(parse_object, b"".join(chunks), self.config.max_json_depth)
+        except ProtocolError as exc:
+            raise _LegFailed(_error(400, str(exc), "invalid_request_error")) from None
 
     @staticmethod
     def _headers(request: Request, request_id: str) -> dict[str, str]:
@@ -383,7 +406,7 @@ class _Router:
                     raise _LegFailed(self._no_instance(leg))
             headers = {**self._headers(request, request_id), "Content-Type": "application/json"}
             params = await self._prefill(path, body, headers, request_id)
-            content = json.dumps({**body, "kv_transfer_params": params}).encode()
+            content = await _dumps({**body, "kv_transfer_params": params})
             if body.get("stream") is True:
                 return await self._decode_stream(path, content, headers, request_id)
             _, response = await self._call("decode", "POST", path, headers, request_id, content)
@@ -409,6 +432,40 @@ class _Router:
         return JSONResponse(body, status_code=503 if missing else 200)
 
 
+# The OpenAPI document's account of the completion routes, which read their body themselves.
+_COMPLETION_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "description": "An OpenAI request, passed on as it is but for kv_transfer_params "
+                    "(and, on the prefill leg, max_tokens and stream)",
+                }
+            }
+        },
+    },
+    "responses": {
+        "200": {
+            "description": "The decode instance's answer: JSON, or server-sent events with stream: true",
+            "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {}}},
+        },
+    },
+}
+# Errors: the proxy's own as {"error": {"message", "type", "leg"}}, an instance's as it sent them.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The body is not a JSON object, or nests too deeply"},
+    408: {"description": "The body did not come within body_timeout_s"},
+    413: {"description": "The body is over max_body_bytes"},
+    502: {"description": "An instance could not be reached or answered nonsense"},
+    503: {"description": "No prefill or no decode instance"},
+    504: {"description": "An instance did not answer within timeout_s"},
+    "4XX": {"description": "An instance's own error, as it sent it"},
+    "5XX": {"description": "An instance's own error, as it sent it"},
+}
+
+
 def build_app(config: ProxyConfig) -> FastAPI:
     """The proxy as an ASGI app; it needs its lifespan run (uvicorn does by default)."""
     router = _Router(config)
@@ -429,15 +486,32 @@ def build_app(config: ProxyConfig) -> FastAPI:
     )
     app.state.router = router
 
-    @app.post("/v1/completions", tags=["openai"], summary="Completion: prefill, then decode")
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        summary="Completion: prefill, then decode",
+        openapi_extra=_COMPLETION_OPENAPI,
+        responses=_ERRORS,
+    )
     async def completions(request: Request) -> Response:
         return await router.complete(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions", tags=["openai"], summary="Chat completion: prefill, then decode")
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        summary="Chat completion: prefill, then decode",
+        openapi_extra=_COMPLETION_OPENAPI,
+        responses=_ERRORS,
+    )
     async def chat_completions(request: Request) -> Response:
         return await router.complete(request, "/v1/chat/completions")
 
-    @app.get("/v1/models", tags=["openai"], summary="The models of a decode instance")
+    @app.get(
+        "/v1/models",
+        tags=["openai"],
+        summary="The models of a decode instance",
+        responses={k: v for k, v in _ERRORS.items() if k in (502, 503, 504, "4XX", "5XX")},
+    )
     async def models(request: Request) -> Response:
         return await router.models(request)
 

@@ -42,10 +42,16 @@ class ProxyConfig:
     listen:          ``host:port`` the proxy serves on (``serve`` only).
     timeout_s:       longest wait for one upstream read, write or free pooled
                      connection; a stream may last longer as long as bytes keep coming.
+    header_timeout_s: longest wait for a client's request line and headers,
+                     from its first byte (or from connecting); then the
+                     connection is closed. Ends slowloris clients.
+    body_timeout_s:  longest wait for a client's whole request body (408 after).
     connect_timeout_s: longest wait to open a connection to an upstream.
     cooldown_s:      an instance that could not be reached is skipped this long
                      while another one is available.
-    max_body_bytes:  largest request body accepted from a client.
+    max_body_bytes:  largest request body accepted from a client (413 beyond,
+                     refused before it is read when Content-Length says so).
+    max_json_depth:  deepest nesting of arrays and objects in a request body (400 beyond).
     max_connections: open upstream connections, all instances together.
     """
 
@@ -58,7 +64,12 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0
     refresh_s: float = 2.0
     cooldown_s: float = 5.0
-    max_body_bytes: int = 64 * MiB
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    # A 128k-token prompt is about 0.5 MiB of text, or 1 MiB as token ids in JSON.
+    max_body_bytes: int = 8 * MiB
+    # OpenAI requests nest a few levels; tool schemas a few more.
+    max_json_depth: int = 64
     max_connections: int = 1024
 
     def __post_init__(self) -> None:
@@ -69,13 +80,14 @@ class ProxyConfig:
                 raise ConfigError(f"ProxyConfig.{field}: a sequence of URLs, not one string")
             normalized = tuple(dict.fromkeys(normalize_url(u) for u in urls))
             object.__setattr__(self, field, normalized)
-        for field in ("timeout_s", "connect_timeout_s", "refresh_s"):
+        for field in ("timeout_s", "connect_timeout_s", "refresh_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
         if self.cooldown_s < 0:
             raise ConfigError(f"ProxyConfig.cooldown_s must not be negative, not {self.cooldown_s!r}")
-        if self.max_body_bytes <= 0 or self.max_connections <= 0:
-            raise ConfigError("ProxyConfig.max_body_bytes and max_connections must be positive")
+        for field in ("max_body_bytes", "max_json_depth", "max_connections"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
         if self.metadata_target is not None:
             try:
                 parse_address(self.metadata_target)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -34,6 +36,7 @@ from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.proxy import ProxyConfig, build_app
 from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS, prefill_body
 from kvx.proxy._instances import InstancePool
+from kvx.proxy._serve import uvicorn_config
 from kvx.v1 import metadata_pb2
 from tests.conftest import wait_until
 
@@ -46,19 +49,23 @@ HOLD_MAX_S = 10.0  # a held fake answer goes on by itself after this
 class Served:
     """An ASGI app under uvicorn on 127.0.0.1 (a free port), in a thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, proxy_config: ProxyConfig | None = None) -> None:
+        """``proxy_config``: serve ``app`` with the settings ``kvx proxy`` uses for it."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(
-            app,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=2,
-        )
+        if proxy_config is not None:
+            config = uvicorn_config(app, proxy_config, log_level="warning", timeout_graceful_shutdown=2)
+        else:
+            config = uvicorn.Config(
+                app,
+                log_config=None,
+                log_level="warning",
+                access_log=False,
+                lifespan="on",
+                timeout_graceful_shutdown=2,
+            )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="test-uvicorn", daemon=True
@@ -189,7 +196,8 @@ def make_proxy(upstreams):
     def make(**fields: Any) -> httpx.Client:
         fields.setdefault("prefill_urls", tuple(f.url for f in upstreams.prefill))
         fields.setdefault("decode_urls", tuple(f.url for f in upstreams.decode))
-        served = Served(build_app(ProxyConfig(**fields)))
+        config = ProxyConfig(**fields)
+        served = Served(build_app(config), config)
         client = httpx.Client(base_url=served.url, timeout=HTTP_TIMEOUT_S)
         started.append((served, client))
         return client
@@ -349,6 +357,127 @@ def test_bad_request_bodies_are_400(proxy, upstreams):
     assert not upstreams.got("prefill")
 
 
+# -- hostile clients ----------------------------------------------------------------
+
+MiB = 1024 * 1024
+
+
+def raw_connect(client: httpx.Client) -> socket.socket:
+    """A plain socket to the proxy behind ``client``, for requests httpx would not send."""
+    return socket.create_connection((client.base_url.host, client.base_url.port), timeout=HTTP_TIMEOUT_S)
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (or HTTP_TIMEOUT_S passes)."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def post_head(length: int | None) -> bytes:
+    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: kvx\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    ).encode()
+
+
+def nested(depth: int) -> dict:
+    """An object whose arrays and objects nest ``depth`` levels, the object itself included."""
+    inner: Any = []
+    for _ in range(depth - 2):
+        inner = [inner]
+    return {"prompt": "x", "deep": inner}
+
+
+def test_deep_json_is_400_with_the_limit_not_a_crash(proxy, upstreams):
+    flood = b'{"prompt": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for content in (flood, json.dumps(nested(65)).encode()):
+        response = proxy.post("/v1/completions", content=content)
+        assert response.status_code == 400, response.text
+        assert "deeper than 64 levels" in response.json()["error"]["message"]
+    assert not upstreams.got("prefill")
+    # At the limit, and brackets inside strings, which do not nest anything.
+    for body in (nested(64), {"prompt": "[{" * 50_000}):
+        assert proxy.post("/v1/completions", json=body).status_code == 200
+    assert len(upstreams.got("prefill")) == 2
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(make_proxy, upstreams):
+    proxy = make_proxy()  # the default limit, 8 MiB
+    # 60 MiB announced: refused on the headers, while /healthz answers as usual.
+    with raw_connect(proxy) as sock:
+        sock.sendall(post_head(60 * MiB) + b'{"prompt": "')
+        assert proxy.get("/healthz").status_code == 200
+        answer = read_answer(sock)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"over 8388608 bytes" in answer, answer[:300]
+
+    # Chunked, so no length to refuse up front: cut off once 1 MiB has come, and the
+    # connection closed, so the client cannot go on to send its 64 MiB.
+    small = make_proxy(max_body_bytes=1 * MiB)
+    sent = [0]
+
+    def send_chunks(sock: socket.socket) -> None:
+        chunk = b"%x\r\n%s\r\n" % (64 * 1024, b" " * 64 * 1024)
+        with contextlib.suppress(OSError):
+            while sent[0] < 64 * MiB:
+                sock.sendall(chunk)
+                sent[0] += 64 * 1024
+
+    with raw_connect(small) as sock, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sock.sendall(post_head(None) + b"1\r\n{\r\n")
+        sender = pool.submit(send_chunks, sock)
+        answer = read_answer(sock)
+        with contextlib.suppress(OSError):  # the sender stops if the proxy has not reset it yet
+            sock.shutdown(socket.SHUT_RDWR)
+        sender.result(HTTP_TIMEOUT_S)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"over 1048576 bytes" in answer, answer[:300]
+    assert sent[0] < 32 * MiB, f"the proxy read on: the client sent {sent[0]} bytes"
+    assert not upstreams.got("prefill")
+    assert small.get("/healthz").status_code == 200
+
+
+def test_slow_clients_are_cut_off_and_do_not_stall_health(make_proxy, upstreams):
+    """A slowloris client (headers a line at a time) and one that trickles its body,
+    while /healthz is polled: health answers at once throughout; the slowloris is
+    closed after header_timeout_s, the trickler gets 408 after body_timeout_s."""
+    proxy = make_proxy(header_timeout_s=1.0, body_timeout_s=1.0)
+    clients = {"headers": raw_connect(proxy), "body": raw_connect(proxy)}
+    clients["headers"].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvx\r\n")
+    clients["body"].sendall(post_head(100_000) + b"{")
+    trickle = {"headers": b"X-Slow: 1\r\n", "body": b" "}
+    ended: dict[str, tuple[float, bytes]] = {}
+    health_s: list[float] = []
+    started = time.monotonic()
+    try:
+        while len(ended) < 2 and time.monotonic() - started < 20:
+            for name, sock in clients.items():
+                if name in ended:
+                    continue
+                try:
+                    sock.sendall(trickle[name])
+                    answer = sock.recv(65536) if select.select([sock], [], [], 0)[0] else None
+                except OSError:
+                    answer = b""
+                if answer is not None:
+                    ended[name] = (time.monotonic() - started, answer)
+            before = time.monotonic()
+            assert proxy.get("/healthz").status_code == 200
+            health_s.append(time.monotonic() - before)
+            time.sleep(0.2)
+    finally:
+        for sock in clients.values():
+            sock.close()
+    assert set(ended) == {"headers", "body"}, f"not cut off within 20 s: {set(clients) - set(ended)}"
+    after_s, answer = ended["headers"]
+    assert answer == b"" and after_s < 10, (after_s, answer[:200])  # closed, no answer
+    after_s, answer = ended["body"]
+    assert answer.startswith(b"HTTP/1.1 408 ") and after_s < 10, (after_s, answer[:200])
+    assert len(health_s) >= 3 and max(health_s) < 5, health_s
+    assert not upstreams.got("prefill")
+
+
 def test_a_decode_instance_that_is_down_is_502_and_skipped_while_another_is_up(make_proxy, upstreams):
     alone = make_proxy(decode_urls=(dead_url(),))
     response = alone.post("/v1/completions", json={"prompt": "x"})
@@ -477,6 +606,10 @@ def test_config_and_prefill_body():
         {"timeout_s": 0},
         {"listen": "8000"},
         {"prefill_urls": ("http://h:port",)},
+        {"header_timeout_s": 0},
+        {"body_timeout_s": -1},
+        {"max_body_bytes": 0},
+        {"max_json_depth": 0},
     ):
         with pytest.raises(ConfigError):
             ProxyConfig(**bad)
@@ -538,6 +671,12 @@ def test_the_command_serves_and_stops_on_sigint(upstreams):
             upstreams.prefill[0].url,
             "--decode",
             upstreams.decode[0].url,
+            "--max-body-size",
+            "4KiB",
+            "--header-timeout-s",
+            "5",
+            "--body-timeout-s",
+            "5",
         ],
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -555,6 +694,8 @@ def test_the_command_serves_and_stops_on_sigint(upstreams):
         with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
             assert wait_until(lambda: client.get("/healthz").status_code == 200, tolerate=(httpx.HTTPError,))
             assert client.post("/v1/completions", json={"prompt": "x"}).json()["served_by"] == "d0"
+            too_large = client.post("/v1/completions", json={"prompt": "x" * 5000})
+            assert too_large.status_code == 413 and "over 4096 bytes" in too_large.text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(15) == 0
     finally:
