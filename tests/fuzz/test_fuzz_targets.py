@@ -170,11 +170,6 @@ def test_handshake_over_loopback_then_a_real_peer_reads():
     t.check_intact(True)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="finding: link.dial catches (OSError, ValueError) around HelloReply.FromString, but "
-    "protobuf's DecodeError is no ValueError: it escapes add_peer unwrapped and the socket is not closed",
-)
 def test_a_malformed_hello_reply_is_a_kvx_error_and_leaks_no_socket():
     """The initiator's side: a listener that answers HELLO with bytes that are
     not a HelloReply must give a kvx error (and close the socket), not

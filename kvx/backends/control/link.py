@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvx._datapath import gpu
 from kvx._datapath import io as _io
@@ -196,7 +197,7 @@ def dial(
     except KvxError:
         sock.close()
         raise
-    except (OSError, ValueError) as exc:  # ValueError covers protobuf DecodeError
+    except (OSError, ValueError, DecodeError) as exc:  # DecodeError is no ValueError
         sock.close()
         raise ConnectError(f"handshake with peer {target_name!r} at {address} failed: {exc}") from exc
 
