@@ -183,7 +183,20 @@ def describe(obj: Any, device: int | None) -> CudaMemory:
                 f"({length} bytes at {base:#x})"
             )
         handle = b""
-        if attrs.type == _MEMORY_DEVICE:
+        # A handle opens the whole allocation, read-write, to whoever holds it:
+        # hand one out only for a region that is all of its allocation and
+        # writable, or a peer would reach memory never registered, or write
+        # memory registered read-only. Others reach same-host peers staged
+        # over tcp, where the target checks every descriptor.
+        whole = address == base and size == length
+        if attrs.type == _MEMORY_DEVICE and not (whole and writable):
+            logger.info(
+                "CUDA memory at %#x is not shared through CUDA IPC: %s; same-host peers reach it "
+                "through staging over tcp (register the whole allocation, writable, for CUDA IPC)",
+                address,
+                f"it is {size} bytes of a {length}-byte allocation" if not whole else "it is read-only",
+            )
+        elif attrs.type == _MEMORY_DEVICE:
             try:
                 handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
             except Exception as exc:  # cudaMallocAsync pools, VMM (expandable segments) memory...

@@ -23,9 +23,11 @@ def test_cupy_arrays_and_raw_pointers_register_as_cuda_regions(cp):
         raw = agent.register((arr.data.ptr + 4096, 8192), device=0)
         assert raw.memory_kind is MemoryKind.CUDA and raw.ipc_offset - region.ipc_offset == 4096
         md = parse_metadata(agent.metadata())
+        # A handle opens the whole allocation: only a region that is all of it is offered.
         assert [(r.memory_kind, r.device, r.cuda_ipc) for r in md.regions] == [
-            (agent_pb2.MEMORY_KIND_CUDA, 0, True)
-        ] * 2
+            (agent_pb2.MEMORY_KIND_CUDA, 0, True),
+            (agent_pb2.MEMORY_KIND_CUDA, 0, False),
+        ]
         with pytest.raises(kvx.ConfigError, match="past the end of their CUDA allocation"):
             agent.register((arr.data.ptr, arr.nbytes + (64 << 20)), device=0)
         with pytest.raises(kvx.ConfigError, match="contiguous"):

@@ -10,6 +10,7 @@ between processes, are tested on a GPU in tests/gpu/.
 """
 
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ import kvx
 from kvx import Descs
 from kvx._datapath import gpu
 from kvx._datapath import staging as _staging
+from kvx.agent import parse_metadata
+from tests.integration.test_faults import _read_message, _session
 from tests.unit import fake_cuda
 
 BLOCK = 32 * 1024
@@ -140,6 +143,44 @@ def test_a_target_whose_memory_cannot_be_shared_refuses_the_ipc_pin(fake, make_a
     peer = a.add_peer(b.metadata())
     assert not peer._table[1][remote_region.id] & 32
     peer.read(local_region.descs(0, BLOCK), peer.region(remote_region.id).descs(0, BLOCK)).wait(30)
+
+
+def test_only_whole_writable_allocations_are_shared_through_cuda_ipc(fake, make_agent):
+    """The attack: a handle opens the whole allocation read-write, so a peer
+    that got one for part of an allocation, or for memory registered
+    read-only, could reach memory never registered, or write memory it may
+    only read. Such regions are not offered through CUDA IPC, an IPC pin on
+    them is refused, and the bytes still move, staged over tcp."""
+    from kvx.backends.control import wire as _wire
+    from kvx.backends.control.wire import MsgType
+
+    a, b = _pair(make_agent, "cuda_ipc")
+    allocation = fake.device_array(np.arange(4 * BLOCK, dtype=np.uint32).view(np.uint8)[: 4 * BLOCK].copy())
+    part = b.register((allocation.host.ctypes.data + BLOCK, 2 * BLOCK), device=0)
+    frozen = fake.device_array(np.full(BLOCK, 7, np.uint8))
+    frozen.__cuda_array_interface__["data"] = (frozen.host.ctypes.data, True)  # read-only
+    read_only = b.register(frozen)
+    whole = b.register(fake.device_array(np.zeros(BLOCK, np.uint8)))
+    assert (part.ipc_handle, read_only.ipc_handle) == (b"", b"") and len(whole.ipc_handle) == 64
+    md = parse_metadata(b.metadata())
+    assert {r.id: r.cuda_ipc for r in md.regions} == {part.id: False, read_only.id: False, whole.id: True}
+    assert not read_only.remote_write
+    # A peer that asks for the handles anyway is refused by the target.
+    sock, _ = _session(types.SimpleNamespace(metadata=b.metadata()))
+    for rid in (part.id, read_only.id):
+        ids = np.array([rid], "<u4").tobytes()
+        sock.sendall(
+            _wire.pack(MsgType.SHM_PIN, rid, payload_len=4, aux=_wire.PIN_READ | _wire.PIN_IPC) + ids
+        )
+        (msg_type, aux), text = _read_message(sock)
+        assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"through CUDA IPC" in text
+    sock.close()
+    # The bytes move all the same, through the staging buffers.
+    mine = fake.device_array(np.zeros(2 * BLOCK, np.uint8))
+    local = a.register(mine)
+    peer = a.add_peer(b.metadata())
+    peer.read(local.descs(0, 2 * BLOCK), peer.region(part.id).descs(0, 2 * BLOCK)).wait(30)
+    assert np.array_equal(mine.host, allocation.host[BLOCK : 3 * BLOCK])
 
 
 def test_cuda_ipc_needs_no_cross_memory_attach(fake, make_agent, monkeypatch):
