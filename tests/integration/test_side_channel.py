@@ -117,6 +117,24 @@ def test_handler_threads_stay_within_their_bound(make_server):
     assert 1 <= most <= 2, most
 
 
+def test_a_flood_of_tricklers_cannot_keep_a_peer_from_its_document(make_server):
+    """The attack: more trickling clients than handlers, with a long deadline,
+    so that no handler frees itself for a long time. The slowest request is
+    cut off to make room: the peer's fetch is answered at once, not after
+    the deadline."""
+    server = make_server(deadline_s=30.0, max_handlers=4)
+    tricklers = Tricklers(server.port, 3 * 4)
+    try:
+        tricklers.step()
+        time.sleep(0.5)  # every handler taken by a trickler
+        before = time.monotonic()
+        assert side_channel.fetch("127.0.0.1", server.port, timeout_s=10) == DOC
+        assert time.monotonic() - before < 10  # held behind the tricklers, it would wait 30 s
+        assert side_channel.fetch("127.0.0.1", server.port, timeout_s=10) == DOC
+    finally:
+        tricklers.close()
+
+
 def test_an_oversized_request_is_refused(make_server):
     server = make_server()
     head = f"GET {side_channel.PATH} HTTP/1.1\r\nHost: kvx\r\n".encode()
