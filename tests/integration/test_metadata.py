@@ -725,6 +725,33 @@ def test_names_with_a_newline_or_a_slash_are_refused(service):
         stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(name)))
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--tls-cert", "{ca}"], "--tls-cert and --tls-key go together"),
+        (["--admin-reads-need-token"], "--admin-reads-need-token needs --admin-token-file"),
+        (["--token-file", "{token}", "--admin-token-file", "{token}"], "the same token"),
+    ],
+)
+def test_weak_security_flag_combinations_refuse_to_start(tmp_path, flags, words):
+    (tmp_path / "ca.pem").write_text("not used\n")
+    (tmp_path / "token").write_text("a-token-of-24-characters\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    flags = [f.format(ca=tmp_path / "ca.pem", token=tmp_path / "token") for f in flags]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvx", "metadata", "--listen", address, "--admin-listen", "off", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and words in result.stderr, result.stderr
+    with pytest.raises(kvx.ConnectError):  # nothing was served, plaintext or not
+        MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list()
+
+
 def test_tls_config_without_a_certificate_is_refused(pki):
     with pytest.raises(kvx.ConfigError, match="plaintext"):
         TlsConfig("", "", client_ca=str(pki / "ca.pem"))
