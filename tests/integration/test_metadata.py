@@ -202,7 +202,7 @@ def test_a_restarted_agent_gets_its_name_back_within_the_old_lease(service, make
         waited_s = time.monotonic() - start
         record = client.get("restarting")
         assert record.epoch == reborn.epoch != old_epoch
-        assert waited_s < 3 + 1.5, waited_s
+        assert waited_s < 3 + 5, waited_s  # the old lease's ttl, and slack for a busy machine
 
 
 def test_a_second_live_agent_with_the_same_name_is_refused(service):
@@ -211,7 +211,7 @@ def test_a_second_live_agent_with_the_same_name_is_refused(service):
         start = time.monotonic()
         with pytest.raises(kvx.MetadataError, match="another live agent uses this name"):
             kvx.Agent("twin", metadata=service.address, metadata_options=opts)
-        assert time.monotonic() - start < 2 + 3
+        assert time.monotonic() - start < 2 + 10  # about the lease's ttl: bounded, not forever
         assert MetadataClient(service.address).get("twin").epoch == first.epoch
 
 
