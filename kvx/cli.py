@@ -127,19 +127,35 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument(
         "--admin-token-file",
         help="file holding the bearer token for state-changing admin "
-        "calls; without it those calls are refused",
+        "calls; without it those calls are refused. Must differ from --token-file",
     )
     meta.add_argument(
         "--admin-reads-need-token",
         action="store_true",
-        help="require the admin token for reads too (not /healthz, /readyz)",
+        help="require a token for admin reads too (not /healthz, /readyz); always on with --token-file, "
+        "where reads take the admin or the gRPC token",
     )
     meta.add_argument("--token-file", help="file holding the bearer token every gRPC call must carry")
     meta.add_argument("--tls-cert", help="PEM certificate for gRPC TLS (with --tls-key)")
-    meta.add_argument("--tls-key", help="PEM private key for gRPC TLS")
-    meta.add_argument("--tls-client-ca", help="PEM CA: require client certificates signed by it")
+    meta.add_argument("--tls-key", help="PEM private key for gRPC TLS (with --tls-cert)")
+    meta.add_argument(
+        "--tls-client-ca",
+        help="PEM CA: require client certificates signed by it (with --tls-cert and --tls-key)",
+    )
     meta.add_argument(
         "--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none (default: 10)"
+    )
+    meta.add_argument(
+        "--max-agents",
+        type=_positive,
+        default=10_000,
+        help="registered agents at most; a new name past it is refused (default: 10000)",
+    )
+    meta.add_argument(
+        "--max-watch-streams",
+        type=_positive,
+        default=256,
+        help="WatchAgents streams open at once; one more is refused (default: 256)",
     )
 
     proxy = sub.add_parser(
@@ -269,16 +285,34 @@ def _run_metadata(args: argparse.Namespace) -> int:
         raise KvxError(f"--store must be 'memory' or etcd://host:port[,...], not {args.store!r}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise KvxError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        # Without a server certificate there is no TLS: the CA would check nothing.
+        raise KvxError(
+            "--tls-client-ca needs --tls-cert and --tls-key: without them the service would "
+            "serve plaintext and accept any client"
+        )
+    if args.admin_reads_need_token and not (args.admin_token_file or args.token_file):
+        raise KvxError("--admin-reads-need-token needs --admin-token-file (or --token-file)")
+    admin_token, token = _read_token(args.admin_token_file), _read_token(args.token_file)
+    if admin_token is not None and admin_token == token:
+        raise KvxError(
+            "--admin-token-file and --token-file hold the same token: every agent could evict "
+            "any other; give the admin API its own token"
+        )
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     server = MetadataServer(
         args.listen,
         store,
         admin_listen=None if args.admin_listen == "off" else args.admin_listen,
-        admin_token=_read_token(args.admin_token_file),
+        admin_token=admin_token,
         admin_reads_need_token=args.admin_reads_need_token,
-        token=_read_token(args.token_file),
+        token=token,
         tls=tls,
-        limits=ServiceLimits(default_ttl_s=args.default_ttl_s),
+        limits=ServiceLimits(
+            default_ttl_s=args.default_ttl_s,
+            max_agents=args.max_agents,
+            max_watch_streams=args.max_watch_streams,
+        ),
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve_forever())

@@ -9,14 +9,16 @@ import re
 from kvx import backends
 from kvx.errors import ConfigError
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,127}$")
+# fullmatch: "$" would also accept a trailing newline. No "/": names are URL
+# path segments of the admin API (/v1/agents/{name}) and etcd key suffixes.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 
 def check_name(name: str) -> str:
-    """An agent name: 1-128 characters of letters, digits and ._:/@-."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    """An agent name: 1-128 ASCII letters, digits and ._:@-, starting with a letter or digit."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ConfigError(
-            f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:/@- "
+            f"invalid agent name {name!r}: 1-128 characters of letters, digits and ._:@- "
             "starting with a letter or digit"
         )
     return name

@@ -11,10 +11,12 @@ Endpoints (OpenAPI at ``/openapi.json``, interactive docs at ``/docs``):
     GET    /metrics             Prometheus text format
 
 Records are ``kvx.v1.AgentRecord`` in protobuf's JSON mapping, field names as
-in the .proto (64-bit integers are strings). State-changing endpoints need
-``Authorization: Bearer <admin token>`` and are refused when the service has
-no admin token; reads and /metrics need it too with ``admin_reads_need_token``.
-/healthz and /readyz are always open. Errors are ``{"detail": "..."}``: 400
+in the .proto (64-bit integers are strings), never with a lease id. Eviction
+needs ``Authorization: Bearer <admin token>`` and is refused when the service
+has no admin token. Reads and /metrics need a token too (the admin token or
+the gRPC token) when the service has a gRPC token, or with
+``admin_reads_need_token``: they show what GetAgent shows, to whoever may call
+it. /healthz and /readyz are always open. Errors are ``{"detail": "..."}``: 400
 for bad parameters, 401 without a token, 403 with a wrong one, 404, 503
 while the store is unavailable.
 """
@@ -39,6 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvx._net import bind_listener, format_address
 from kvx._version import __version__
+from kvx.config import check_name
+from kvx.errors import ConfigError
 from kvx.metadata.refused import Refused
 from kvx.metadata.roles import RoleName, role_filter
 from kvx.metadata.store import StoreError
@@ -46,6 +50,7 @@ from kvx.v1 import metadata_pb2
 
 logger = logging.getLogger(__name__)
 
+INT32_MAX = 2**31 - 1
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 _HTTP_STATUS = {
@@ -61,7 +66,15 @@ _bearer = HTTPBearer(auto_error=False, description="The admin token the service 
 
 
 def _record(record: metadata_pb2.AgentRecord) -> dict[str, Any]:
+    assert not record.lease_id, "the servicer clears lease ids before anything is read out"
     return MessageToDict(record, preserving_proto_field_name=True)
+
+
+def _check_name(name: str) -> None:
+    try:
+        check_name(name)
+    except ConfigError as exc:
+        raise HTTPException(400, str(exc)) from None
 
 
 def create_app(server: Any) -> FastAPI:
@@ -83,15 +96,28 @@ def create_app(server: Any) -> FastAPI:
         if not hmac.compare_digest(creds.credentials.encode(), server.admin_token.encode()):
             raise HTTPException(403, "wrong admin token")
 
+    def check_reader(creds: HTTPAuthorizationCredentials | None) -> None:
+        # Who may call GetAgent may read here too: the admin token or the gRPC token.
+        tokens = [t for t in (server.admin_token, server.token) if t]
+        if creds is None:
+            raise HTTPException(
+                401,
+                "missing token: send 'Authorization: Bearer <admin or gRPC token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        sent = creds.credentials.encode()
+        if not any([hmac.compare_digest(sent, t.encode()) for t in tokens]):  # every one compared
+            raise HTTPException(403, "wrong token")
+
     async def require_admin(creds: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
         check_token(creds)
 
     async def require_reader(creds: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
-        if server.admin_reads_need_token:
-            check_token(creds)
+        check_reader(creds)
 
     # The scheme shows in the OpenAPI document only where it is enforced.
-    reads = [Depends(require_reader)] if server.admin_reads_need_token else []
+    reads_need_token = bool(server.admin_reads_need_token or server.token)
+    reads = [Depends(require_reader)] if reads_need_token else []
     admin = [Depends(require_admin)]
 
     app = FastAPI(
@@ -134,7 +160,9 @@ def create_app(server: Any) -> FastAPI:
     async def list_agents(
         role: RoleName | None = Query(None, description="Only this role"),
         label: list[str] = Query([], description="key=value; repeat for several (all must match)"),
-        page_size: int = Query(0, ge=0, description="0 means the service default"),
+        page_size: int = Query(
+            0, ge=0, le=INT32_MAX, description="0 means the service default; larger than its maximum: lowered"
+        ),
         page_token: str = Query("", description="next_page_token of the previous page"),
     ) -> dict[str, Any]:
         request = metadata_pb2.ListAgentsRequest(
@@ -158,6 +186,7 @@ def create_app(server: Any) -> FastAPI:
         responses={404: {"description": "No such agent"}},
     )
     async def get_agent(name: str = Path(description="Agent name")) -> dict[str, Any]:
+        _check_name(name)
         return _record((await server.servicer.get(name)).record)
 
     @app.delete(
@@ -168,7 +197,8 @@ def create_app(server: Any) -> FastAPI:
         responses={401: {"description": "No token"}, 403: {"description": "Wrong token, or none configured"}},
     )
     async def evict_agent(name: str = Path(description="Agent name")) -> dict[str, bool]:
-        response = await server.servicer.unregister(name)
+        _check_name(name)
+        response = await server.servicer.unregister(name, evict=True)
         logger.log(
             logging.WARNING if response.existed else logging.INFO,
             "admin API: evict %r: %s",

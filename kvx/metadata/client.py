@@ -3,7 +3,8 @@
 - ``MetadataClient``: the RPCs, with gRPC errors translated into kvx errors.
 - ``Registration``: keeps one agent registered: registers, renews its lease
   on a KeepAlive stream, registers again by itself when the service restarts
-  or the lease is lost, and unregisters on stop.
+  or the lease is lost (never giving up: while another lease holds the name
+  it retries when that lease would run out), and unregisters on stop.
 - ``Watcher``: follows WatchAgents, reconnecting (and so resynchronising from
   a fresh snapshot) after the service restarts.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -35,6 +37,23 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+# The service's trailer on a registration refused because another lease holds the name.
+_RETRY_AFTER_KEY = "kvx-retry-after-ms"
+# Bounds on how long to wait before asking again for a name another lease holds:
+# the service's own max lease ttl is 300 s.
+_HELD_RETRY_MIN_S = 0.1
+_HELD_RETRY_MAX_S = 310.0
+# While the name stays held, a warning at most this often.
+_HELD_WARN_EVERY_S = 60.0
+
+
+class NameHeldError(MetadataError):
+    """The name is held by another live lease (FAILED_PRECONDITION);
+    ``retry_after_s``: when that lease runs out unless renewed."""
+
+    def __init__(self, message: str, code: object, retry_after_s: float) -> None:
+        super().__init__(message, code)
+        self.retry_after_s = retry_after_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +81,17 @@ def translate(exc: grpc.RpcError, target: str) -> Exception:
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ConnectError(f"metadata service at {target} unavailable: {detail}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        trailers: dict[str, Any] = {}
+        if hasattr(exc, "trailing_metadata"):
+            trailers = {str(item[0]): item[1] for item in exc.trailing_metadata() or ()}  # type: ignore[index]
+        try:
+            retry_after_s = int(trailers[_RETRY_AFTER_KEY]) / 1000
+        except (KeyError, ValueError):
+            pass
+        else:
+            retry_after_s = min(max(retry_after_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
+            return NameHeldError(f"metadata service at {target}: {detail}", code, retry_after_s)
     return MetadataError(f"metadata service at {target}: {detail}", code)
 
 
@@ -93,9 +123,15 @@ class MetadataClient:
         except grpc.RpcError as exc:
             raise translate(exc, self.target) from None
 
-    def register(self, record: AgentRecord, ttl_s: int = 0) -> metadata_pb2.RegisterAgentResponse:
+    def register(
+        self, record: AgentRecord, ttl_s: int = 0, lease_id: int = 0
+    ) -> metadata_pb2.RegisterAgentResponse:
+        """``lease_id``: the lease of our current registration of this name, if any
+        (needed to refresh or replace a live record). Raises NameHeldError while
+        another live lease holds the name."""
         return self._unary(
-            self.stub.RegisterAgent, metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s)
+            self.stub.RegisterAgent,
+            metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s, lease_id=lease_id),
         )
 
     def get(self, name: str) -> AgentRecord | None:
@@ -116,21 +152,34 @@ class MetadataClient:
                 return out
             request.page_token = response.next_page_token
 
-    def unregister(self, name: str, epoch: int = 0) -> bool:
+    def unregister(self, name: str, epoch: int = 0, lease_id: int = 0) -> bool:
+        """Ends our registration of ``name`` (the one under ``lease_id``); False if there was none."""
         return self._unary(
-            self.stub.UnregisterAgent, metadata_pb2.UnregisterAgentRequest(name=name, epoch=epoch)
+            self.stub.UnregisterAgent,
+            metadata_pb2.UnregisterAgentRequest(name=name, epoch=epoch, lease_id=lease_id),
         ).existed
 
 
 class Registration:
-    """Keeps one agent's record registered until ``stop()``."""
+    """Keeps one agent's record registered until ``stop()``.
+
+    Never gives up: when the lease is lost it registers again, and while
+    another live lease holds the name (a restarted agent's predecessor whose
+    lease still runs, or any other registrant) it asks again when the service
+    says that lease runs out, logging why.
+    """
 
     def __init__(self, client: MetadataClient, build_record: Callable[[], AgentRecord]) -> None:
         self.client = client
         self.build_record = build_record
         self.ttl_s = client.options.lease_ttl_s
+        # The lease of the registration in force; None while there is none (or it is unknown).
         self.lease_id: int | None = None
-        self.replaced = False  # a newer instance holds the name: stop trying
+        # The last lease granted, kept through outages: it proves to the service that the
+        # live record (if it is still there) is ours.
+        self._proof = 0
+        self._held_since: float | None = None  # the name is held by another lease since then
+        self._held_warned = 0.0
         self._lock = threading.Lock()  # one registration call at a time
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -138,8 +187,30 @@ class Registration:
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
     def start(self) -> None:
-        """Register now (raises if the service refuses or is unreachable), then keep it."""
-        self._register()
+        """Register now, then keep it. Raises if the service refuses the record or
+        is unreachable. While another live lease holds the name (this agent's
+        previous instance, dead but its lease not yet run out), waits for that
+        lease to run out, up to its remaining ttl once; if it is renewed meanwhile,
+        another live agent has this name, and that is raised."""
+        try:
+            self._register()
+        except NameHeldError as exc:
+            logger.warning("%s; waiting up to %.1f s for that lease to run out", exc, exc.retry_after_s)
+            deadline = time.monotonic() + exc.retry_after_s + 1.0
+            while True:
+                if self._stop.wait(min(exc.retry_after_s, max(0.0, deadline - time.monotonic()))):
+                    raise exc from None  # stopped while waiting
+                try:
+                    self._register()
+                    break
+                except NameHeldError as again:
+                    if time.monotonic() >= deadline:
+                        raise MetadataError(
+                            f"{again}. The lease was renewed while we waited: another live agent "
+                            "uses this name (give each agent its own name)",
+                            again.code,
+                        ) from None
+                    exc = again
         self._thread.start()
 
     def update(self) -> None:
@@ -154,29 +225,31 @@ class Registration:
         except ConnectError as exc:
             logger.warning("could not update the registration now (%s); retrying in the background", exc)
             self.lease_id = None
+        except NameHeldError as exc:
+            # Our lease is gone and another holds the name: not this memory's fault. The
+            # background thread asks again and publishes the record when it gets the name.
+            logger.warning("could not update the registration now (%s); retrying in the background", exc)
+            self.lease_id = None
         self._restart_stream()
 
     def stop(self, unregister: bool = True) -> None:
         self._stop.set()
         self._restart_stream()
-        self._thread.join(self.client.options.timeout_s + 1)
-        if unregister and not self.replaced:
+        if self._thread.is_alive():
+            self._thread.join(self.client.options.timeout_s + 1)
+        if unregister and self._proof:
             record = self.build_record()
             try:
-                self.client.unregister(record.name, record.epoch)
+                self.client.unregister(record.name, record.epoch, self._proof)
             except (ConnectError, MetadataError) as exc:
                 logger.info("could not unregister %s (%s); its lease will expire", record.name, exc)
 
     def _register(self) -> None:
         with self._lock:
-            try:
-                response = self.client.register(self.build_record(), self.ttl_s)
-            except MetadataError as exc:
-                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    self.replaced = True
-                raise
-            self.lease_id = response.lease_id
+            response = self.client.register(self.build_record(), self.ttl_s, self._proof)
+            self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
+            self._held_since = None
 
     def _restart_stream(self) -> None:
         self._wake.set()
@@ -187,17 +260,19 @@ class Registration:
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
+            wait_s = _BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)]
             try:
                 if self.lease_id is None:
                     self._register()
                     logger.info("registered with the metadata service at %s again", self.client.target)
                 attempt = 0
                 self._keep_alive()
+            except NameHeldError as exc:
+                self.lease_id = None
+                wait_s = exc.retry_after_s
+                self._log_held(exc)
             except MetadataError as exc:
-                if self.replaced:
-                    logger.error("%s; this agent stops re-registering", exc)
-                    return
-                logger.warning("metadata registration failed: %s", exc)
+                logger.warning("metadata registration failed: %s; trying again", exc)
                 self.lease_id = None
             except ConnectError as exc:
                 if attempt == 0:
@@ -208,8 +283,24 @@ class Registration:
                     logger.warning("lease keep-alive stream ended: %s", exc.details())
                 if exc.code() != grpc.StatusCode.CANCELLED:
                     self.lease_id = None
-            self._stop.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            except Exception:  # noqa: BLE001 - a bug here must not end the registration for good
+                logger.exception("metadata registration loop failed; trying again")
+                self.lease_id = None
+            self._stop.wait(wait_s)
             attempt += 1
+
+    def _log_held(self, exc: NameHeldError) -> None:
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_warned >= _HELD_WARN_EVERY_S:
+            self._held_warned = now
+            logger.warning(
+                "this agent is not registered (for %.0f s now): %s; asking again in %.1f s",
+                now - self._held_since,
+                exc,
+                exc.retry_after_s,
+            )
 
     def _keep_alive(self) -> None:
         lease_id = self.lease_id
@@ -228,7 +319,7 @@ class Registration:
                 if response.ttl_s == 0:
                     if self.lease_id != lease_id:
                         return  # update() registered again under a new lease
-                    logger.warning("lease %#x is gone (expired or revoked); registering again", lease_id)
+                    logger.warning("lease of this agent is gone (expired or revoked); registering again")
                     self.lease_id = None
                     return
         finally:

@@ -3,19 +3,26 @@
 Several metadata-service replicas pointed at one etcd cluster share its state;
 none holds state of its own. How the store maps onto etcd:
 
-* a lease is an etcd lease: LeaseGrant (etcd raises a ttl below its minimum,
-  about 2 s), one LeaseKeepAlive round trip per ``keep_alive`` (the granted
-  ttl, 0 when the lease is gone), LeaseRevoke (deletes the lease's keys);
+* a lease is an etcd lease: LeaseGrant with a random 62-bit id of ours (etcd's
+  own ids count up and can be guessed; a lease id is the registrant's proof of
+  holding its name; etcd raises a ttl below its minimum, about 2 s), one
+  LeaseKeepAlive round trip per ``keep_alive`` (the granted ttl, 0 when the
+  lease is gone), LeaseTimeToLive for ``lease_ttl``, LeaseRevoke (deletes
+  the lease's keys);
 * a record is the key ``prefix + name``, valued the serialized ``AgentRecord``
   and attached to its lease. A returned record's ``revision`` is the key's
   ``mod_revision``, its ``lease_id`` the key's lease;
 * ``put_if`` / ``delete_if`` are transactions comparing the key's
   ``mod_revision`` with ``expect_revision`` (etcd compares an absent key as 0,
   so 0 means "absent"); ``put_if`` returns the transaction's revision;
-* ``list`` is one range over the prefix, sorted by key. ``watch`` ranges the
-  prefix (a snapshot at revision R), yields its PUTs and SYNCED(R), then
-  watches the prefix from R + 1 with ``prev_kv``, so that every DELETE (also
-  the one etcd makes when a lease expires) carries the record as it was.
+* ``list_page`` is one range over the prefix from the key after ``after``,
+  sorted by key, ``limit`` keys; ``count`` a count-only range. ``watch``
+  ranges the prefix a page at a time, every page at the revision R of the
+  first (one snapshot, never one copy of the whole prefix), yields their PUTs
+  and SYNCED(R), then the changes of a watch of the prefix from R + 1 with
+  ``prev_kv``, so that every DELETE (also the one etcd makes when a lease
+  expires) carries the record as it was. A watch that falls ``queue_size``
+  etcd responses behind is cut off with WatchLagError.
 
 Every call is bounded by ``timeout_s``. An unreachable etcd raises
 ``StoreError`` (the aetcd/gRPC error chained) and ends watches with
@@ -34,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,6 +50,7 @@ import grpc
 from kvx._net import parse_address
 from kvx.errors import ConfigError
 from kvx.metadata.store import (
+    PAGE_RECORDS,
     WATCH_QUEUE_MAX,
     AgentRecord,
     Event,
@@ -102,7 +111,7 @@ class EtcdStore(Store):
         self._range_end = _prefix_end(self._prefix)
         self._timeout_s = float(timeout_s)
         self._channel_options = {
-            "grpc.max_receive_message_length": 256 << 20,  # list() and snapshots are one range
+            "grpc.max_receive_message_length": 256 << 20,  # a page: PAGE_RECORDS records of up to 256 KiB
             "grpc.initial_reconnect_backoff_ms": 200,
             "grpc.max_reconnect_backoff_ms": 2000,
         }
@@ -145,12 +154,35 @@ class EtcdStore(Store):
             return False
 
     async def grant_lease(self, ttl_s: int) -> int:
-        response = await self._call(
-            "lease grant", lambda c, rpc: c.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=int(ttl_s)))
-        )
-        if response.error:
-            raise StoreError(f"etcd refused a lease of {ttl_s} s: {response.error}")
-        return response.ID
+        for _ in range(4):  # a clash of two random 62-bit ids is all but impossible; bounded anyway
+            lease_id = secrets.randbits(62) | 1
+            try:
+                response = await self._call(
+                    "lease grant",
+                    lambda c, rpc, i=lease_id: c.leasestub.LeaseGrant(
+                        rpc.LeaseGrantRequest(TTL=int(ttl_s), ID=i)
+                    ),
+                )
+            except StoreError as e:
+                if _code(e.__cause__) == "FAILED_PRECONDITION":  # "lease already exists"
+                    continue
+                raise
+            if response.error:
+                raise StoreError(f"etcd refused a lease of {ttl_s} s: {response.error}")
+            return response.ID
+        raise StoreError("etcd refused four random lease ids as taken")
+
+    async def lease_ttl(self, lease_id: int) -> int:
+        try:
+            response = await self._call(
+                "lease ttl",
+                lambda c, rpc: c.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id)),
+            )
+        except StoreError as e:
+            if _code(e.__cause__) == "NOT_FOUND":
+                return 0
+            raise
+        return max(0, int(response.TTL))  # -1: gone
 
     async def keep_alive(self, lease_id: int) -> int:
         # One long-lived LeaseKeepAlive stream per connection carries every
@@ -177,8 +209,15 @@ class EtcdStore(Store):
         response = await self._call("get", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(key=key)))
         return self._decode(response.kvs[0]) if response.kvs else None
 
-    async def list(self) -> list[AgentRecord]:
-        kvs, _ = await self._snapshot()
+    async def count(self) -> int:
+        response = await self._call(
+            "count", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
+                key=self._prefix, range_end=self._range_end, count_only=True))
+        )  # fmt: skip
+        return int(response.count)
+
+    async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
+        kvs, _ = await self._page(after, limit, 0)
         return [record for record in map(self._decode, kvs) if record is not None]
 
     async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
@@ -216,17 +255,20 @@ class EtcdStore(Store):
         self._own_deletes.append(response.header.revision)
         return True
 
-    async def watch(self) -> AsyncIterator[Event]:
-        kvs, revision = await self._snapshot()
-        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_MAX)
+    async def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
+        kvs, revision = await self._page("", PAGE_RECORDS, 0)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
         self._watches.add(queue)
         call = task = None
         try:
             call = await self._call("watch", lambda c, rpc: self._open_watch(c, rpc, revision + 1))
             task = asyncio.create_task(self._read_watch(call, queue), name="kvx-etcd-watch")
-            for kv in kvs:
-                if (record := self._decode(kv)) is not None:
-                    yield Event(EventType.PUT, record, kv.mod_revision)
+            while kvs:
+                for kv in kvs:
+                    if (record := self._decode(kv)) is not None:
+                        yield Event(EventType.PUT, record, kv.mod_revision)
+                after = kvs[-1].key.removeprefix(self._prefix).decode(errors="replace")
+                kvs, _ = await self._page(after, PAGE_RECORDS, revision)
             yield Event(EventType.SYNCED, None, revision)
             while True:
                 try:
@@ -329,7 +371,9 @@ class EtcdStore(Store):
                     raise WatchLagError(f"etcd compacted its history past {response.compact_revision}")
                 if response.canceled:
                     raise StoreError(f"etcd cancelled the watch: {response.cancel_reason or 'no reason'}")
-                await queue.put(response)
+                if queue.full():  # the consumer does not keep up: cut it off, hold nothing more for it
+                    raise WatchLagError(f"the watch fell {queue.maxsize} etcd responses behind")
+                queue.put_nowait(response)
             error: Exception = StoreError("etcd ended the watch")
         except StoreError as e:
             error = e
@@ -339,12 +383,20 @@ class EtcdStore(Store):
         if queue in self._watches:
             _cut_off(queue, error)
 
-    async def _snapshot(self):
-        response = await self._call(
-            "range", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
-                key=self._prefix, range_end=self._range_end,
-                sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY))
-        )  # fmt: skip
+    async def _page(self, after: str, limit: int, revision: int):
+        """Up to ``limit`` key-values after the key of name ``after``, at ``revision``
+        (0: the latest); with the revision read."""
+        start = self._key(after) + b"\0" if after else self._prefix
+        try:
+            response = await self._call(
+                "range", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
+                    key=start, range_end=self._range_end, limit=limit, revision=revision,
+                    sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY))
+            )  # fmt: skip
+        except StoreError as e:
+            if revision and _code(e.__cause__) == "OUT_OF_RANGE":  # compacted while paging
+                raise WatchLagError(f"etcd compacted its history past {revision} during the snapshot") from e
+            raise
         return list(response.kvs), response.header.revision
 
     def _event(self, event) -> Event | None:

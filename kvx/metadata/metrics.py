@@ -7,7 +7,7 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvx.metadata.store import Store
+from kvx.metadata.store import PAGE_RECORDS, Store
 from kvx.v1 import metadata_pb2
 
 
@@ -23,9 +23,12 @@ class _StoreCollector:
         self.by_role: dict[str, int] = {}
 
     async def refresh(self) -> None:
-        tally = Tally(
-            metadata_pb2.Role.Name(r.role).removeprefix("ROLE_").lower() for r in await self.store.list()
-        )
+        # A page at a time: a scrape never holds a copy of the whole registry.
+        tally: Tally[str] = Tally()
+        after = ""
+        while page := await self.store.list_page(after, PAGE_RECORDS):
+            tally.update(metadata_pb2.Role.Name(r.role).removeprefix("ROLE_").lower() for r in page)
+            after = page[-1].name
         self.by_role = {role: tally.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
 
     def collect(self):

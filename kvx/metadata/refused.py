@@ -9,6 +9,9 @@ import grpc
 
 
 class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.trailing_metadata = trailing_metadata

@@ -6,11 +6,19 @@ health checking and server reflection are on. With a token configured every
 call must carry ``authorization: Bearer <token>`` in its metadata; with TLS
 the server presents a certificate and may require client certificates.
 
-Rules for registrations: a name belongs to one live epoch. A registration
-with the same epoch refreshes the record (new regions, new lease). One with
-another epoch replaces the record only when its agent started later (a
-restart); an older instance is refused with FAILED_PRECONDITION and the
-record stays as it is.
+Rules for registrations: a name belongs to one lease. A live record (its
+lease not expired) is replaced or refreshed only by a registration that
+sends that lease's id (``RegisterAgentRequest.lease_id``), which only its
+registrant knows: no answer of any read API carries a lease id. Anyone else,
+whatever epoch or start time it claims, is refused with FAILED_PRECONDITION
+and a ``kvx-retry-after-ms`` trailer saying when the lease runs out unless
+renewed. So a restarted agent (new epoch, old lease still running) gets its
+name back once the old lease expires: within the old lease's TTL. Likewise
+only the lease's holder unregisters a record; the admin API evicts.
+
+Bounds (``ServiceLimits``): registered agents, concurrent watch streams,
+changes queued per watch (a slower watcher is cut off), records and bytes per
+list page. Nothing a client asks for copies the whole registry at once.
 """
 
 from __future__ import annotations
@@ -26,16 +34,17 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvx._net import format_address, parse_listen_address
+from kvx._net import format_address, is_loopback, parse_listen_address
 from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.refused import Refused
-from kvx.metadata.store import EventType, MemoryStore, Store, StoreError, WatchLagError
+from kvx.metadata.store import PAGE_RECORDS, EventType, MemoryStore, Store, StoreError, WatchLagError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -43,10 +52,31 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 Event = metadata_pb2.WatchAgentsResponse
 _T = TypeVar("_T")
+# Trailer of a registration refused because the name's lease is live: the
+# milliseconds until that lease runs out unless its holder renews it.
+RETRY_AFTER_KEY = "kvx-retry-after-ms"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServiceLimits:
+    """Bounds on what clients can make the service hold or do.
+
+    max_agents:         registered agents; one more new name is refused with
+                        RESOURCE_EXHAUSTED (approximate under concurrent
+                        registrations of new names: they may overshoot by their number).
+    max_watch_streams:  WatchAgents streams open at once; one more is refused
+                        with RESOURCE_EXHAUSTED.
+    watch_queue_events: changes queued for one watch stream; a watcher this
+                        far behind is cut off with RESOURCE_EXHAUSTED (it
+                        watches again and resynchronises).
+    max_page_size, max_page_bytes: one ListAgents page (larger page sizes
+                        are lowered; a page ends early at the byte bound,
+                        always holding at least one record).
+    max_list_scan:      records one ListAgents call looks at to fill a
+                        filtered page; past it the page is returned short,
+                        with a next_page_token.
+    """
+
     default_ttl_s: int = 10
     min_ttl_s: int = 2
     max_ttl_s: int = 300
@@ -58,6 +88,22 @@ class ServiceLimits:
     max_engine_info_bytes: int = 4096  # each value
     default_page_size: int = 100
     max_page_size: int = 1000
+    max_page_bytes: int = 4 * 1024 * 1024
+    max_list_scan: int = 10_000
+    max_agents: int = 10_000
+    max_watch_streams: int = 256
+    watch_queue_events: int = 1000
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ServiceLimits.{field.name} must be a positive integer, not {value!r}")
+        if not self.min_ttl_s <= self.default_ttl_s <= self.max_ttl_s:
+            raise ConfigError(
+                f"the default lease ttl {self.default_ttl_s} s is outside "
+                f"[{self.min_ttl_s}, {self.max_ttl_s}] s (--default-ttl-s)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +113,59 @@ class TlsConfig:
     cert: str
     key: str
     client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.cert or not self.key:
+            raise ConfigError(
+                "TlsConfig needs both cert and key (a CA for client certificates alone "
+                "would serve plaintext): give the server's certificate and private key"
+            )
+
+
+class _Malformed:
+    """A request whose bytes do not parse as the method's message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:  # answered INVALID_ARGUMENT by the method (grpcio says UNKNOWN)
+            return _Malformed(exc)
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, _Malformed):
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid kvx.v1 protobuf message ({request.error}); "
+            "send one built from proto/kvx/v1/metadata.proto",
+        )
+
+
+def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
+    """The MetadataService's method handlers, as the generated code makes them, but with
+    parsers that let a method answer a malformed request with INVALID_ARGUMENT."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].methods:
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_parser(getattr(metadata_pb2, method.input_type.name)),
+            response_serializer=getattr(metadata_pb2, method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def _matches(record: metadata_pb2.AgentRecord, role: int, labels: Any) -> bool:
@@ -84,16 +183,20 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self.metrics = metrics
         self._token = token
         self._background: set[asyncio.Future] = set()
+        self.watch_streams = 0  # open WatchAgents streams
 
     # Plumbing: auth, timing, error translation.
 
-    async def _call(self, method: str, context: aio.ServicerContext, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def _call(
+        self, method: str, request: Any, context: aio.ServicerContext, fn: Callable[[], Awaitable[Any]]
+    ) -> Any:
         start = time.perf_counter()
         try:
             self._authorize(context)
+            _check_parsed(request)
             return await fn()
         except Refused as refused:
-            await context.abort(refused.code, str(refused))
+            await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
         finally:
@@ -112,7 +215,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     # RPCs.
 
     async def RegisterAgent(self, request, context):  # noqa: N802 - gRPC names
-        return await self._call("RegisterAgent", context, lambda: self.register(request))
+        return await self._call("RegisterAgent", request, context, lambda: self.register(request))
 
     async def register(
         self, request: metadata_pb2.RegisterAgentRequest
@@ -127,18 +230,16 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             )
         for _ in range(8):
             current = await self.store.get(record.name)
-            if (
-                current is not None
-                and current.epoch != record.epoch
-                and current.started_unix_ms >= record.started_unix_ms
-            ):
+            if current is not None and not (request.lease_id and request.lease_id == current.lease_id):
+                remaining_s = await self.store.lease_ttl(current.lease_id)
+                if remaining_s > 0:
+                    raise _held(record.name, current, remaining_s)
+                # Its lease ran out (the store deletes the record any moment): the name is free.
+            elif current is None and await self.store.count() >= self.limits.max_agents:
                 raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    (
-                        f"agent {record.name!r} is registered by epoch {current.epoch:#x} (started "
-                        f"{current.started_unix_ms} ms), not older than this epoch {record.epoch:#x} "
-                        f"(started {record.started_unix_ms} ms): refusing the stale registration"
-                    ),
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.limits.max_agents} agents are registered, the most this service takes "
+                    "(kvx metadata --max-agents); unregister some, or raise the limit",
                 )
             lease_id = await self.store.grant_lease(ttl)
             stored = metadata_pb2.AgentRecord()
@@ -149,16 +250,15 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 await self.store.revoke_lease(lease_id)
                 continue
             if current is not None and current.lease_id and current.lease_id != lease_id:
-                # The old lease holds no record any more; revoking it tells a replaced
-                # instance (its keep-alives get ttl 0). Retried until it goes through.
+                # The old lease holds no record any more; revoking it tells the old
+                # holder (its keep-alives get ttl 0). Retried until it goes through.
                 self._revoke_later(current.lease_id)
             self.metrics.registrations.inc()
             logger.info(
-                "registered %s epoch %#x role %s lease %#x",
+                "registered %s epoch %#x role %s",
                 record.name,
                 record.epoch,
                 metadata_pb2.Role.Name(record.role),
-                lease_id,
             )
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
@@ -216,21 +316,38 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(refused.code, str(refused))
         try:
             async for request in request_iterator:
+                _check_parsed(request)
                 ttl = await self.store.keep_alive(request.lease_id)
                 yield metadata_pb2.KeepAliveResponse(lease_id=request.lease_id, ttl_s=ttl)
+        except Refused as refused:
+            await context.abort(refused.code, str(refused))
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
 
     async def UnregisterAgent(self, request, context):  # noqa: N802
         return await self._call(
-            "UnregisterAgent", context, lambda: self.unregister(request.name, request.epoch)
+            "UnregisterAgent",
+            request,
+            context,
+            lambda: self.unregister(request.name, request.epoch, request.lease_id),
         )
 
-    async def unregister(self, name: str, epoch: int = 0) -> metadata_pb2.UnregisterAgentResponse:
+    async def unregister(
+        self, name: str, epoch: int = 0, lease_id: int = 0, *, evict: bool = False
+    ) -> metadata_pb2.UnregisterAgentResponse:
+        """Ends the record of ``name`` if it is under ``lease_id``; ``evict`` (the admin
+        API, behind the admin token) ends it whatever its lease."""
         for _ in range(8):
             current = await self.store.get(name)
             if current is None or (epoch and current.epoch != epoch):
                 return metadata_pb2.UnregisterAgentResponse(existed=False)
+            if not evict and current.lease_id != lease_id:
+                raise Refused(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"agent {name!r} is registered under a lease this request does not hold: only "
+                    "its registrant unregisters it (lease_id from its RegisterAgentResponse); an "
+                    f"administrator evicts it with the admin API (DELETE /v1/agents/{name})",
+                )
             if await self.store.delete_if(name, current.revision):
                 await self.store.revoke_lease(current.lease_id)
                 logger.info("unregistered %s epoch %#x", name, current.epoch)
@@ -238,43 +355,71 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         raise Refused(grpc.StatusCode.ABORTED, f"{name!r} kept changing; retry")
 
     async def GetAgent(self, request, context):  # noqa: N802
-        return await self._call("GetAgent", context, lambda: self.get(request.name))
+        return await self._call("GetAgent", request, context, lambda: self.get(request.name))
 
     async def get(self, name: str) -> metadata_pb2.GetAgentResponse:
         record = await self.store.get(name)
         if record is None:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
+        record.ClearField("lease_id")  # the registrant's secret
         return metadata_pb2.GetAgentResponse(record=record)
 
     async def ListAgents(self, request, context):  # noqa: N802
-        return await self._call("ListAgents", context, lambda: self.list(request))
+        return await self._call("ListAgents", request, context, lambda: self.list(request))
 
     async def list(self, request: metadata_pb2.ListAgentsRequest) -> metadata_pb2.ListAgentsResponse:
+        """One page, read from the store a chunk at a time: a call copies at most a
+        page's worth of records beyond the one chunk it is looking at."""
+        lim = self.limits
         if request.page_size < 0:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
-        size = min(request.page_size or self.limits.default_page_size, self.limits.max_page_size)
-        after = ""
+        size = min(request.page_size or lim.default_page_size, lim.max_page_size)
+        cursor = ""
         if request.page_token:
             try:
-                after = base64.urlsafe_b64decode(request.page_token.encode()).decode()
-                check_name(after)
+                cursor = base64.urlsafe_b64decode(request.page_token.encode()).decode()
+                check_name(cursor)
             except (ValueError, ConfigError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
-        records = [
-            r for r in await self.store.list() if r.name > after and _matches(r, request.role, request.labels)
-        ]
-        page, more = records[:size], len(records) > size
-        token = base64.urlsafe_b64encode(page[-1].name.encode()).decode() if more else ""
+        filtered = bool(request.role or request.labels)
+        page: list[metadata_pb2.AgentRecord] = []
+        page_bytes = scanned = 0
+        full = False
+        while not full and scanned < lim.max_list_scan:
+            chunk = await self.store.list_page(cursor, PAGE_RECORDS if filtered else min(PAGE_RECORDS, size))
+            if not chunk:
+                break
+            for record in chunk:
+                scanned += 1
+                cursor = record.name
+                if _matches(record, request.role, request.labels):
+                    record.ClearField("lease_id")
+                    page.append(record)
+                    page_bytes += record.ByteSize()
+                    full = len(page) >= size or page_bytes >= lim.max_page_bytes
+                if full or scanned >= lim.max_list_scan:
+                    break
+            del chunk  # the records not taken go now, not at the end of the call
+        more = bool(cursor) and bool(await self.store.list_page(cursor, 1))
+        token = base64.urlsafe_b64encode(cursor.encode()).decode() if more else ""
         return metadata_pb2.ListAgentsResponse(records=page, next_page_token=token)
 
     async def WatchAgents(self, request, context):  # noqa: N802
         try:
             self._authorize(context)
+            _check_parsed(request)
+            if self.watch_streams >= self.limits.max_watch_streams:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.watch_streams} watch streams are open, the most this service serves "
+                    "(kvx metadata --max-watch-streams); close one, or raise the limit",
+                )
         except Refused as refused:
             await context.abort(refused.code, str(refused))
+        self.watch_streams += 1
         sent: set[str] = set()  # names this stream has shown as present
         try:
-            async for event in self.store.watch():
+            async for event in self.store.watch(self.limits.watch_queue_events):
                 if event.type is EventType.SYNCED:
                     yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision)
                     continue
@@ -282,15 +427,50 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 name = event.record.name
                 if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
                     sent.add(name)
-                    yield Event(type=Event.EVENT_TYPE_PUT, record=event.record, revision=event.revision)
+                    out = Event(type=Event.EVENT_TYPE_PUT, record=event.record, revision=event.revision)
                 elif name in sent:
                     # Gone, or no longer matching the filter: either way it leaves this view.
                     sent.discard(name)
-                    yield Event(type=Event.EVENT_TYPE_DELETE, record=event.record, revision=event.revision)
+                    out = Event(type=Event.EVENT_TYPE_DELETE, record=event.record, revision=event.revision)
+                else:
+                    continue
+                out.record.ClearField("lease_id")  # a copy: the stored record keeps it
+                yield out
         except WatchLagError as exc:
-            await context.abort(grpc.StatusCode.ABORTED, f"{exc}; watch again")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{exc}: this watcher reads too slowly and was cut off; read faster, or watch "
+                "again (a new watch starts from the current records)",
+            )
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+        finally:
+            self.watch_streams -= 1
+
+
+def _held(name: str, current: metadata_pb2.AgentRecord, remaining_s: int) -> Refused:
+    return Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"agent name {name!r} is held by a live registration (epoch {current.epoch:#x}) whose lease "
+        f"runs {remaining_s} s more unless renewed; only a registration with that lease replaces "
+        "it. A restarted agent gets its name back when the old lease expires; a dead holder can "
+        f"be evicted with the admin API (DELETE /v1/agents/{name})",
+        ((RETRY_AFTER_KEY, str(remaining_s * 1000)),),
+    )
+
+
+def check_security(*, token: str | None, admin_token: str | None, admin_reads_need_token: bool) -> None:
+    """Refuses settings that would be weaker than they look (TlsConfig checks its own)."""
+    if admin_reads_need_token and not (admin_token or token):
+        raise ConfigError(
+            "admin reads need a token (--admin-reads-need-token) but none is configured: "
+            "give --admin-token-file (or --token-file)"
+        )
+    if token and admin_token and hmac.compare_digest(token.encode(), admin_token.encode()):
+        raise ConfigError(
+            "the admin token equals the gRPC token: every agent could evict any other through "
+            "the admin API; give --admin-token-file and --token-file different tokens"
+        )
 
 
 class MetadataServer:
@@ -308,11 +488,13 @@ class MetadataServer:
         tls: TlsConfig | None = None,
         limits: ServiceLimits | None = None,
     ) -> None:
+        check_security(token=token, admin_token=admin_token, admin_reads_need_token=admin_reads_need_token)
         self.listen = listen
         self.store = store or MemoryStore()
         self.limits = limits or ServiceLimits()
         self.metrics = ServiceMetrics(self.store)
         self.servicer = MetadataServicer(self.store, self.limits, self.metrics, token)
+        self.token = token
         self.admin_listen = admin_listen
         self.admin_token = admin_token
         self.admin_reads_need_token = admin_reads_need_token
@@ -349,7 +531,7 @@ class MetadataServer:
             ("grpc.so_reuseport", 0),
         ]
         self._server = aio.server(options=options)
-        metadata_pb2_grpc.add_MetadataServiceServicer_to_server(self.servicer, self._server)
+        self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
@@ -370,6 +552,32 @@ class MetadataServer:
             self.store.name,
             f", admin API on {self.admin_address}" if self.admin_address else "",
         )
+        self._warn_exposure(host)
+
+    def _warn_exposure(self, host: str) -> None:
+        """Says so at startup where a setting leaves the service open to its network."""
+        if is_loopback(host):
+            return
+        if self.token is None and not (self.tls and self.tls.client_ca):
+            logger.warning(
+                "the gRPC port %s is reachable beyond this host with no token and no client "
+                "certificates: anyone who reaches it can register, read and renew (set --token-file, "
+                "or --tls-client-ca with --tls-cert/--tls-key)",
+                self.address,
+            )
+        elif self.token is not None and self.tls is None:
+            logger.warning(
+                "the gRPC token travels in plaintext on %s: anyone on the path can read it "
+                "(serve TLS with --tls-cert/--tls-key)",
+                self.address,
+            )
+        admin_host = self.admin_address.rpartition(":")[0].strip("[]")
+        if self.admin_address and not is_loopback(admin_host) and (self.admin_token or self.token):
+            logger.warning(
+                "the admin API on %s is plain HTTP: its bearer tokens cross the network in the "
+                "clear; keep it on loopback or behind a TLS proxy",
+                self.admin_address,
+            )
 
     def _add_port(self, server: aio.Server) -> int:
         """Binds ``self.listen``; the port bound."""

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -29,8 +31,12 @@ logger = logging.getLogger(__name__)
 
 AgentRecord = metadata_pb2.AgentRecord
 
-# A watcher that falls this far behind is cut off (it resynchronises).
-WATCH_QUEUE_MAX = 10_000
+# A watcher that falls this far behind is cut off (it resynchronises); the
+# service passes its own bound (ServiceLimits.watch_queue_events).
+WATCH_QUEUE_MAX = 1000
+# Records per page of a watch's initial snapshot and of ``list()``: no watch or
+# listing ever holds a copy of the whole registry.
+PAGE_RECORDS = 100
 
 
 class StoreError(KvxError):
@@ -86,8 +92,28 @@ class Store(abc.ABC):
         """The record, with ``revision`` set to its last change; None if absent."""
 
     @abc.abstractmethod
+    async def lease_ttl(self, lease_id: int) -> int:
+        """A lease's remaining time to live in whole seconds (rounded up), without
+        renewing it; 0 if it is gone or expired."""
+
+    @abc.abstractmethod
+    async def count(self) -> int:
+        """How many records there are."""
+
+    @abc.abstractmethod
+    async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
+        """Up to ``limit`` records whose names sort after ``after`` ("" for the
+        first), sorted by name. Copies only those records."""
+
     async def list(self) -> list[AgentRecord]:
-        """Every record, sorted by name."""
+        """Every record, sorted by name, read a page at a time. For tests and
+        tools: the service itself never holds the whole registry at once."""
+        out: list[AgentRecord] = []
+        after = ""
+        while page := await self.list_page(after, PAGE_RECORDS):
+            out.extend(page)
+            after = page[-1].name
+        return out
 
     @abc.abstractmethod
     async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
@@ -99,14 +125,15 @@ class Store(abc.ABC):
         """Delete if the current revision is ``expect_revision``; True if deleted."""
 
     @abc.abstractmethod
-    def watch(self) -> AsyncIterator[Event]:
+    def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
         """A PUT per current record, one SYNCED, then every change in order.
 
-        Raises StoreError if the store goes away, or WatchLagError if the
-        store cannot keep a slow consumer's place (the memory store cuts off
-        a watcher WATCH_QUEUE_MAX events behind; etcd slows the stream down
-        instead, and only fails after a compaction); the caller watches again
-        to resynchronise. Revisions only grow: compare them, do not count them.
+        The current records are read a page at a time (PAGE_RECORDS), never
+        as one copy of the registry. Raises StoreError if the store goes away,
+        or WatchLagError when the consumer falls ``queue_size`` changes (memory)
+        or watch responses (etcd) behind, or etcd compacted past its place; the
+        caller watches again to resynchronise. Revisions only grow: compare
+        them, do not count them.
         """
 
 
@@ -128,6 +155,7 @@ class MemoryStore(Store):
 
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
         self._records: dict[str, AgentRecord] = {}
+        self._names: list[str] = []  # the keys of _records, sorted: pages without sorting
         self._leases: dict[int, _Lease] = {}
         self._revision = 0
         self._watchers: set[asyncio.Queue] = set()
@@ -170,12 +198,22 @@ class MemoryStore(Store):
             for name in sorted(lease.names):
                 self._delete(name)
 
+    async def lease_ttl(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return 0
+        return max(0, math.ceil(lease.deadline - time.monotonic()))
+
     async def get(self, name: str) -> AgentRecord | None:
         record = self._records.get(name)
         return _copy(record) if record is not None else None
 
-    async def list(self) -> list[AgentRecord]:
-        return [_copy(self._records[name]) for name in sorted(self._records)]
+    async def count(self) -> int:
+        return len(self._records)
+
+    async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
+        start = bisect.bisect_right(self._names, after) if after else 0
+        return [_copy(self._records[name]) for name in self._names[start : start + limit]]
 
     async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
         current = self._records.get(record.name)
@@ -192,6 +230,8 @@ class MemoryStore(Store):
         stored = _copy(record)
         stored.lease_id = lease_id
         stored.revision = self._revision
+        if current is None:
+            bisect.insort(self._names, record.name)
         self._records[record.name] = stored
         lease.names.add(record.name)
         self._publish(Event(EventType.PUT, stored, self._revision))
@@ -204,20 +244,35 @@ class MemoryStore(Store):
         self._delete(name)
         return True
 
-    async def watch(self) -> AsyncIterator[Event]:
-        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE_MAX)
-        # Snapshot and subscription in one step: no change can fall between them.
-        snapshot = [_copy(self._records[name]) for name in sorted(self._records)]
+    async def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        # Subscribe first, then page through the live records: every change made
+        # while paging is queued too. A record paged after it changed is newer
+        # than its queued events; those are dropped below, so that no name goes
+        # back to an older state (``newer`` holds only names that changed meanwhile).
         revision = self._revision
         self._watchers.add(queue)
+        newer: dict[str, int] = {}
         try:
-            for record in snapshot:
-                yield Event(EventType.PUT, record, record.revision)
+            after = ""
+            while page := await self.list_page(after, PAGE_RECORDS):
+                for record in page:
+                    if record.revision > revision:
+                        newer[record.name] = record.revision
+                    yield Event(EventType.PUT, record, record.revision)
+                after = page[-1].name
             yield Event(EventType.SYNCED, None, revision)
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if newer:
+                    assert item.record is not None  # queued events are PUT or DELETE
+                    seen = newer.get(item.record.name, 0)
+                    if item.revision <= seen:
+                        continue  # the page already showed this change, or a later one
+                    if seen:
+                        del newer[item.record.name]  # past it: later events all count
                 yield item
         finally:
             self._watchers.discard(queue)
@@ -228,6 +283,7 @@ class MemoryStore(Store):
         record = self._records.pop(name, None)
         if record is None:
             return
+        del self._names[bisect.bisect_left(self._names, name)]
         lease = self._leases.get(record.lease_id)
         if lease is not None:
             lease.names.discard(name)
@@ -239,7 +295,7 @@ class MemoryStore(Store):
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
-                self._cut_off(queue, WatchLagError(f"watcher fell {WATCH_QUEUE_MAX} events behind"))
+                self._cut_off(queue, WatchLagError(f"the watch fell {queue.maxsize} changes behind"))
 
     def _cut_off(self, queue: asyncio.Queue, error: Exception) -> None:
         self._watchers.discard(queue)

@@ -58,12 +58,14 @@ class AgentRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., metadata: _Optional[_Union[_agent_pb2.AgentMetadata, _Mapping]] = ..., engine_info: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[int] = ..., registered_unix_ms: _Optional[int] = ..., revision: _Optional[int] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentRequest(_message.Message):
-    __slots__ = ("record", "ttl_s")
+    __slots__ = ("record", "ttl_s", "lease_id")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     record: AgentRecord
     ttl_s: int
-    def __init__(self, record: _Optional[_Union[AgentRecord, _Mapping]] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, record: _Optional[_Union[AgentRecord, _Mapping]] = ..., ttl_s: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class RegisterAgentResponse(_message.Message):
     __slots__ = ("lease_id", "ttl_s", "revision")
@@ -90,12 +92,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
 
 class UnregisterAgentRequest(_message.Message):
-    __slots__ = ("name", "epoch")
+    __slots__ = ("name", "epoch", "lease_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     epoch: int
-    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, name: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class UnregisterAgentResponse(_message.Message):
     __slots__ = ("existed",)

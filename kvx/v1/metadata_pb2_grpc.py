@@ -70,7 +70,8 @@ class MetadataServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterAgent(self, request, context):
-        """Registers (or re-registers) an agent under a new lease.
+        """Registers (or re-registers) an agent under a new lease. A live record (its
+        lease not expired) is replaced only by a registration that holds its lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

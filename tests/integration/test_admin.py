@@ -16,13 +16,14 @@ import httpx
 import pytest
 
 import kvx
-from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer
 from kvx.metadata.store import MemoryStore, StoreError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "t0ken-admin-7f3a91"
+GRPC_TOKEN = "t0ken-grpc-0c55e2"
 HTTP_TIMEOUT_S = 10.0
 RPC_TIMEOUT_S = 10.0
 _epochs = itertools.count(0x1000)
@@ -62,8 +63,13 @@ def stub(threaded: ThreadedServer):
 
 
 def register(
-    threaded: ThreadedServer, name: str, role: int = metadata_pb2.ROLE_PREFILL, **labels: str
-) -> None:
+    threaded: ThreadedServer,
+    name: str,
+    role: int = metadata_pb2.ROLE_PREFILL,
+    token: str | None = None,
+    **labels: str,
+) -> int:
+    """Registers ``name``; its lease id."""
     epoch = next(_epochs)
     record = metadata_pb2.AgentRecord(
         name=name, epoch=epoch, role=role, started_unix_ms=int(time.time() * 1000)
@@ -71,10 +77,11 @@ def register(
     record.labels.update(labels)
     record.metadata.name, record.metadata.epoch = name, epoch
     channel, client = stub(threaded)
+    auth = (("authorization", f"Bearer {token}"),) if token else None
     with channel:
-        client.RegisterAgent(
-            metadata_pb2.RegisterAgentRequest(record=record, ttl_s=60), timeout=RPC_TIMEOUT_S
-        )
+        return client.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=record, ttl_s=60), timeout=RPC_TIMEOUT_S, metadata=auth
+        ).lease_id
 
 
 def register_five(threaded: ThreadedServer) -> None:
@@ -109,10 +116,10 @@ class _DownStore(MemoryStore):
     async def ready(self) -> bool:
         return not self.down
 
-    async def list(self):
+    async def list_page(self, after, limit):
         if self.down:
             raise StoreError("connection refused (test)")
-        return await super().list()
+        return await super().list_page(after, limit)
 
 
 def test_unready_store_gives_503(make_server):
@@ -141,7 +148,7 @@ def test_list_filters_by_role_and_labels(server):
     assert agent["name"] == "d1" and agent["role"] == "ROLE_DECODE"
     assert agent["labels"] == {"zone": "b", "model": "m1"}
     assert agent["metadata"]["name"] == "d1" and int(agent["epoch"]) >= 0x1000
-    assert int(agent["lease_id"]) != 0 and int(agent["registered_unix_ms"]) > 0
+    assert "lease_id" not in agent and int(agent["registered_unix_ms"]) > 0
 
 
 def test_list_pagination_follows_tokens(server):
@@ -173,6 +180,8 @@ def test_list_pagination_follows_tokens(server):
         ({"label": "=a"}, "key=value"),
         ([("label", "zone=a"), ("label", "zone=b")], "twice"),
         ({"page_token": "%%not-a-token%%"}, "page_token"),
+        ({"page_size": 2**31}, "page_size"),
+        ({"page_size": 2**64}, "page_size"),
     ],
 )
 def test_bad_list_parameters_give_400(server, params, words):
@@ -290,3 +299,104 @@ def test_admin_port_in_use_is_a_clear_error(server):
         ThreadedServer(
             MetadataServer("127.0.0.1:0", admin_listen=taken, admin_token=TOKEN), start_timeout_s=20
         )
+
+
+# Regressions from the security review.
+
+
+def test_reads_need_a_token_when_the_grpc_token_is_set(make_server):
+    """Reads show what GetAgent shows: with a gRPC token they are no longer open. The admin
+    token and the gRPC token both read; only the admin token evicts."""
+    threaded = make_server(admin_token=TOKEN, token=GRPC_TOKEN)
+    register(threaded, "p0", token=GRPC_TOKEN)
+    with admin(threaded) as http:
+        for path in ("/v1/agents", "/v1/agents/p0", "/metrics"):
+            assert http.get(path).status_code == 401, path
+        assert http.get("/v1/agents", headers={"Authorization": "Bearer nope"}).status_code == 403
+        assert http.get("/healthz").status_code == 200
+        assert http.get("/readyz").status_code == 200
+    for token in (TOKEN, GRPC_TOKEN):
+        with admin(threaded, token) as http:
+            assert names(http.get("/v1/agents")) == ["p0"]
+            assert http.get("/v1/agents/p0").status_code == 200
+            assert http.get("/metrics").status_code == 200
+    with admin(threaded, GRPC_TOKEN) as http:
+        assert http.delete("/v1/agents/p0").status_code == 403  # agents do not evict
+        assert http.get("/v1/agents/p0").status_code == 200
+
+
+def test_no_read_api_tells_a_lease_id(server):
+    """A leaked lease id kept a killed agent's record alive past its ttl: lease ids are
+    the registrant's alone now, in no answer of the admin API or of gRPC reads."""
+    lease = register(server, "p0")
+    channel, client = stub(server)
+    with channel, admin(server) as http:
+        listed, one = http.get("/v1/agents"), http.get("/v1/agents/p0")
+        for response in (listed, one):
+            assert response.status_code == 200
+            assert "lease_id" not in response.text and str(lease) not in response.text
+        assert (
+            client.GetAgent(metadata_pb2.GetAgentRequest(name="p0"), timeout=RPC_TIMEOUT_S).record.lease_id
+            == 0
+        )
+        assert [
+            r.lease_id
+            for r in client.ListAgents(metadata_pb2.ListAgentsRequest(), timeout=RPC_TIMEOUT_S).records
+        ] == [0]
+        watch = client.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=RPC_TIMEOUT_S)
+        first = next(watch)
+        watch.cancel()
+        assert first.record.name == "p0" and first.record.lease_id == 0
+
+
+def test_names_the_admin_api_cannot_route_are_refused(server):
+    with admin(server, TOKEN) as http:
+        for path in ("/v1/agents/p%0A", "/v1/agents/bad%20name"):
+            assert http.get(path).status_code == 400, path
+            assert http.delete(path).status_code == 400, path
+
+
+class _CountingStore(MemoryStore):
+    """Counts the records the store hands out per call, the largest count at once."""
+
+    largest = 0
+
+    async def list_page(self, after, limit):
+        page = await super().list_page(after, limit)
+        self.largest = max(self.largest, len(page))
+        return page
+
+
+def test_listing_copies_a_page_not_the_registry(make_server):
+    """The review's attack, smaller: GET /v1/agents?page_size=1000 used to copy every record
+    in the registry. Now a call copies a chunk at a time, and a page is bounded in records
+    and in bytes."""
+    store = _CountingStore()
+    threaded = make_server(
+        store=store, admin_token=TOKEN, limits=ServiceLimits(max_page_size=50, max_page_bytes=64 * 1024)
+    )
+    for i in range(120):
+        register(threaded, f"a{i:03d}", blob="x" * 200)
+    with admin(threaded) as http:
+        first = http.get("/v1/agents", params={"page_size": 1000})
+        assert len(names(first)) == 50 and first.json()["next_page_token"]
+        assert 0 < store.largest <= 100, store.largest  # never the whole registry
+        assert names(http.get("/v1/agents", params={"page_size": 1000, "label": "blob=none"})) == []
+    store.largest = 0
+    big = ServiceLimits(max_page_bytes=4096)
+    fat = make_server(limits=big)
+    for i in range(20):
+        register(fat, f"f{i:02d}", **{f"b{j}": "y" * 200 for j in range(5)})
+    with admin(fat) as http:
+        seen, token = [], ""
+        for _ in range(20):
+            response = http.get(
+                "/v1/agents", params={"page_size": 1000, **({"page_token": token} if token else {})}
+            )
+            page = names(response)
+            assert 1 <= len(page) <= 4, page  # a page stops at the byte bound
+            seen += page
+            token = response.json()["next_page_token"]
+            if not token:
+                break
+    assert seen == [f"f{i:02d}" for i in range(20)]

@@ -1,7 +1,10 @@
 """The metadata service (memory store) with real gRPC calls, real agents and
 agents in other processes."""
 
+import itertools
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -75,23 +78,141 @@ def test_bad_registrations_get_clear_codes_and_change_nothing(service):
     assert not stub.ListAgents(metadata_pb2.ListAgentsRequest()).records
 
 
-def test_an_older_epoch_cannot_take_a_live_name(service):
+def _refused(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def test_a_live_name_cannot_be_taken_without_its_lease(service):
+    """The hijack: a later start time, another epoch, the same epoch or a guessed lease
+    id cannot replace a live record; only the registration holding its lease can."""
     stub = _stub(service.address)
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=2, started=2000)))
-    code, details = _code(
-        lambda: stub.RegisterAgent(
-            metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=1, started=1000))
+    lease = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=2, started=2000), ttl_s=10)
+    ).lease_id
+    far_future = _record("p", epoch=666, started=2**62)
+    far_future.metadata.endpoints.add(backend=1, address="10.6.6.6:666")
+    same_epoch = _record("p", epoch=2, started=2000, evil="1")
+    attacks = [
+        metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=1, started=1000)),
+        metadata_pb2.RegisterAgentRequest(record=far_future, ttl_s=2),
+        metadata_pb2.RegisterAgentRequest(record=same_epoch),
+        metadata_pb2.RegisterAgentRequest(record=far_future, lease_id=lease ^ 2),
+    ]
+    for attack in attacks:
+        error = _refused(lambda attack=attack: stub.RegisterAgent(attack))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+        assert "held by a live registration" in error.details() and "DELETE /v1/agents/p" in error.details()
+        retry_after_ms = int(dict(error.trailing_metadata())["kvx-retry-after-ms"])
+        assert 0 < retry_after_ms <= 10_000
+    record = stub.GetAgent(metadata_pb2.GetAgentRequest(name="p")).record
+    assert (record.epoch, dict(record.labels), list(record.metadata.endpoints)) == (2, {}, [])
+    assert record.lease_id == 0  # nobody but the registrant learns the lease
+    # Unregistering is the registrant's too.
+    for lease_id in (0, lease ^ 2):
+        error = _refused(
+            lambda lease_id=lease_id: stub.UnregisterAgent(
+                metadata_pb2.UnregisterAgentRequest(name="p", epoch=2, lease_id=lease_id)
+            )
+        )
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "admin API" in error.details()
+    # The holder refreshes (same epoch), and may re-register as another epoch, with its lease.
+    reply = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(
+            record=_record("p", epoch=2, started=2000, zone="a"), lease_id=lease
         )
     )
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale" in details
-    assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="p")).record.epoch == 2
-    # A later start (a restart) replaces it; the same epoch refreshes it.
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=3, started=3000)))
-    stub.RegisterAgent(
-        metadata_pb2.RegisterAgentRequest(record=_record("p", epoch=3, started=3000, zone="a"))
-    )
+    assert reply.lease_id != lease
+    old = next(_stub(service.address).KeepAlive(iter([metadata_pb2.KeepAliveRequest(lease_id=lease)])))
+    assert old.ttl_s == 0 or _until(
+        lambda: (
+            next(
+                _stub(service.address).KeepAlive(iter([metadata_pb2.KeepAliveRequest(lease_id=lease)]))
+            ).ttl_s
+            == 0
+        ),
+        5,
+    ), "the replaced lease is revoked"
     rec = stub.GetAgent(metadata_pb2.GetAgentRequest(name="p")).record
-    assert rec.epoch == 3 and rec.labels["zone"] == "a"
+    assert rec.epoch == 2 and rec.labels["zone"] == "a"
+    assert stub.UnregisterAgent(
+        metadata_pb2.UnregisterAgentRequest(name="p", epoch=2, lease_id=reply.lease_id)
+    ).existed
+
+
+def test_a_hijack_with_the_shared_token_leaves_the_real_agent_alone():
+    """The review's attack end to end: with the shared gRPC token, register a live agent's
+    name with a far-future start and a short lease. Decode keeps its connection, and the
+    name still resolves to the real agent after the attacker's lease would have lapsed."""
+    token = "grpc-token-0123456789"
+    opts = kvx.MetadataOptions(token=token)
+    auth = (("authorization", f"Bearer {token}"),)
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", token=token)) as srv,
+        kvx.Agent("prefill-0", metadata=srv.address, metadata_options=opts, role="prefill") as prefill,
+        kvx.Agent("decode-0", metadata=srv.address, metadata_options=opts, role="decode") as decode,
+    ):
+        pool = np.full(4096, 7, np.uint8)
+        prefill.register(pool)
+        local = np.zeros(4096, np.uint8)
+        region = decode.register(local)
+        peer = decode.connect("prefill-0")
+        fake = _record("prefill-0", epoch=0xBAD, started=2**62)
+        fake.metadata.endpoints.add(backend=1, address="127.0.0.1:9")
+        error = _refused(
+            lambda: _stub(srv.address).RegisterAgent(
+                metadata_pb2.RegisterAgentRequest(record=fake, ttl_s=2), metadata=auth
+            )
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        time.sleep(3)  # longer than the attacker's lease, and enough for any watch event to land
+        assert peer.alive and decode.connect("prefill-0") is peer
+        assert MetadataClient(srv.address, opts).get("prefill-0").epoch == prefill.epoch
+        peer.read(region.descs(0, 4096), peer.regions[0].descs(0, 4096)).wait(5)
+        assert (local == 7).all()
+
+
+def test_an_agent_whose_name_was_taken_gets_it_back():
+    """Evicted, and its name registered by someone else before it came back: the agent
+    keeps asking (it never stops for good) and holds its name again once that lease lapses."""
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        opts = kvx.MetadataOptions(lease_ttl_s=3)
+        with kvx.Agent("victim", metadata=srv.address, metadata_options=opts) as agent:
+            client = MetadataClient(srv.address)
+            assert srv.call(srv.server.servicer.unregister("victim", evict=True)).existed
+            squatter = client.register(_record("victim", epoch=0xBAD, started=2**62), ttl_s=2)
+            assert client.get("victim").epoch == 0xBAD
+            assert _until(lambda: (r := client.get("victim")) is not None and r.epoch == agent.epoch, 10)
+            assert _until(lambda: agent._directory.registration.lease_id is not None, 5)
+            # And the squatter's old lease no longer names the record.
+            assert not client.unregister("victim", 0xBAD, squatter.lease_id)
+
+
+def test_a_restarted_agent_gets_its_name_back_within_the_old_lease(service, make_worker):
+    """The legitimate restart: the old process dies without unregistering, its lease still
+    runs; the new instance (new epoch) waits for it, at most the old lease's ttl."""
+    worker = make_worker("restarting", metadata=service.address, role="prefill", lease_ttl_s=3)
+    client = MetadataClient(service.address)
+    old_epoch = client.get("restarting").epoch
+    worker.kill()
+    start = time.monotonic()
+    opts = kvx.MetadataOptions(lease_ttl_s=3)
+    with kvx.Agent("restarting", metadata=service.address, metadata_options=opts) as reborn:
+        waited_s = time.monotonic() - start
+        record = client.get("restarting")
+        assert record.epoch == reborn.epoch != old_epoch
+        assert waited_s < 3 + 5, waited_s  # the old lease's ttl, and slack for a busy machine
+
+
+def test_a_second_live_agent_with_the_same_name_is_refused(service):
+    opts = kvx.MetadataOptions(lease_ttl_s=2)
+    with kvx.Agent("twin", metadata=service.address, metadata_options=opts) as first:
+        start = time.monotonic()
+        with pytest.raises(kvx.MetadataError, match="another live agent uses this name"):
+            kvx.Agent("twin", metadata=service.address, metadata_options=opts)
+        assert time.monotonic() - start < 2 + 10  # about the lease's ttl: bounded, not forever
+        assert MetadataClient(service.address).get("twin").epoch == first.epoch
 
 
 def test_lease_expiry_deletes_the_record_and_watchers_see_it(service):
@@ -114,7 +235,9 @@ def test_lease_expiry_deletes_the_record_and_watchers_see_it(service):
 
 def test_watch_sends_the_snapshot_then_changes(service):
     stub = _stub(service.address)
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("a", role=metadata_pb2.ROLE_PREFILL)))
+    lease = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("a", role=metadata_pb2.ROLE_PREFILL))
+    ).lease_id
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("b", role=metadata_pb2.ROLE_DECODE)))
     stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(role=metadata_pb2.ROLE_PREFILL), timeout=10)
     first = [next(stream), next(stream)]
@@ -124,7 +247,7 @@ def test_watch_sends_the_snapshot_then_changes(service):
     ]
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("c", role=metadata_pb2.ROLE_DECODE)))
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("d", role=metadata_pb2.ROLE_PREFILL)))
-    stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="a"))
+    stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="a", lease_id=lease))
     later = [next(stream), next(stream)]
     assert [(e.type, e.record.name) for e in later] == [
         (Event.EVENT_TYPE_PUT, "d"),
@@ -349,13 +472,14 @@ def test_concurrent_registrations_of_one_name_leave_one_winner(service):
     for t in threads:
         t.join(10)
     assert len(results) == 8, "a registration did not return"
-    # Whatever the order, the agent that started last (epoch 8) holds the name: it replaces
-    # any older record, and an older one is refused once it is in. It cannot run out of
-    # retries either: each race it loses is another epoch's one successful write, at most 7.
-    assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="race")).record.epoch == 8
-    assert 8 in results
+    # Whatever the order, the first write holds the name and every other registration is
+    # refused as one without the live lease: a later start time wins nothing (that rule
+    # let anyone take a live name). None runs out of retries: a lost race is a refusal.
+    winners = [r for r in results if not isinstance(r, grpc.StatusCode)]
+    assert len(winners) == 1, results
+    assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="race")).record.epoch == winners[0]
     refused = [r for r in results if isinstance(r, grpc.StatusCode)]
-    assert set(refused) <= {grpc.StatusCode.FAILED_PRECONDITION}, results  # stale, never ABORTED
+    assert set(refused) == {grpc.StatusCode.FAILED_PRECONDITION}, results  # held, never ABORTED
     assert len(stub.ListAgents(metadata_pb2.ListAgentsRequest()).records) == 1
 
 
@@ -376,11 +500,15 @@ def test_service_limits_are_configurable():
 
 def test_filtered_watch_sees_a_record_leave_its_view(service):
     stub = _stub(service.address)
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=1, started=1, model="x")))
+    lease = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=1, started=1, model="x"))
+    ).lease_id
     stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(labels={"model": "x"}), timeout=10)
     assert [next(stream).type, next(stream).type] == [Event.EVENT_TYPE_PUT, Event.EVENT_TYPE_SYNCED]
-    # "a" restarts with another model: for this watcher it is gone.
-    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=2, started=2, model="y")))
+    # "a" registers again (its lease in hand) with another model: for this watcher it is gone.
+    stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("a", epoch=2, started=2, model="y"), lease_id=lease)
+    )
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("b", epoch=1, started=1, model="x")))
     event = next(stream)
     assert (event.type, event.record.name) == (Event.EVENT_TYPE_DELETE, "a")
@@ -439,3 +567,191 @@ def test_registering_memory_does_not_block_while_the_service_is_down():
 def test_tls_key_without_certificate_is_a_config_error():
     with pytest.raises(kvx.ConfigError, match="go together"):
         MetadataClient("127.0.0.1:1", kvx.MetadataOptions(tls_key="/tmp/key.pem"))
+
+
+# Bounds: watch streams, agents, list pages; malformed input.
+
+
+def _rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _big_record(name, epoch, kib=16):
+    record = _record(name, epoch=epoch, started=1)
+    for i in range(kib // 4):
+        record.engine_info[f"k{i}"] = "x" * 4000
+    return record
+
+
+def test_unread_watch_streams_do_not_pin_copies_of_the_registry(tmp_path):
+    """The review's attack, smaller: 20 WatchAgents streams that are never read, against
+    a registry of about 31 MB. Each used to pin a whole copy (about 800 MB in all); the
+    snapshot now goes out a page at a time, so each holds one page and its transport window."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    command = [sys.executable, "-m", "kvx", "--log-level", "WARNING", "metadata", "--listen", address]
+    with open(tmp_path / "service.log", "wb") as log:
+        proc = subprocess.Popen(command + ["--admin-listen", "off"], stdout=log, stderr=subprocess.STDOUT)
+    channels = []
+    try:
+        stub = _stub(address)
+        assert wait_until(
+            lambda: stub.ListAgents(metadata_pb2.ListAgentsRequest(), timeout=1) is not None,
+            30,
+            (grpc.RpcError,),
+        ), (tmp_path / "service.log").read_text()
+        for i in range(2000):
+            stub.RegisterAgent(
+                metadata_pb2.RegisterAgentRequest(record=_big_record(f"a{i:05d}", i + 1), ttl_s=300),
+                timeout=10,
+            )
+        time.sleep(1)
+        before = _rss_bytes(proc.pid)
+        for _ in range(20):
+            channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+            channels.append(channel)
+            metadata_pb2_grpc.MetadataServiceStub(channel).WatchAgents(
+                metadata_pb2.WatchAgentsRequest(), timeout=60
+            )
+        time.sleep(5)  # the service sends what the transport takes, then waits
+        growth_mib = (_rss_bytes(proc.pid) - before) / 2**20
+        assert growth_mib < 250, f"20 unread watches grew the service by {growth_mib:.0f} MiB"
+        assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="a00001"), timeout=5).record.epoch == 2
+    finally:
+        for channel in channels:
+            channel.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_watch_streams_are_capped():
+    limits = ServiceLimits(max_watch_streams=2)
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as srv:
+        stub = _stub(srv.address)
+        open_streams = [stub.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=30) for _ in range(2)]
+        for stream in open_streams:
+            assert next(stream).type == Event.EVENT_TYPE_SYNCED
+        error = _refused(lambda: next(stub.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=10)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-watch-streams" in error.details()
+        open_streams.pop().cancel()
+        assert _until(lambda: srv.server.servicer.watch_streams == 1, 5)
+        stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=30)
+        assert next(stream).type == Event.EVENT_TYPE_SYNCED
+        stream.cancel()
+        open_streams[0].cancel()
+
+
+def test_a_watcher_that_falls_behind_is_cut_off():
+    """A watcher that stops reading while changes keep coming is closed with
+    RESOURCE_EXHAUSTED once its queue is full, instead of buffering every change."""
+    limits = ServiceLimits(watch_queue_events=20)
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as srv:
+        stub = _stub(srv.address)
+        stream = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=60)
+        assert next(stream).type == Event.EVENT_TYPE_SYNCED
+        # About 400 changes of 64 KiB: far more than the transport window and the queue hold.
+        for i in range(400):
+            stub.RegisterAgent(
+                metadata_pb2.RegisterAgentRequest(record=_big_record(f"w{i:04d}", i + 1, kib=64)), timeout=10
+            )
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "fell 20 changes behind" in info.value.details() and "cut off" in info.value.details()
+        assert _until(lambda: srv.server.servicer.watch_streams == 0, 5)
+        # A new watch starts from the current records.
+        fresh = stub.WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=30)
+        names = [event.record.name for event in itertools.islice(fresh, 400)]
+        assert names == [f"w{i:04d}" for i in range(400)]
+        fresh.cancel()
+
+
+def test_the_number_of_agents_is_capped(service):
+    limits = ServiceLimits(max_agents=3)
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as srv:
+        stub = _stub(srv.address)
+        leases = [
+            stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(f"n{i}"))).lease_id
+            for i in range(3)
+        ]
+        error = _refused(lambda: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("n3"))))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-agents" in error.details()
+        # A registered agent still refreshes, and a freed slot is taken.
+        stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=_record("n0", zone="a"), lease_id=leases[0])
+        )
+        stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="n1", lease_id=leases[1]))
+        stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("n3")))
+        assert [r.name for r in stub.ListAgents(metadata_pb2.ListAgentsRequest()).records] == [
+            "n0",
+            "n2",
+            "n3",
+        ]
+
+
+def test_garbage_bytes_get_invalid_argument(service):
+    channel = grpc.insecure_channel(service.address)
+    garbage = b"\xff\xff\xff\xff\x0f"
+    for method in ("RegisterAgent", "UnregisterAgent", "GetAgent", "ListAgents"):
+        call = channel.unary_unary(f"/kvx.v1.MetadataService/{method}")
+        error = _refused(lambda call=call: call(garbage, timeout=5))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in error.details(), method
+    watch = channel.unary_stream("/kvx.v1.MetadataService/WatchAgents")
+    error = _refused(lambda: next(watch(garbage, timeout=5)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    keep_alive = channel.stream_stream("/kvx.v1.MetadataService/KeepAlive")
+    error = _refused(lambda: next(keep_alive(iter([garbage]), timeout=5)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not _stub(service.address).ListAgents(metadata_pb2.ListAgentsRequest()).records
+
+
+def test_names_with_a_newline_or_a_slash_are_refused(service):
+    stub = _stub(service.address)
+    for name in ("p\n", "p/0", "p\r", "\u0661"):  # the last: an Arabic-Indic digit one
+        error = _refused(
+            lambda name=name: stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(name)))
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid agent name" in error.details()
+    with pytest.raises(kvx.ConfigError, match="invalid agent name"):
+        kvx.Agent("decode\n")
+    # What the connectors build stays valid.
+    for name in ("vllm-0b6c2d4e-1f2a-4c3b-9d8e-7f6a5b4c3d2e-tp0", "sglang-prefill-1234-r0"):
+        stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(name)))
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--tls-cert", "{ca}"], "--tls-cert and --tls-key go together"),
+        (["--admin-reads-need-token"], "--admin-reads-need-token needs --admin-token-file"),
+        (["--token-file", "{token}", "--admin-token-file", "{token}"], "the same token"),
+    ],
+)
+def test_weak_security_flag_combinations_refuse_to_start(tmp_path, flags, words):
+    (tmp_path / "ca.pem").write_text("not used\n")
+    (tmp_path / "token").write_text("a-token-of-24-characters\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    flags = [f.format(ca=tmp_path / "ca.pem", token=tmp_path / "token") for f in flags]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvx", "metadata", "--listen", address, "--admin-listen", "off", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and words in result.stderr, result.stderr
+    with pytest.raises(kvx.ConnectError):  # nothing was served, plaintext or not
+        MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list()
+
+
+def test_tls_config_without_a_certificate_is_refused(pki):
+    with pytest.raises(kvx.ConfigError, match="plaintext"):
+        TlsConfig("", "", client_ca=str(pki / "ca.pem"))

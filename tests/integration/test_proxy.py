@@ -561,6 +561,7 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
     service = ThreadedServer(MetadataServer("127.0.0.1:0"), start_timeout_s=20)
     try:
         client = MetadataClient(service.address)
+        leases = {}
         for record in (
             _agent("p-rank0", metadata_pb2.ROLE_PREFILL, p0.url),
             _agent("p-rank1", metadata_pb2.ROLE_PREFILL, p0.url + "/"),  # one engine, two ranks
@@ -568,7 +569,7 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
             _agent("p-bad", metadata_pb2.ROLE_PREFILL, "not a url"),
             _agent("d-rank0", metadata_pb2.ROLE_DECODE, d1.url),
         ):
-            client.register(record, ttl_s=60)
+            leases[record.name] = client.register(record, ttl_s=60).lease_id
         proxy = make_proxy(
             prefill_urls=(), decode_urls=(d0.url,), metadata_target=service.address, refresh_s=0.1
         )
@@ -582,8 +583,8 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
         assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200
         assert len(p0.received) == 1
 
-        client.unregister("p-rank0")
-        client.unregister("p-rank1")
+        client.unregister("p-rank0", lease_id=leases["p-rank0"])  # only the registrant unregisters
+        client.unregister("p-rank1", lease_id=leases["p-rank1"])
         client.register(_agent("p1-rank0", metadata_pb2.ROLE_PREFILL, p1.url), ttl_s=60)
         assert wait_until(lambda: [i["url"] for i in proxy.get("/healthz").json()["prefill"]] == [p1.url])
         client.close()

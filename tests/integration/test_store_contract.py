@@ -17,7 +17,7 @@ import pytest
 from kvx.errors import ConfigError
 from kvx.metadata import etcd as etcd_module
 from kvx.metadata.etcd import EtcdStore, parse_etcd_url
-from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError
+from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError, WatchLagError
 
 TEST_DEADLINE_S = 40.0
 # etcd raises shorter leases to its minimum (about 2 s with default timing).
@@ -286,6 +286,107 @@ def test_watch_delete_from_lease_expiry_carries_the_record(open_store):
                 assert expired.record.name == "short" and expired.record.revision == rev
                 assert expired.record.labels["role"] == "prefill" and expired.record.lease_id == lease
                 assert store.expired_leases == 1
+            finally:
+                await events.aclose()
+
+    run(body())
+
+
+def test_pages_count_and_lease_ttl(open_store):
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            names = [f"r{i:03d}" for i in range(250)]
+            for name in reversed(names):
+                await store.put_if(record(name), lease, 0)
+            assert await store.count() == 250
+            first = await store.list_page("", 100)
+            assert [r.name for r in first] == names[:100]
+            rest = await store.list_page(first[-1].name, 1000)
+            assert [r.name for r in rest] == names[100:]
+            assert [r.name for r in await store.list_page("r1", 2)] == [
+                "r100",
+                "r101",
+            ]  # "after" need not exist
+            assert await store.list_page(names[-1], 10) == []
+            assert 0 < await store.lease_ttl(lease) <= 30
+            await store.revoke_lease(lease)
+            assert await store.lease_ttl(lease) == 0 and await store.count() == 0
+            assert await store.lease_ttl(0x7777_0000_0001) == 0
+
+    run(body())
+
+
+def test_lease_ids_cannot_be_guessed_from_another(open_store):
+    """A lease id proves who registered a name: one lease id must not tell the next
+    (etcd's own ids count up)."""
+
+    async def body():
+        async with open_store() as store:
+            leases = [await store.grant_lease(30) for _ in range(8)]
+            gaps = [abs(b - a) for a, b in itertools.pairwise(leases)]
+            assert min(gaps) > 1 << 20, [hex(lease) for lease in leases]
+
+    run(body())
+
+
+def test_watch_snapshot_in_pages_stays_consistent(open_store):
+    """The snapshot is read a page at a time, with changes landing between pages: once
+    SYNCED and the changes after it are applied, the view is the store's, and no name
+    ever goes back to an older revision."""
+
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            revision = {}
+            for i in range(250):
+                revision[f"r{i:03d}"] = await store.put_if(record(f"r{i:03d}"), lease, 0)
+            events = store.watch()
+            try:
+                view, last = {}, {}
+
+                def apply(event):
+                    name = event.record.name
+                    assert event.revision > last.get(name, 0), f"{name} went back in time"
+                    last[name] = event.revision
+                    if event.type is EventType.PUT:
+                        view[name] = event.revision
+                    else:
+                        view.pop(name, None)
+
+                for _ in range(50):
+                    apply(await next_event(events))
+                # Mid-snapshot: change one paged already, one not yet, delete one ahead,
+                # create one behind the cursor.
+                await store.put_if(record("r010", v="2"), lease, revision["r010"])
+                await store.put_if(record("r200", v="2"), lease, revision["r200"])
+                await store.delete_if("r210", revision["r210"])
+                await store.put_if(record("a-new"), lease, 0)
+                while (event := await next_event(events)).type is not EventType.SYNCED:
+                    apply(event)
+                want = {r.name: r.revision for r in await store.list()}
+                while view != want:
+                    apply(await next_event(events, 5))
+                assert "r210" not in view and "a-new" in view and len(view) == 250
+            finally:
+                await events.aclose()
+
+    run(body())
+
+
+def test_a_watcher_that_falls_behind_is_cut_off(open_store):
+    async def body():
+        async with open_store() as store:
+            events = store.watch(queue_size=5)
+            try:
+                assert (await next_event(events)).type is EventType.SYNCED
+                lease = await store.grant_lease(30)
+                for i in range(60):  # nobody reads meanwhile
+                    await store.put_if(record(f"n{i:02d}"), lease, 0)
+                    await asyncio.sleep(0.01)  # lets the etcd watch reader queue each response
+                with pytest.raises(WatchLagError, match="behind"):
+                    for _ in range(60):
+                        await next_event(events)
             finally:
                 await events.aclose()
 
