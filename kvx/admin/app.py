@@ -124,6 +124,8 @@ def create_app(server: Any) -> FastAPI:
         title="kvx metadata admin",
         version=__version__,
         description="Admin REST API of the kvx metadata service.",
+        # Every route answers a request that fails validation with 400 (_bad_request), not 422.
+        responses={400: {"description": "Bad request: a parameter fails validation"}},
     )
 
     @app.exception_handler(Refused)

@@ -668,8 +668,8 @@ def _requests(t: Target, p: Bytes) -> tuple[bytes, dict[int, int] | None]:
                 unpin = MsgType.SHM_UNPIN if p.odd(128) else MsgType.SHM_RELEASE
                 frame += _wire.pack(unpin, request_id if p.odd(64) else t.ids[p.uint(1) % 3])
             verdict = -1
-        elif kind == 8:  # PROBE, SEG_TOKEN, a backend's type, or any type
-            msg_type = (MsgType.PROBE, MsgType.SEG_TOKEN, 64 + p.uint(1) % 64, p.uint(2))[p.uint(1) % 4]
+        elif kind == 8:  # VERIFY, SEG_TOKEN, a backend's type, or any type
+            msg_type = (MsgType.VERIFY, MsgType.SEG_TOKEN, 64 + p.uint(1) % 64, p.uint(2))[p.uint(1) % 4]
             if msg_type in (MsgType.READ_REQ, MsgType.WRITE_REQ):  # those are built above, checked
                 msg_type = 0
             frame, intact = _frame(p, msg_type, p.take(p.uint(1) % 40), request_id, aux=p.uint(1) % 4)

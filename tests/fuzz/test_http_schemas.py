@@ -108,30 +108,17 @@ def test_the_proxy_answers_every_request_by_its_schema(case):
     case.call_and_validate(checks=CHECKS, timeout=10)
 
 
-# GET /v1/agents fails two checks, pinned by the xfail tests below; fuzzing it here would
-# fail at random. Once both are fixed (the xfails then pass, and fail for being strict),
-# drop this exclusion and those two tests.
-@admin.exclude(method="GET", path="/v1/agents").parametrize()
+@admin.parametrize()
 @FUZZ_SETTINGS
 def test_the_admin_api_answers_every_request_by_its_schema(case):
     case.call_and_validate(checks=CHECKS, headers=AS_ADMIN, timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvx/admin/app.py: page_size is checked >= 0 but not against the int32 field of "
-    "ListAgentsRequest; 2147483648 makes protobuf raise ValueError: a 500",
-)
 def test_listing_agents_with_a_page_size_over_int32_is_no_server_error(admin_schema):
     case = admin_schema["/v1/agents"]["GET"].Case(query={"page_size": 2**31})
     case.call_and_validate(checks=[not_a_server_error], headers=AS_ADMIN, timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvx/admin/app.py: a query parameter that breaks the schema gets 400 (its "
-    "RequestValidationError handler), but the document lists 422 for GET /v1/agents",
-)
 def test_listing_agents_with_a_bad_role_answers_a_documented_status(admin_schema):
     case = admin_schema["/v1/agents"]["GET"].Case(query={"role": "null"})
     case.call_and_validate(checks=[status_code_conformance], headers=AS_ADMIN, timeout=10)

@@ -117,11 +117,6 @@ def test_request_bytes_that_decode_get_a_status_that_says_what_is_wrong(service,
     assert code not in FAILED, f"{method} answered {code} to {data!r}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="finding: a request that is not valid protobuf gets UNKNOWN from grpc's "
-    "deserializer, not INVALID_ARGUMENT (being fixed in kvx/metadata)",
-)
 @pytest.mark.parametrize("method", sorted(UNARY))
 @FUZZ
 @given(data=_request_bytes)
