@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 import socket
@@ -26,6 +27,22 @@ import kvx
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
 from tests.fuzz import targets
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kvx_logging_restored():
+    """The in-process target quiets kvx's logger (the refusals it provokes
+    are warnings); the tests that run after these must see it as it was."""
+    log = logging.getLogger("kvx")
+    saved = log.level, log.propagate, list(log.handlers)
+    yield
+    if targets._TARGET is not None:
+        targets._TARGET.close()
+        targets._TARGET = None
+    log.setLevel(saved[0])
+    log.propagate = saved[1]
+    log.handlers[:] = saved[2]
+
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("KVX_FUZZ_SEED", "1"))
