@@ -504,6 +504,12 @@ def test_segment_descriptors_give_no_more_than_was_registered(make_agent):
     honest = np.ctypeslib.as_array((ctypes.c_uint8 * (1 << 16)).from_address(maps[rw.id].base))
     assert (honest == 1).all()
     segments.close_all(maps)
+    # Registered writable again, a segment once handed out read-only stays so: tcp carries its writes.
+    target.deregister(ro)
+    read_only.flags.writeable = True
+    again = target.register(read_only)
+    assert again.remote_write
+    assert segments.fetch(md.segment_socket, server.issue("honest"), [again.id], "seg-narrow") == {}
 
 
 def test_an_initiator_maps_only_sealed_segments_as_large_as_named(tmp_path):

@@ -259,6 +259,15 @@ class SegmentServer:
         if region is None or not (region.remote_read or region.remote_write) or not whole_segment(region):
             return REFUSED, -1
         if region.remote_write:
+            try:
+                sealed = fcntl.fcntl(region.segment_fd, fcntl.F_GET_SEALS) & SEAL_FUTURE_WRITE
+            except OSError:
+                sealed = True
+            if sealed:  # handed out read-only once: no peer may map it writable again
+                logger.info(
+                    "region %d's segment was handed out read-only before; peers write it over tcp", region.id
+                )
+                return REFUSED, -1
             return OK_READ_WRITE, region.segment_fd
         try:
             # Reopening through /proc gives a new read-only open file; the seal
