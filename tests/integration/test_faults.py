@@ -548,14 +548,8 @@ def test_connections_that_never_authenticate_cannot_lock_peers_out(make_worker, 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()
     try:
-        for i in range(3):
-            agent = make_agent(f"honest-{i}", auth_secret=SECRET)
-            pool = np.zeros(BLOCK, np.uint8)
-            region = agent.register(pool)
-            peer = agent.add_peer(worker.metadata)
-            peer.read(region.descs(0, BLOCK), peer.regions[0].descs(7 * BLOCK, BLOCK)).wait(10)
-            assert pool.tobytes() == worker.expected(7 * BLOCK, BLOCK).tobytes()
-            agent.close()
+        for _ in range(3):
+            _still_serves(worker, make_agent)
     finally:
         stop.set()
         flooder.join(30)
