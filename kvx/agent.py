@@ -183,6 +183,7 @@ class Agent:
             self.limits,
             self.timeouts,
             self._deliver,
+            lambda inode: self._listener.serves(inode),
         )
         self._backends = _load_backends(ctx)
         self._selector = Selector(self._backends)

@@ -44,6 +44,9 @@ class BackendContext:
     deliver: ``fn(peer name, data) -> bool`` hands a notification to the
     application once its data has landed; False when its queue is full (the
     sender then gets a LimitError).
+    serves: ``fn(inode) -> bool``: the socket with this inode is one of the
+    authenticated inbound control connections this agent serves (a
+    same-host initiator asks, to learn which process serves its link).
     """
 
     agent_name: str
@@ -54,6 +57,7 @@ class BackendContext:
     limits: Limits
     timeouts: Timeouts
     deliver: Callable[[str, bytes], bool]
+    serves: Callable[[int], bool] = lambda inode: False
 
     @property
     def io_ms(self) -> int:

@@ -9,9 +9,10 @@ needs the cluster secret.
 Anyone who reaches the port can connect, so each connection is bounded: one
 deadline for the whole exchange (request in, document out), a cap on the
 request's bytes, and a cap on the connections handled at once. When every
-handler is taken, the one that has waited longest for its request is cut
-off to make room: clients that connect and trickle cannot keep a peer from
-its document, however many they open.
+handler is taken, the connection handled longest is cut off to make room
+(an honest one takes milliseconds): clients that trickle their request or
+read the answer slowly cannot keep a peer from its document, however many
+they open.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             logger.debug("side channel: dropped %s: %s", self.client_address, exc)
 
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-        self.server.read(self.connection)  # the request is in: no longer one to cut off
         if self.path != PATH:
             self.send_error(404, f"only {PATH} is served here")
             return
@@ -120,27 +120,25 @@ class _Server(http.server.HTTPServer):
         self.max_request_bytes = max_request_bytes
         self._slots = threading.BoundedSemaphore(max_handlers)
         self._lock = threading.Lock()
-        # Connections whose request is not in yet, oldest first (a dict keeps the order).
-        self._reading: dict[socket.socket, None] = {}
+        # Connections being handled, oldest first (a dict keeps the order).
+        self._active: dict[socket.socket, None] = {}
         super().__init__(address, _Handler)
 
-    def reading(self, sock: socket.socket) -> None:
+    def _done(self, sock: socket.socket) -> None:
         with self._lock:
-            self._reading[sock] = None
+            self._active.pop(sock, None)
 
-    def read(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._reading.pop(sock, None)
-
-    def _cut_oldest_reader(self, newcomer: socket.socket) -> None:
+    def _cut_oldest(self, newcomer: socket.socket) -> None:
         """Every handler is taken: end the connection (not ``newcomer``) that
-        has waited longest for its request; its handler then frees its slot."""
+        has been handled longest, sending its request slowly or reading the
+        answer slowly (an honest one takes milliseconds); its handler then
+        frees its slot."""
         with self._lock:
-            oldest = next((s for s in self._reading if s is not newcomer), None)
+            oldest = next((s for s in self._active if s is not newcomer), None)
             if oldest is not None:
-                del self._reading[oldest]
+                del self._active[oldest]
         if oldest is not None:
-            logger.warning("side channel: every handler taken; cutting off the slowest request")
+            logger.debug("side channel: every handler taken; cutting off the slowest connection")
             with contextlib.suppress(OSError):  # it ended meanwhile
                 oldest.shutdown(socket.SHUT_RDWR)
 
@@ -148,13 +146,14 @@ class _Server(http.server.HTTPServer):
         """A handler for ``request``, cutting off slow requests to make room;
         False when none frees within the deadline (every handler is sending)."""
         # Registered before its handler runs, so a newer connection can cut it off at once.
-        self.reading(request)
+        with self._lock:
+            self._active[request] = None
         deadline = time.monotonic() + self.deadline_s + 1
         while not self._slots.acquire(timeout=0.05):
             if time.monotonic() > deadline:
-                self.read(request)
+                self._done(request)
                 return False
-            self._cut_oldest_reader(request)
+            self._cut_oldest(request)
         return True
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -181,7 +180,7 @@ class _Server(http.server.HTTPServer):
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            self.read(request)
+            self._done(request)
             self.shutdown_request(request)
             self._slots.release()
 

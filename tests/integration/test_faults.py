@@ -534,8 +534,8 @@ def test_connections_that_never_authenticate_cannot_lock_peers_out(make_worker, 
 
     worker = make_worker(auth_secret=SECRET, timeouts={"connect_s": 30.0})
     address = parse_address(parse_metadata(worker.metadata).endpoints[0].address)
-    held = _idle_connections(address, 3 * serve.MAX_HANDSHAKES, "127.0.0.2")
-    held += _idle_connections(address, 3 * serve.MAX_HANDSHAKES_PER_ADDRESS, "127.0.0.1")
+    held = _idle_connections(address, serve.MAX_HANDSHAKES + 16, "127.0.0.2")
+    held += _idle_connections(address, serve.MAX_HANDSHAKES_PER_ADDRESS + 8, "127.0.0.1")
     stop = threading.Event()
     opened = []
 

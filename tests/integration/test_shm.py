@@ -5,6 +5,7 @@ The transfer, fault and chaos suites (test_transfer.py, test_faults.py,
 test_chaos.py) run over shm as well as tcp.
 """
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -346,17 +347,14 @@ def test_shared_memory_is_plain_host_memory_when_attach_works(make_worker, make_
 def _ask_with_unknown_token(name):
     """An honest-looking request (with a token the target never issued): the
     server answers it with a refusal; how long that took."""
-    import socket
     import struct
 
     from kvx.backends.shm import segments
 
     start = time.monotonic()
-    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    other.settimeout(30)
+    other = segments._connect(name, "seg-target", start + 30)
     try:
-        other.connect("\0" + name)
-        other.sendall(b"y" * segments.TOKEN_BYTES + struct.pack("<I", 0))
+        other.sendall(segments.KIND_SEGMENTS + b"y" * segments.TOKEN_BYTES + struct.pack("<I", 0))
         assert other.recv(4) == struct.pack("<I", 1)  # refused: an unknown token, but answered
     finally:
         other.close()
@@ -424,6 +422,47 @@ def test_a_flood_of_idle_segment_clients_cannot_lock_peers_out(make_agent):
             sock.close()
 
 
+_FLOODER = """
+import socket, sys, time
+name, payload, until = sys.argv[1], bytes.fromhex(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+held = []
+while time.monotonic() < until:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("\\0" + name)
+        s.send(payload)
+    except OSError:
+        s.close()
+        continue
+    held.append(s)
+    if len(held) > 500:
+        held.pop(0).close()
+"""
+
+
+@pytest.mark.parametrize("payload", [b"", b"S"], ids=["silent", "one-byte"])
+def test_a_process_that_keeps_connecting_cannot_crowd_out_peers(make_agent, payload):
+    """The attack: one local process connects to the segment socket in a
+    loop, saying nothing or one byte, so that every honest request is pushed
+    out by newer connections before it is read. Requests that came in are
+    served before newcomers are let in, a few at a time: every honest one is
+    answered while the flood goes on."""
+    from kvx.backends.shm import segments
+
+    target = make_agent("seg-crowd")
+    target.register(kvx.alloc_shared(1 << 16))
+    name = target.metadata_message().segment_socket
+    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, name, payload.hex(), "30"])
+    try:
+        time.sleep(1)  # the flood is on
+        for _ in range(10):
+            assert _ask_with_unknown_token(name) < segments._IO_TIMEOUT_S
+            assert flooder.poll() is None  # still flooding
+    finally:
+        flooder.kill()
+        flooder.wait(10)
+
+
 _SEGMENT_PEER = """
 import ctypes, errno, fcntl, json, mmap, os, socket, struct, sys
 import numpy as np
@@ -431,7 +470,7 @@ from kvx.backends.shm import segments
 name, token, rw, ro = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("\\0" + name)
-sock.sendall(token + struct.pack("<I", 2) + np.array([rw, ro], "<u4").tobytes())
+sock.sendall(b"S" + token + struct.pack("<I", 2) + np.array([rw, ro], "<u4").tobytes())
 data, fds, _, _ = socket.recv_fds(sock, 4 + 2 * 20, 2)
 out = {"entries": [list(struct.unpack_from("<IQQ", data, 4 + 20 * i)) for i in range(2)]}
 rw_fd, ro_fd = fds
@@ -591,7 +630,7 @@ def test_a_peer_cannot_steer_the_initiator_into_a_third_process(make_worker, mak
 
         forged = _tampered(worker.metadata, forge)
         assert shm_backend.cma_problem(parse_metadata(forged)) is None  # the permission probe passes
-        with pytest.raises(kvx.ConnectError, match="does not hold the peer's end of the connection"):
+        with pytest.raises(kvx.ConnectError, match=f"belongs to pid {worker.pid}, not {victim.pid}"):
             make_agent("forced", backend="shm").add_peer(forged)
         peer = make_agent("auto").add_peer(forged)
         assert peer.backend == "tcp" and "not the peer that answered the handshake" in peer.backend_reason
@@ -613,9 +652,69 @@ def test_a_peer_cannot_steer_the_initiator_into_a_third_process(make_worker, mak
         victim.wait(10)
 
 
-def test_the_kernel_names_the_process_at_the_far_end(tmp_path):
-    """owner.holds_far_end: true for the process that holds the accepted
-    socket, false for any other, IPv4 and IPv6."""
+def _pidfd_getfd(pid, fd):
+    """A copy of process ``pid``'s descriptor ``fd`` in this process (root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+        if got < 0:
+            raise OSError(ctypes.get_errno(), "pidfd_getfd")
+        return got
+    finally:
+        os.close(pidfd)
+
+
+@needs_root
+def test_holding_a_copy_of_the_connection_does_not_make_a_process_the_peer(
+    make_worker, make_agent, monkeypatch
+):
+    """The attack: a hostile target passes its end of the initiator's
+    connection to a third kvx agent (a shared-segment answer carries
+    descriptors, and kvx holds them while it reads the rest), names that
+    agent's process, probe address and local socket in its metadata, and
+    hopes the initiator takes "holds the connection" for "serves it". Here
+    the third agent lives in this process, which really holds a copy of the
+    target's end while the initiator checks. The third agent says it serves
+    no such connection: no attach."""
+    from kvx.backends.shm import owner
+
+    worker = make_worker()
+    epoch = parse_metadata(worker.metadata).epoch
+    decoy = np.array([epoch], dtype="<u8")
+    third = make_agent("third")  # an honest agent in the named process
+    held = []
+    real_far_inode = owner.far_inode
+
+    def hostile_hands_over_its_end(sock, pid):
+        inode, _ = real_far_inode(sock, worker.pid)
+        for fd in os.listdir(f"/proc/{worker.pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{worker.pid}/fd/{fd}") == f"socket:[{inode}]":
+                    held.append(_pidfd_getfd(worker.pid, int(fd)))
+        assert f"socket:[{inode}]" in {os.readlink(f"/proc/self/fd/{fd}") for fd in held}
+        return real_far_inode(sock, pid)
+
+    monkeypatch.setattr(owner, "far_inode", hostile_hands_over_its_end)
+
+    def forge(md):
+        md.pid = os.getpid()
+        md.shm_probe_address = decoy.ctypes.data
+        md.segment_socket = third.metadata_message().segment_socket
+
+    try:
+        peer = make_agent("initiator").add_peer(_tampered(worker.metadata, forge))
+        assert peer.backend == "tcp"
+        assert "does not serve this connection" in peer.backend_reason
+        assert held  # this process did hold the target's end while it was checked
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_the_kernel_names_the_far_end_of_a_connection():
+    """owner.far_inode: the inode of the socket the other process holds, in
+    its network namespace, IPv4 and IPv6; a pid that names no process is said so."""
     import socket
 
     from kvx.backends.shm import owner
@@ -636,8 +735,8 @@ def test_the_kernel_names_the_process_at_the_far_end(tmp_path):
             [
                 sys.executable,
                 "-c",
-                "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
-                "print('up', flush=True); sys.stdin.read()",
+                "import os, socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
+                "print(os.fstat(s.fileno()).st_ino, flush=True); sys.stdin.read()",
                 host,
                 str(port),
             ],
@@ -647,17 +746,9 @@ def test_the_kernel_names_the_process_at_the_far_end(tmp_path):
         )
         try:
             accepted, _ = listener.accept()
-            assert child.stdout.readline().strip() == "up"
-            assert owner.holds_far_end(accepted, child.pid) is None
-            assert "does not hold" in owner.holds_far_end(accepted, os.getpid())
-            other = subprocess.Popen(
-                [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
-            )
-            try:
-                assert "does not hold" in owner.holds_far_end(accepted, other.pid)
-            finally:
-                other.kill()
-                other.wait(10)
+            theirs = int(child.stdout.readline())
+            assert owner.far_inode(accepted, child.pid) == (theirs, "")
+            assert owner.far_inode(accepted, os.getpid()) == (theirs, "")  # one network namespace
             accepted.close()
         finally:
             child.kill()
@@ -665,13 +756,14 @@ def test_the_kernel_names_the_process_at_the_far_end(tmp_path):
             listener.close()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(10)
-    pair = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(pair.getsockname())
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
     try:
-        assert "no process" in owner.holds_far_end(client, gone.pid)
+        inode, why = owner.far_inode(client, gone.pid)
+        assert inode is None and "no process" in why
     finally:
         client.close()
-        pair.close()
+        server.close()
 
 
 # Leases: pins that outlive a transfer (SHM_PIN with PIN_KEEP), so that a

@@ -135,6 +135,31 @@ def test_a_flood_of_tricklers_cannot_keep_a_peer_from_its_document(make_server):
         tricklers.close()
 
 
+def test_clients_that_never_read_the_answer_cannot_keep_a_peer_from_it(make_server):
+    """The attack: complete requests whose answers are never read (a zero
+    window), with a document larger than the socket buffers, so every
+    handler waits on its write. The longest-handled connection is cut off to
+    make room for the peer."""
+    server = make_server(deadline_s=30.0, max_handlers=4)
+    big = {"engine_id": "e0", "pad": "x" * (8 << 20)}
+    server.publish(big)
+    readers = []
+    try:
+        for _ in range(2 * 4):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(f"GET {side_channel.PATH} HTTP/1.1\r\nHost: kvx\r\n\r\n".encode())
+            readers.append(sock)
+        time.sleep(0.5)  # every handler is blocked writing to a reader that does not read
+        before = time.monotonic()
+        assert side_channel.fetch("127.0.0.1", server.port, timeout_s=10) == big
+        assert time.monotonic() - before < 10  # held behind them, it would wait out their 30 s
+    finally:
+        for sock in readers:
+            sock.close()
+
+
 def test_an_oversized_request_is_refused(make_server):
     server = make_server()
     head = f"GET {side_channel.PATH} HTTP/1.1\r\nHost: kvx\r\n".encode()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -60,13 +61,17 @@ DESC_SIZE = DESC_DTYPE.itemsize
 # request in flight, and Limits.max_inflight_per_peer bounds those).
 MAX_PINS = 4096
 # Inbound connections still in their handshake (not yet authenticated) at
-# once, in all and from one address. Past either bound the oldest such
-# connection (from the address with the most) is dropped to make room: a
-# client that opens connections and never authenticates can then hold a
-# slot only until newer connections come, never lock honest peers out,
-# and one address can hold only a few slots at all.
-MAX_HANDSHAKES = 64
-MAX_HANDSHAKES_PER_ADDRESS = 8
+# once, in all and from one address (an IPv6 /64 counts as one). Past either
+# bound the oldest such connection (from the address with the most) is
+# dropped to make room: a client that opens connections and never
+# authenticates can then hold a slot only until newer connections come,
+# never lock honest peers out, and one address holds at most a quarter of
+# the slots. The per-address bound leaves room for a node whose GPUs' agents
+# all connect at once, each over several connections (behind one address
+# when the node translates addresses).
+MAX_HANDSHAKES = 256
+MAX_HANDSHAKES_PER_ADDRESS = 64
+_WARN_EVERY_S = 10.0
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
 _LINGER_BYTES = 1 << 20
@@ -161,6 +166,8 @@ class Listener:
         self._inbound: set[InboundConnection] = set()
         # Those in their handshake, oldest first (a dict keeps the order).
         self._handshakes: dict[InboundConnection, None] = {}
+        self._evicted = 0
+        self._warned_at = -_WARN_EVERY_S
         self._closed = False
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}", daemon=True
@@ -194,10 +201,11 @@ class Listener:
                         )
                         sock.close()
                         continue
-                    evicted = self._make_room(addr[0])
+                    host = _address_key(addr[0])
+                    evicted = self._make_room(host)
                     tune(sock, self.ctx.timeouts.connect_s)
                     conn = InboundConnection(self, sock, address)
-                    conn.host = addr[0]
+                    conn.host = host
                     self._inbound.add(conn)
                     self._handshakes[conn] = None
                 if evicted is not None:
@@ -223,12 +231,26 @@ class Listener:
             return None
         del self._handshakes[victim]
         victim.evicted = True
-        logger.warning(
-            "dropping connection from %s, still in its handshake, to make room for one from %s",
-            victim.address,
-            host,
-        )
+        self._evicted += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:  # a flood must not flood the log too
+            logger.warning(
+                "%d connections still in their handshake (at most %d, %d per address): dropped the "
+                "oldest to make room, %d times since the last warning (the latest from %s, for one from %s)",
+                len(self._handshakes) + 1,
+                MAX_HANDSHAKES,
+                MAX_HANDSHAKES_PER_ADDRESS,
+                self._evicted,
+                victim.address,
+                host,
+            )
+            self._warned_at, self._evicted = now, 0
         return victim
+
+    def serves(self, inode: int) -> bool:
+        """An authenticated inbound connection's socket has this inode."""
+        with self._lock:
+            return any(c.inode == inode and c.authenticated for c in self._inbound)
 
     def authenticated(self, conn: InboundConnection) -> bool:
         """The connection passed its handshake: it leaves the handshakes and
@@ -266,6 +288,18 @@ class Listener:
         return [self._accept_thread] + [c.thread for c in inbound]
 
 
+def _address_key(host: str) -> str:
+    """Whose connection this is, for the per-address bound: the IPv4
+    address, or the /64 of an IPv6 one (one host can hold a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
+
+
 class InboundConnection:
     """Serves one initiator's requests until it leaves or breaks the protocol."""
 
@@ -276,6 +310,7 @@ class InboundConnection:
         self.address = address
         self.peer_name = f"<unauthenticated {address}>"
         self.host = address  # the peer's address without its port (set by the listener)
+        self.inode = os.fstat(sock.fileno()).st_ino  # how a same-host initiator names this connection
         self.authenticated = False
         self.evicted = False  # dropped during its handshake to make room
         self._deadline: float | None = None  # of the handshake

@@ -27,10 +27,13 @@ Protocol version history:
        transfer; SHM_REVOKE and SHM_RELEASE end them.
     4  PROBE/PROBE_OK (types 17 and 18) removed: a peer that could get the
        nonce into a third process by other means passed it. A same-host
-       initiator now asks the kernel which process holds the far end of its
-       connection (kvx/backends/shm/owner.py); nothing goes over the wire.
-       Segment answers say per region whether its descriptor is read-only
-       (status 2), and the segments' descriptors are sealed against resizing.
+       initiator now learns from the kernel the inode of its connection's
+       far end (/proc/PID/net/tcp) and the pid listening on the peer's local
+       socket (SO_PEERCRED), and asks that process whether it serves the
+       connection. Requests on the local socket start with a kind byte ("S"
+       segments, "O" which connections it serves); segment answers say per
+       region whether its descriptor is read-only (status 2), at most 253
+       regions a request, and the segments are sealed against resizing.
        VERIFY/VERIFY_OK: end-to-end checksums of a transfer (verify=True).
 
 The shm backend uses the same authenticated connection for control only:
@@ -67,9 +70,11 @@ presents it on the target's Unix socket to receive the segments' file
 descriptors. Sent only to an agent whose metadata names a segment socket.
 
 Before it attaches (cross-memory attach, or CUDA IPC within one process), a
-same-host initiator checks that the process the metadata names holds the far
-end of each of its connections to the peer (kvx/backends/shm/owner.py): the
-pin answers are trusted only as the sender's own memory.
+same-host initiator checks that the process the metadata names serves each
+of its connections to the peer: the kernel gives the pid listening on the
+peer's local socket (SO_PEERCRED) and each connection's far-end inode, and
+that process answers for the inodes (kvx/backends/shm/__init__.py,
+``prove``). The pin answers are trusted only as the sender's own memory.
 
 A transfer posted with ``verify=True`` ends, once its bytes have moved and
 before its notification, with VERIFY: aux is the notification's length, the

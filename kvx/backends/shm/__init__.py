@@ -37,7 +37,6 @@ from kvx.backends.shm import owner, segments
 from kvx.backends.shm.copy import CmaCopy, SegmentCopy
 from kvx.backends.tcp import TcpChannel
 from kvx.errors import AccessError, KvxError, ProtocolError
-from kvx.memory import Region
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -67,8 +66,17 @@ class ShmBackend(Backend):
         self._probe = probe_buffer(ctx.epoch)
         self._lock = threading.Lock()
         self._closed = False
-        # Started with the first registered kvx.alloc_shared region.
+        # The local socket: same-host initiators learn from it (and the
+        # kernel) which process serves their connection, and receive shared
+        # segments' descriptors.
         self._segment_server: segments.SegmentServer | None = None
+        if self.offered:
+            try:
+                self._segment_server = segments.SegmentServer(ctx)
+            except OSError as exc:
+                logger.warning(
+                    "agent %s: no local socket (%s); same-host peers will use tcp", ctx.agent_name, exc
+                )
 
     @property
     def offered(self) -> bool:
@@ -85,24 +93,6 @@ class ShmBackend(Backend):
         for pb in md.regions:
             region = self.ctx.regions.get(pb.id)
             pb.shared_segment = region is not None and segments.whole_segment(region)
-
-    def registered(self, region: Region) -> None:
-        """Start the socket that hands shared segments to same-host peers
-        refused cross-memory attach, with the first kvx.alloc_shared region."""
-        if region.segment_fd < 0:
-            return
-        with self._lock:
-            if self._segment_server is not None or not self.offered or self._closed:
-                return
-            try:
-                self._segment_server = segments.SegmentServer(self.ctx)
-            except OSError as exc:
-                logger.warning(
-                    "agent %s: no shared-segment socket (%s); peers that may not attach to this "
-                    "process will use tcp",
-                    self.ctx.agent_name,
-                    exc,
-                )
 
     def handlers(self) -> dict[int, Handler]:
         return {MsgType.SEG_TOKEN: self._on_seg_token}
@@ -242,9 +232,15 @@ def map_segments(md: agent_pb2.AgentMetadata, link: Link) -> dict[int, Any]:
         token = link.request(MsgType.SEG_TOKEN, MsgType.SEG_TOKEN_OK)
         if len(token) != segments.TOKEN_BYTES:
             raise ProtocolError(f"peer {md.name!r} sent a {len(token)}-byte segment token")
-        return segments.fetch(
-            md.segment_socket, token, [r.id for r in md.regions if r.shared_segment], md.name
-        )
+        shared = [r.id for r in md.regions if r.shared_segment]
+        if len(shared) > segments.MAX_REGIONS_PER_REQUEST:
+            logger.warning(
+                "peer %s offers %d shared segments; the first %d are mapped, the others go over tcp",
+                md.name,
+                len(shared),
+                segments.MAX_REGIONS_PER_REQUEST,
+            )
+        return segments.fetch(md.segment_socket, token, shared[: segments.MAX_REGIONS_PER_REQUEST], md.name)
     except (KvxError, OSError) as exc:
         if not link.alive:
             raise  # the control connection broke: nothing can use it
@@ -330,12 +326,27 @@ def probe_buffer(epoch: int) -> np.ndarray:
 
 
 def prove(md: agent_pb2.AgentMetadata, link: Link) -> str | None:
-    """None when the process ``md.pid`` holds the far end of every connection
-    of ``link`` (the kernel says so: owner.py), else why not. Called before
-    anything attaches to ``md.pid`` or trusts the addresses its pin answers
-    give: those are trusted only as the sender's own memory."""
+    """None when the process ``md.pid`` serves every connection of ``link``,
+    else why not. Called before anything attaches to ``md.pid`` or trusts the
+    addresses its pin answers give: those are trusted only as the sender's
+    own memory.
+
+    Two facts from the kernel, and one answer from the process they name:
+    the inode of each connection's far end (owner.py), the pid that listens
+    on the peer's local socket (SO_PEERCRED: fixed at listen(), passing the
+    socket on does not change it), and that process's word that it serves
+    those connections. A third process named in the metadata either is no
+    kvx agent (it has no such socket) or is an honest one, which serves none
+    of them; only the attacker's own process can say yes for itself."""
+    if not md.segment_socket:
+        return f"peer {md.name!r} has no local socket (it runs an older kvx)"
+    inodes = []
     for conn in link.conns:
-        why = owner.holds_far_end(conn.sock, md.pid)
-        if why is not None:
+        inode, why = owner.far_inode(conn.sock, md.pid)
+        if inode is None:
             return f"pid {md.pid} is not the peer that answered the handshake ({why})"
+        inodes.append(inode)
+    refused = segments.serves(md.segment_socket, md.pid, inodes, md.name)
+    if refused is not None:
+        return f"pid {md.pid} is not the peer that answered the handshake ({refused})"
     return None

@@ -1,23 +1,23 @@
-"""Which process holds the far end of a control connection, as the kernel says.
+"""The inode of the far end of a control connection, as the kernel lists it.
 
 Before a same-host initiator attaches to the process a peer's metadata names
 (cross-memory attach, or CUDA IPC inside one process), it must know that
 process is the one serving its authenticated connection: the pin answers
 that steer its copies come over that connection, and they are trusted only
 because they describe the sender's own memory. A peer holding the cluster
-secret controls its metadata and every byte it sends, so nothing it says can
-prove this; an earlier challenge (the peer wrote a nonce into the named
+secret controls its metadata and every byte it sends, so nothing it says
+can prove this; an earlier challenge (the peer wrote a nonce into the named
 process's memory) was passed by a peer that could get bytes into a third
-process some other way (say, a WRITE into a third agent's region).
+process some other way, and so is any check of which process holds a
+descriptor of the connection (a descriptor can be passed to another
+process, say in a shared-segment answer).
 
-The kernel can: the connection's far end is a socket with an inode, listed
-in ``/proc/PID/net/tcp{,6}`` of the target's network namespace by its two
-addresses, and a process that holds it has a descriptor ``socket:[inode]``
-in ``/proc/PID/fd``. Reading another process's ``fd`` needs the same
-permission as attaching to it (ptrace access), so this check costs no
-privilege the copies do not need anyway. Only a process that holds the
-socket can pass: a descriptor is shared only through fork or SCM_RIGHTS,
-which the peer cannot make an unwilling process accept.
+What the kernel says here is the name of the connection: the far end's
+socket inode, listed in ``/proc/PID/net/tcp{,6}`` of the named process's
+network namespace by the connection's two addresses. The shm backend then
+asks the process listening on the peer's local socket (whose pid the kernel
+gives, SO_PEERCRED) whether it serves that inode (``prove`` in
+kvx/backends/shm/__init__.py).
 """
 
 from __future__ import annotations
@@ -79,32 +79,20 @@ def _far_inode(sock: socket.socket, pid: int) -> int | None:
     return None
 
 
-def holds_far_end(sock: socket.socket, pid: int) -> str | None:
-    """None when process ``pid`` holds the far end of the connected TCP
-    socket ``sock``; else why not, in words that say what is wrong."""
+def far_inode(sock: socket.socket, pid: int) -> tuple[int | None, str]:
+    """(the inode of the far end of the connected TCP socket ``sock`` in
+    ``pid``'s network namespace, ""), or (None, why not)."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return f"the connection is not TCP (family {sock.family})"
+        return None, f"the connection is not TCP (family {sock.family})"
     if not os.path.isdir(f"/proc/{pid}/net"):
-        return f"no process {pid} in this pid namespace"
+        return None, f"no process {pid} in this pid namespace"
     try:
         inode = _far_inode(sock, pid)
     except OSError as exc:
-        return f"cannot read the connections of pid {pid}: {exc}"
+        return None, f"cannot read the connections of pid {pid}: {exc}"
     if inode is None:
-        return (
+        return None, (
             f"pid {pid}'s network namespace has no end of this connection: it runs in another network "
             "namespace reached through address translation, or it is not the peer"
         )
-    wanted = f"socket:[{inode}]"
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError as exc:
-        return f"cannot list the descriptors of pid {pid}: {exc}"
-    for fd in fds:
-        try:
-            if os.readlink(f"{fd_dir}/{fd}") == wanted:
-                return None
-        except OSError:
-            continue  # closed meanwhile
-    return f"pid {pid} does not hold the peer's end of the connection: the metadata names another process"
+    return inode, ""
