@@ -16,7 +16,8 @@ Faults, drawn from --seed: SIGKILL of an agent and its restart (new epoch),
 SIGSTOP then SIGCONT, packet loss on an agent's link (iptables statistic
 DROP), a bandwidth cap on it (tc tbf), and restarts of the metadata service
 and of etcd. At the end it prints a report (--json-out writes it as JSON)
-and exits 1 if a block was corrupted, a transfer hung (did not finish
+and exits 1 if a block was corrupted (or overwritten by a WRITE that had
+failed for its writer, unless --allow-late-writes), a transfer hung (did not finish
 within its timeout plus --margin-s), an error was not a kvx error, an agent
 crashed, or nothing was transferred; 2 if the soak itself could not run.
 Namespaces, processes and rules are removed on exit, on failure and on
@@ -406,6 +407,9 @@ class Soak:
             "errors": dict(led.errors.most_common()),
             "not_kvx_errors": led.foreign,
             "corrupted_blocks": led.corrupt_count,
+            "late_writes": led.late_count,
+            "late_write_examples": led.late,
+            "late_writes_allowed": self.args.allow_late_writes,
             "corruptions": led.corrupt,
             "hangs": len(led.hangs),
             "hang_details": led.hangs[:20],
@@ -439,6 +443,10 @@ def verdict(report: dict) -> list[str]:
     failures = []
     if report["corrupted_blocks"]:
         failures.append(f"{report['corrupted_blocks']} corrupted block(s)")
+    if report["late_writes"] and not report["late_writes_allowed"]:
+        failures.append(
+            f"{report['late_writes']} block(s) overwritten by an older WRITE that had failed for its writer"
+        )
     if report["hangs"]:
         failures.append(f"{report['hangs']} hung transfer(s)")
     if report["not_kvx_errors"]:
@@ -467,6 +475,8 @@ def render(report: dict, failures: list[str]) -> str:
         + (", ".join(f"{k} {v}" for k, v in report["errors"].items()) or "none")
         + f" (unattributed to a fault: {report['unattributed_errors']})",
         f"corrupted blocks: {report['corrupted_blocks']}",
+        f"late writes (a failed WRITE landed over a later one): {report['late_writes']}"
+        + (" (allowed: --allow-late-writes)" if report["late_writes_allowed"] else ""),
         f"hangs: {report['hangs']} (bounds: connect {report['bounds_s']['connect']:.0f} s, "
         f"transfer {report['bounds_s']['transfer']:.0f} s)",
     ]
@@ -486,7 +496,12 @@ def render(report: dict, failures: list[str]) -> str:
     connect = report["longest_connect"]
     if connect:
         lines.append(f"longest connect (metadata lookup and handshake): {connect['wall_s']:.2f} s")
-    for item in report["corruptions"][:5] + report["hang_details"][:5] + report["not_kvx_errors"][:5]:
+    for item in (
+        report["corruptions"][:5]
+        + report["late_write_examples"][:3]
+        + report["hang_details"][:5]
+        + report["not_kvx_errors"][:5]
+    ):
         lines.append(f"  {item}")
     for crash in report["crash_details"][:5]:
         lines.append(f"  crash: {crash}")
@@ -512,6 +527,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=10.0,
         help="a transfer unfinished this long past its timeout is a hang (default: 10)",
+    )
+    parser.add_argument(
+        "--allow-late-writes",
+        action="store_true",
+        help="do not fail when a WRITE that failed for its writer lands later (a known kvx issue; "
+        "see docs/soak.md); they are counted either way",
     )
     parser.add_argument("--json-out", help="write the report to this file as JSON")
     parser.add_argument(

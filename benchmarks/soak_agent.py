@@ -60,25 +60,29 @@ def block(seed: int, author: int, holder: int, region: int, index: int, generati
 def check(
     got: np.ndarray, seed: int, want: tuple[int, int, int, int], generation: int | None
 ) -> tuple[str, str | None]:
-    """("ok" | "superseded" | "corrupt", reason) for the block ``got``, which
-    should be block ``want`` = (author, holder, region, index) at
-    ``generation`` (any generation when None)."""
+    """(verdict, reason) for the block ``got``, which should be block ``want``
+    = (author, holder, region, index) at ``generation`` (any when None).
+
+    Verdicts: "ok"; "corrupt"; for a WRITE's block, "superseded" (the same
+    writer's newer generation is there, whole or still landing: its next
+    WRITE, posted after this one failed for it, reached the block before
+    this check) and "late" (an older generation is there, whole or still
+    landing: a WRITE that had failed for the writer landed after this one).
+    """
     raw = got.tobytes()
     magic, *named, gen, crc = HEADER.unpack_from(raw)
     if magic != MAGIC:
         return "corrupt", f"no block header (first bytes {raw[:16].hex()})"
     if tuple(named) != want:
         return "corrupt", f"header names block {tuple(named)}, expected {want}"
-    if zlib.crc32(raw[HEADER_BYTES:]) != crc:
-        return "corrupt", f"checksum mismatch (generation {gen})"
-    if raw != block(seed, *want, gen, len(raw)):
-        return "corrupt", f"bytes differ from their derivation (generation {gen})"
-    if generation is not None and gen != generation:
-        # A newer generation of the same block, itself intact: the writer's next WRITE
-        # landed before this check ran (possible only after this one failed for the writer).
-        if gen > generation:
-            return "superseded", f"generation {gen} already replaced {generation}"
-        return "corrupt", f"generation {gen}, expected {generation}: the WRITE did not land"
+    intact = zlib.crc32(raw[HEADER_BYTES:]) == crc and raw == block(seed, *want, gen, len(raw))
+    state = "whole" if intact else "partly"
+    if generation is not None and gen > generation:
+        return "superseded", f"generation {gen:#x} ({state}) replaced {generation:#x}"
+    if generation is not None and gen < generation:
+        return "late", f"generation {gen:#x} ({state}) landed over {generation:#x}"
+    if not intact:
+        return "corrupt", f"bytes differ from their derivation (generation {gen:#x}, expected {generation})"
     return "ok", None
 
 
@@ -169,6 +173,7 @@ class SoakAgent:
                     nbytes = self._read(peer, rng, count, fields)
                 else:
                     generation += 1
+                    fields["g"] = generation
                     nbytes = self._write(peer, rng, count, generation, fields)
             except kvx.KvxError as exc:
                 self._end(fields, ok=False, cls=type(exc).__name__, msg=str(exc)[:300], kvx_error=True)
@@ -272,15 +277,15 @@ class SoakAgent:
         try:
             info = json.loads(note.data)
             writer, generation, blocks = int(info["w"]), int(info["g"]), [int(b) for b in info["b"]]
-            counts = {"ok": 0, "superseded": 0, "corrupt": 0}
+            counts = {"ok": 0, "superseded": 0, "late": 0, "corrupt": 0}
             size = self.size
             for b in blocks:
                 got = self.inbox[b * size : (b + 1) * size]
                 verdict, reason = check(got, self.seed, (writer, self.index, INBOX, b), generation)
                 counts[verdict] += 1
-                if verdict == "corrupt":
+                if verdict in ("corrupt", "late"):
                     self.emit(
-                        "corrupt", side="target", peer=note.peer, block=b, reason=reason, t=time.monotonic()
+                        verdict, side="target", peer=note.peer, block=b, reason=reason, t=time.monotonic()
                     )
             self.emit("landed", peer=note.peer, **counts)
         except Exception as exc:

@@ -46,6 +46,8 @@ class Ledger:
         self.crash_count = 0
         self.corrupt: list[dict] = []
         self.corrupt_count = 0
+        self.late: list[dict] = []
+        self.late_count = 0
         self.landed = collections.Counter()
         self.start_retries = 0
         self.cut_by_kill = 0
@@ -74,7 +76,11 @@ class Ledger:
                 self.outstanding.pop(key, None)
                 self._ended(proc, key, ev)
             elif kind == "landed":
-                self.landed.update({k: ev[k] for k in ("ok", "superseded", "corrupt")})
+                self.landed.update({k: ev.get(k, 0) for k in ("ok", "superseded", "late", "corrupt")})
+            elif kind == "late":
+                self.late_count += 1
+                if len(self.late) < 20:
+                    self.late.append(dict(ev, agent=f"soak-a{index}"))
             elif kind == "corrupt":
                 self.corrupt_count += 1
                 if len(self.corrupt) < 20:
