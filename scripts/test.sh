@@ -4,20 +4,25 @@
 # (KVX_NATIVE=0). Extra arguments go to pytest. Runs unattended (CI=true, no stdin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The etcd metadata-store tests need a real etcd (Debian package etcd-server: /usr/bin/etcd).
-if ! command -v etcd >/dev/null 2>&1; then
+# The etcd metadata-store tests need a real etcd (Debian package etcd-server: /usr/bin/etcd);
+# the chaos soak (tests/integration/test_soak.py) needs iptables and tc (iproute2) too.
+packages=()
+command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
+command -v iptables >/dev/null 2>&1 || packages+=(iptables)
+command -v tc >/dev/null 2>&1 || packages+=(iproute2)
+if [ "${#packages[@]}" -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     if [ "$(id -u)" -eq 0 ]; then
         as_root=()
     elif sudo -n true 2>/dev/null; then
         as_root=(sudo -n)
     else
-        echo "scripts/test.sh: the tests need etcd (Debian package etcd-server) and this user cannot" \
-             "install it; run: apt-get install etcd-server (as root), then this script again" >&2
+        echo "scripts/test.sh: the tests need ${packages[*]} (Debian packages) and this user cannot" \
+             "install them; run: apt-get install ${packages[*]} (as root), then this script again" >&2
         exit 1
     fi
     "${as_root[@]}" apt-get update -qq </dev/null
-    "${as_root[@]}" apt-get install -y -qq --no-install-recommends etcd-server </dev/null
+    "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${packages[@]}" </dev/null
     # The package may start a system etcd on the default ports; the tests start their own.
     "${as_root[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
 fi

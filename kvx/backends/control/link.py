@@ -26,6 +26,7 @@ import hmac
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -467,7 +468,22 @@ class Connection:
             self._close_socket()
 
     def _idle(self) -> bool:
-        """While waiting for a response: True if the wait is not (yet) a stall."""
+        """While waiting for a response: True if the wait is not (yet) a stall.
+
+        The socket's own timeout runs in whole io_s steps from the last
+        response, so a request posted during one step would be declared
+        stalled only at the end of the next (up to 2 * io_s); what is left of
+        io_s since the last progress is waited out here instead."""
+        with self.lock:
+            if not self.pending:
+                return True
+            left_s = self.io_s - (time.monotonic() - self.last_progress)
+        if left_s <= 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(max(1, int(left_s * 1000) + 1)):
+            return True  # something arrived (or the socket closed): recv_into takes it
         with self.lock:
             return not self.pending or time.monotonic() - self.last_progress < self.io_s
 
