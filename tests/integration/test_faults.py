@@ -557,6 +557,30 @@ def test_connections_that_never_authenticate_cannot_lock_peers_out(make_worker, 
             sock.close()
 
 
+def test_a_write_that_timed_out_does_not_land_later(make_worker, make_agent):
+    """Found by the chaos soak: a WRITE that failed with TimeoutError (the
+    target was stopped) landed once the target ran again, over whatever was
+    written there since, because its bytes waited in the target's socket.
+    The initiator now resets a connection it gives up on, and the target
+    drops what such a connection still had buffered."""
+    worker = make_worker(auth_secret=SECRET)
+    agent = make_agent(auth_secret=SECRET, timeouts=kvx.Timeouts(io_s=2, transfer_s=20))
+    region = agent.register(np.full(4 * BLOCK, 0xAB, np.uint8))
+    peer = agent.add_peer(worker.metadata)
+    before = worker.call("peek", 0, 4 * BLOCK)
+    worker.freeze()
+    try:
+        transfer = peer.write(region.descs(0, 4 * BLOCK), peer.regions[0].descs(0, 4 * BLOCK), notify=b"late")
+        with pytest.raises(kvx.TimeoutError):
+            transfer.wait(20)
+    finally:
+        worker.thaw()
+    time.sleep(1)  # what the target had buffered is served (or dropped) by now
+    assert worker.call("peek", 0, 4 * BLOCK) == before
+    assert worker.call("notifications", 0.5) == []
+    _still_serves(worker, make_agent)
+
+
 def test_hello_with_an_invalid_name_is_refused(make_worker):
     worker = make_worker()
     md = parse_metadata(worker.metadata)

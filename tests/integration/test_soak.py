@@ -51,10 +51,7 @@ def test_chaos_soak_keeps_every_block_intact_and_never_hangs(tmp_path):
         pytest.skip(reason)
     report_path = tmp_path / "soak.json"
     args = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--duration-s", str(DURATION_S),
-            "--seed", str(SEED), "--json-out", str(report_path), "--keep-logs", str(tmp_path / "logs"),
-            # Known kvx issue (docs/soak.md): a WRITE that failed for its writer can land later.
-            # Counted in the report; drop this flag once the target fences such WRITEs.
-            "--allow-late-writes"]  # fmt: skip
+            "--seed", str(SEED), "--json-out", str(report_path), "--keep-logs", str(tmp_path / "logs")]  # fmt: skip
     soak = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )

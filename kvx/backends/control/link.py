@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -268,6 +269,10 @@ def _translate(exc: BaseException, peer: str, io_s: float) -> KvxError:
     return TransferError(f"internal error: {exc!r}")
 
 
+# SO_LINGER on, 0 s: close() resets the connection instead of finishing it.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+
+
 class Connection:
     """One initiator connection: pipelined requests, one reader thread, and a
     sender thread for large payloads and for sends that would have to wait.
@@ -413,6 +418,12 @@ class Connection:
             # end would let the target unpin (and free) memory still being copied.
             # The last copy to end shuts it down.
             copying = self.copies > 0
+        if failed:
+            # Requests whose outcome we no longer wait for: the close resets the
+            # connection, and a target that has not served them yet (it was
+            # stopped, say) sees the reset and drops them (InboundConnection.abandoned).
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
         if not copying:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)

@@ -380,7 +380,7 @@ class InboundConnection:
         self._deadline = time.monotonic() + ctx.timeouts.connect_s
         try:
             hello = handshake_pb2.Hello.FromString(self._recv_message(MsgType.HELLO))
-        except Fatal:
+        except (Fatal, PeerLostError, TimeoutError):  # a peer that left or stalled is no malformed HELLO
             raise
         except Exception as exc:  # protobuf DecodeError and friends
             raise Fatal(ProtocolError(f"malformed HELLO: {exc}")) from None
@@ -414,7 +414,7 @@ class InboundConnection:
         self.sock.sendall(_wire.pack(MsgType.HELLO_REPLY, payload_len=len(reply)) + reply)
         try:
             auth = handshake_pb2.Auth.FromString(self._recv_message(MsgType.AUTH))
-        except Fatal:
+        except (Fatal, PeerLostError, TimeoutError):
             raise
         except Exception as exc:
             raise Fatal(ProtocolError(f"malformed AUTH: {exc}")) from None
@@ -484,6 +484,15 @@ class InboundConnection:
                 pass  # the connection is going; its end releases the leases
             finally:
                 self.send_lock.release()
+
+    def abandoned(self) -> bool:
+        """The initiator reset the connection: it gave up on the requests
+        still buffered here (a WRITE that timed out there must not land
+        later, over newer data). Checked before memory is written."""
+        try:
+            return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            return True
 
     def recv_descs(self, request_id: int, nbytes: int) -> np.ndarray:
         """A request's descriptor payload, within the limits."""
@@ -563,6 +572,8 @@ def _on_notify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
             request_id,
         )
     data = bytes(recv_exact(conn.sock, payload_len))
+    if conn.abandoned():
+        raise PeerLostError(f"peer {conn.peer_name!r} reset the connection; its notification is dropped")
     if conn.deliver(request_id, data):
         conn.sock.sendall(_wire.pack(MsgType.NOTIFY_ACK, request_id))
 

@@ -82,6 +82,9 @@ def on_write(conn: InboundConnection, request_id: int, payload_len: int, aux: in
         drain(conn.sock, data_len)
         conn.send_error(request_id, AccessError(str(exc)))
         return
+    if conn.abandoned():  # the initiator gave up on this WRITE: it must not land late
+        table.release(token)
+        raise PeerLostError(f"peer {conn.peer_name!r} reset the connection; its buffered WRITE is dropped")
     try:
         if device >= 0:  # CUDA memory: through pinned host buffers
             _staging.recv(gpu.engine(device), _io.recvv, conn.sock.fileno(), addrs, lens, conn.ctx.io_ms)
