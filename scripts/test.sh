@@ -68,6 +68,15 @@ if [ -z "${SGL_KVX_SGLANG_PYTHON:-}" ]; then
     exit 1
 fi
 export KVX_SGLANG_PYTHON="$SGL_KVX_SGLANG_PYTHON"
+# The Helm chart's tests (tests/deploy/test_helm.py) run helm, checkov and
+# kubernetes-validate from .venv-deploy; in CI they fail rather than skip without them.
+deploy_env="$(bash scripts/deploy_tools.sh </dev/null)" || {
+    echo "scripts/test.sh: scripts/deploy_tools.sh failed (run it alone to see why)" >&2
+    exit 1
+}
+while IFS='=' read -r key value; do
+    case "$key" in KVX_HELM | KVX_CHECKOV | KVX_K8S_VALIDATE) export "$key=$value" ;; esac
+done <<<"$deploy_env"
 export PYTHONUNBUFFERED=1
 echo "== kvx tests: native data path (KVX_NATIVE=1), with the vLLM and SGLang end-to-end tests"
 KVX_NATIVE=1 python3 -m pytest --ignore=tests/vllm_scheduler --ignore=tests/sglang_contract "$@" </dev/null
