@@ -122,6 +122,16 @@ capabilities:
       {{- end }}
 {{- end -}}
 
+{{/*
+Rolls the pods when the secret values given change. Generated values are not
+in it: they never change (lookup keeps them), and a checksum of a render of
+secret.yaml would hash fresh random values, different from the Secret's,
+and roll every pod at the first upgrade.
+*/}}
+{{- define "kvx.secretChecksum" -}}
+{{- toJson .Values.secret | sha256sum -}}
+{{- end -}}
+
 {{- define "kvx.secretDir" -}}/etc/kvx/secrets{{- end -}}
 
 {{- define "kvx.etcdStoreUrl" -}}

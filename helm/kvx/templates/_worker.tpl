@@ -18,7 +18,7 @@ LeaderWorkerSet's leader: (dict "ctx" $ "role" "prefill").
 
 {{- define "kvx.worker.podAnnotations" -}}
 {{- $ctx := .ctx -}}
-checksum/secret: {{ include (print $ctx.Template.BasePath "/secret.yaml") $ctx | sha256sum }}
+checksum/secret: {{ include "kvx.secretChecksum" $ctx }}
 {{- if and (eq $ctx.Values.rdma.mode "devicePlugin") $ctx.Values.rdma.devicePlugin.networks }}
 k8s.v1.cni.cncf.io/networks: {{ $ctx.Values.rdma.devicePlugin.networks | quote }}
 {{- end }}
