@@ -7,7 +7,9 @@ supports, and the newest bundled) and scanned by checkov in one run. The
 other tests read the renders (or render a variation) and check what could
 break silently: the schema's strictness, the drain/grace-period relation,
 secrets that must not change, which pods each NetworkPolicy admits, and
-what each RDMA mode adds.
+what each RDMA mode adds. One test installs and upgrades the chart against
+a fake API server on loopback (tests/deploy/_kube_fake.py), because
+`lookup`, which keeps generated secrets, runs only in a real install.
 
 The tools come from scripts/deploy_tools.sh (scripts/test.sh runs it and
 exports KVX_HELM, KVX_CHECKOV, KVX_K8S_VALIDATE). Without them the tests skip,
@@ -30,6 +32,7 @@ import pytest
 import yaml
 
 from tests import conftest
+from tests.deploy._kube_fake import FakeKube
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvx"
@@ -477,6 +480,61 @@ def test_missing_secrets_are_generated_long_and_distinct():
         assert re.fullmatch(r"[A-Za-z0-9]{48}", value), key
         assert second[key] != value
     assert len(set(first.values())) == 4
+
+
+def test_generated_secrets_survive_upgrades_and_do_not_roll_pods(tmp_path):
+    """A real `helm install` and two `helm upgrade`s against a fake API server
+    (tests/deploy/_kube_fake.py): the only way `lookup` runs offline."""
+    helm = _tool("KVX_HELM")
+    with FakeKube() as kube:
+        config = tmp_path / "kubeconfig"
+        config.write_text(kube.kubeconfig(NAMESPACE))
+        config.chmod(0o600)
+        env = dict(os.environ, KUBECONFIG=str(config))
+        for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+            env[var] = str(tmp_path / var.lower())
+        base = [helm, "--namespace", NAMESPACE]
+        chart = [RELEASE, str(CHART), "--disable-openapi-validation"]
+
+        def manifest(revision: int) -> list[dict]:
+            done = _run([*base, "get", "manifest", RELEASE, "--revision", str(revision)], env=env)
+            return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+        def checksums(objs: list[dict]) -> set[str]:
+            return {t["metadata"]["annotations"]["checksum/secret"] for t in pod_templates(objs).values()}
+
+        _run([*base, "install", *chart], env=env)
+        secret_path = f"/api/v1/namespaces/{NAMESPACE}/secrets/{FULLNAME}-secret"
+        assert secret_path in kube.objects
+        lookups_before = sum(1 for m, p, _ in kube.requests if m == "GET" and p == secret_path)
+        _run([*base, "upgrade", *chart, "--set", "workers.decode.replicas=2"], env=env)
+        first, second = manifest(1), manifest(2)
+        assert sum(1 for m, p, _ in kube.requests if m == "GET" and p == secret_path) > lookups_before
+        generated = secret_data(first)
+        assert secret_data(second) == generated
+        stored = kube.objects[secret_path]["data"]
+        assert {k: base64.b64decode(v).decode() for k, v in stored.items()} == generated
+        # Nothing about the secret changed, so no pod rolls: only the replicas were patched.
+        assert len(checksums(first)) == 1 and checksums(first) == checksums(second)
+        patches = [(p, body) for m, p, body in kube.requests if m == "PATCH"]
+        assert not [p for p, body in patches if "checksum/secret" in json.dumps(body) or "/secrets/" in p]
+        assert any("statefulsets/kvx-test-decode" in p for p, _ in patches)
+
+        # A token given later replaces the generated one, and only that one; the pods roll.
+        _run(
+            [
+                *base,
+                "upgrade",
+                *chart,
+                "--reuse-values",
+                "--set",
+                "secret.adminToken=a-new-admin-token-0123456789",
+            ],
+            env=env,
+        )
+        third = manifest(3)
+        assert secret_data(third) == {**generated, "admin-token": "a-new-admin-token-0123456789"}
+        assert checksums(third).isdisjoint(checksums(second))
 
 
 def test_an_existing_secret_replaces_the_charts():
