@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 
@@ -69,8 +68,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
         "does not answer by --timeout-s is shown unreachable with the error. Only http://\n"
         "and https:// admin URLs are followed; answers over 4 MiB are cut off.",
         epilog="exit status: 0 when there is at least one daemon and every one is ready, 1 otherwise\n"
-        "(a daemon starting, draining, drained, stopped, unreachable or with a refused URL,\n"
-        "no daemon at all, or the metadata service unreachable).",
+        "(a daemon starting, not ready, draining, drained, stopped, unreachable or with a\n"
+        "refused URL; no daemon at all; the metadata service unreachable).",
     )
     status.add_argument("--metadata", required=True, metavar="HOST:PORT", help="the kvx metadata service")
     status.add_argument(
@@ -356,6 +355,8 @@ def _read_token(path: str | None) -> str | None:
 
 
 def _run_cluster(args: argparse.Namespace) -> int:
+    import json
+
     from kvx import _status
 
     if args.command == "agents":
