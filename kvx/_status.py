@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -321,21 +322,43 @@ def parse_status(body: bytes) -> dict[str, Any]:
     }
 
 
-def transfer_bytes(text: bytes) -> float | None:
-    """The sum of ``kvx_transfer_bytes_total`` (outcome ok) in a /metrics page; None when absent or unparsable."""
-    from prometheus_client.parser import text_string_to_metric_families
+# A /metrics page is read for kvx_transfer_bytes_total only. A daemon has a few dozen of
+# its series (op, backend, peer role, outcome); a page with more, or with a longer
+# line, is not believed.
+_MAX_BYTES_SAMPLES = 4096
+_MAX_SAMPLE_CHARS = 4096
+_BYTES_LINE = re.compile(rb"^kvx_transfer_bytes_total[{ \t][^\n]*", re.MULTILINE)
+# One sample: labels (quoted values may hold escaped quotes and braces), value, optional
+# timestamp. The alternatives never overlap, so matching stays linear in the line's length.
+_BYTES_SAMPLE = re.compile(
+    rb'kvx_transfer_bytes_total(?:\{(?P<labels>(?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?'
+    rb"[ \t]+(?P<value>[^ \t]+)(?:[ \t]+-?[0-9]+)?[ \t]*\r?"
+)
+_LABEL = re.compile(rb'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"(?P<value>(?:[^"\\]|\\.)*)"')
 
+
+def transfer_bytes(text: bytes) -> float | None:
+    """The sum of ``kvx_transfer_bytes_total`` (outcome ok) in a /metrics page;
+    None when absent, malformed or not a finite count. A few regular expressions,
+    not a full parser: a hostile 4 MiB page must cost milliseconds, not seconds."""
     total, seen = 0.0, False
-    try:
-        for family in text_string_to_metric_families(text.decode("utf-8")):
-            for sample in family.samples:
-                if sample.name == "kvx_transfer_bytes_total" and sample.labels.get("outcome", "ok") == "ok":
-                    if not math.isfinite(sample.value) or sample.value < 0:
-                        return None
-                    total += sample.value
-                    seen = True
-    except (ValueError, TypeError, IndexError, KeyError, UnicodeDecodeError):
-        return None
+    for count, line in enumerate(_BYTES_LINE.finditer(text)):
+        if count >= _MAX_BYTES_SAMPLES or len(line[0]) > _MAX_SAMPLE_CHARS:
+            return None
+        sample = _BYTES_SAMPLE.fullmatch(line[0])
+        if sample is None:
+            return None
+        labels = {m["key"]: m["value"] for m in _LABEL.finditer(sample["labels"] or b"")}
+        if labels.get(b"outcome", b"ok") != b"ok":
+            continue
+        try:
+            value = float(sample["value"])
+        except ValueError:
+            return None
+        if not math.isfinite(value) or value < 0:
+            return None
+        total += value
+        seen = True
     return total if seen else None
 
 

@@ -88,6 +88,7 @@ class Daemon:
         self.drain_polls = options.get("drain_polls", 3)
         self.exit_on_drain = options.get("exit_on_drain", False)
         self.status_extra = options.get("status_extra", {})
+        self.metrics_body = options.get("metrics_body")
         self.started = time.monotonic()
         self.polls_since_drain = 0
         self.drain_calls = 0
@@ -173,6 +174,8 @@ class Daemon:
         return status
 
     def metrics(self):
+        if self.metrics_body is not None:
+            return self.metrics_body
         return (
             "# HELP kvx_transfer_bytes_total Bytes moved.\n"
             "# TYPE kvx_transfer_bytes_total counter\n"
@@ -414,6 +417,39 @@ def test_status_finishes_by_its_deadline_against_hostile_daemons(service, regist
     assert "more than 4194304 bytes" in by_name["decode-flood"]["error"]
     assert by_name["decode-closed"]["health"] == "unreachable"
     assert "ConnectError" in by_name["decode-closed"]["error"]
+
+
+def test_status_does_not_believe_a_junk_metrics_page(service, registry, daemons):
+    """4 MiB of samples (thousands of series, or one endless line): no rate from them,
+    the average of /v1/status instead."""
+    line = 'kvx_transfer_bytes_total{op="read",outcome="ok"} 1e9\n'
+    many = daemons(name="prefill-0", metrics_body=line * (4_000_000 // len(line)))
+    endless = daemons(
+        name="decode-0", role="decode", metrics_body="kvx_transfer_bytes_total{" + "a" * 4_000_000
+    )
+    registry("prefill-0", admin_url=many.url)
+    registry("decode-0", role=metadata_pb2.ROLE_DECODE, admin_url=endless.url)
+    result = kvx("status", "--metadata", service.address, "--json", "--interval-s", "0.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for instance in json.loads(result.stdout)["instances"]:
+        assert instance["transfer_rate_source"] == "average", instance
+        assert instance["transfer_rate_bytes_per_s"] < 1e8
+
+
+def test_transfer_bytes_reads_the_counter_as_prometheus_client_writes_it():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from kvx._status import transfer_bytes
+
+    registry = CollectorRegistry()
+    counter = Counter("kvx_transfer_bytes", "b", ["op", "backend", "peer_role", "outcome"], registry=registry)
+    counter.labels("read", "tcp", "decode", "ok").inc(100)
+    counter.labels("write", "shm", 'a"}b', "ok").inc(23)
+    counter.labels("read", "tcp", "decode", "failed").inc(7)
+    assert transfer_bytes(generate_latest(registry)) == 123.0
+    assert transfer_bytes(b"kvx_transfer_bytes_total 5 1700000000000\n") == 5.0
+    for junk in (b"", b"kvx_transfer_bytes_total NaN\n", b"kvx_transfer_bytes_total -1\n", b"x" * 1000):
+        assert transfer_bytes(junk) is None, junk
 
 
 def test_status_refuses_admin_urls_that_are_not_http(service, registry, daemons, tmp_path):
