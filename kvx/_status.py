@@ -308,8 +308,7 @@ def parse_status(body: bytes) -> dict[str, Any]:
         "ready": data.get("ready") is True,
         "draining": data.get("draining") is True,
         "reason": _text(data.get("reason")),
-        "name": _text(data.get("name")),
-        "role": _text(data.get("role")),
+        # Not its name and role: those of the record stand (a daemon could claim any).
         "engine": _text(data.get("engine")),
         "version": _text(data.get("version")),
         "uptime_s": _number(data.get("uptime_s")),

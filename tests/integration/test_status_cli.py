@@ -464,6 +464,7 @@ def test_status_refuses_admin_urls_that_are_not_http(service, registry, daemons,
     assert result.returncode == 1
     by_name = {i["name"]: i for i in json.loads(result.stdout)["instances"]}
     assert by_name["prefill-0"]["health"] == "ready"
+    assert {i["role"] for i in by_name.values()} == {"prefill", "decode"}
     for name, why in [
         ("decode-file", "scheme 'file': only http:// and https:// are followed"),
         ("decode-gopher", "scheme 'gopher'"),
@@ -485,6 +486,8 @@ def test_status_strips_terminal_escapes_from_daemon_answers(service, registry, d
         status_extra={
             "engine": "\x1b]0;owned\x07synthetic",
             "reason": "\x1b[2Jwiped",
+            "name": "decode-9",
+            "role": "decode",
             "peers": [{"name": "d\x1b[31m", "backend": "tcp\r\n", "alive": True}],
         },
     )
@@ -493,6 +496,8 @@ def test_status_strips_terminal_escapes_from_daemon_answers(service, registry, d
     assert result.returncode == 1
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout and "\r" not in result.stdout
     assert "?[2Jwiped" in result.stdout
+    # The record's name and role stand, not what the daemon claims.
+    assert result.stdout.splitlines()[2].split()[:2] == ["prefill", "prefill-0"]
 
 
 def test_status_shows_a_daemon_with_a_malformed_status_as_unreachable(service, registry, daemons):
