@@ -92,6 +92,7 @@ class Daemon:
         self.started = time.monotonic()
         self.polls_since_drain = 0
         self.drain_calls = 0
+        self.get_authorizations = []  # the Authorization header of each GET (None: none)
         daemon = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,6 +108,7 @@ class Daemon:
                 self.wfile.write(data)
 
             def do_GET(self):
+                daemon.get_authorizations.append(self.headers.get("Authorization"))
                 if self.path == "/v1/status":
                     self._send(200, daemon.status())
                 elif self.path == "/metrics":
@@ -417,6 +419,17 @@ def test_status_finishes_by_its_deadline_against_hostile_daemons(service, regist
     assert "more than 4194304 bytes" in by_name["decode-flood"]["error"]
     assert by_name["decode-closed"]["health"] == "unreachable"
     assert "ConnectError" in by_name["decode-closed"]["error"]
+
+
+def test_status_sends_the_admin_token_only_when_given(service, registry, daemons, token_file):
+    daemon = daemons()
+    registry("prefill-0", admin_url=daemon.url)
+    assert kvx("status", "--metadata", service.address, "--interval-s", "0.2").returncode == 0
+    assert len(daemon.get_authorizations) == 3 and set(daemon.get_authorizations) == {None}
+    daemon.get_authorizations.clear()
+    result = kvx("status", "--metadata", service.address, "--admin-token-file", token_file)
+    assert result.returncode == 0, result.stderr
+    assert set(daemon.get_authorizations) == {f"Bearer {ADMIN_TOKEN}"}
 
 
 def test_status_does_not_believe_a_junk_metrics_page(service, registry, daemons):
