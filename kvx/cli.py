@@ -39,6 +39,90 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+    """``kvx agents``, ``kvx status`` and ``kvx drain`` (kvx/_status.py)."""
+    agents = sub.add_parser(
+        "agents",
+        help="list the agents registered in the metadata service",
+        description="A table of the agents registered in the metadata service: name, role, "
+        "epoch, endpoints, engine, API URL, whether draining, and how long ago each registered.",
+    )
+    agents.add_argument("--metadata", required=True, metavar="HOST:PORT", help="the kvx metadata service")
+    agents.add_argument(
+        "--metadata-token-file", metavar="FILE", help="file holding the bearer token of the metadata service"
+    )
+    agents.add_argument("--role", choices=["prefill", "decode", "other"], help="only agents of this role")
+    agents.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    status = sub.add_parser(
+        "status",
+        help="the health of every prefill and decode daemon in the cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Finds the daemons (kvx prefill, kvx decode) in the metadata service (records\n"
+        "whose engine_info has admin_url) and asks each, all at once, for GET /v1/status and\n"
+        "twice for GET /metrics (--interval-s apart, for the transfer rate). A daemon that\n"
+        "does not answer by --timeout-s is shown unreachable with the error. Only http://\n"
+        "and https:// admin URLs are followed; answers over 4 MiB are cut off.",
+        epilog="exit status: 0 when there is at least one daemon and every one is ready, 1 otherwise\n"
+        "(a daemon starting, not ready, draining, drained, stopped, unreachable or with a\n"
+        "refused URL; no daemon at all; the metadata service unreachable).",
+    )
+    status.add_argument("--metadata", required=True, metavar="HOST:PORT", help="the kvx metadata service")
+    status.add_argument(
+        "--metadata-token-file", metavar="FILE", help="file holding the bearer token of the metadata service"
+    )
+    status.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="file holding a bearer token to send with every GET to the daemons; only when the "
+        "daemons require one: it goes to every admin_url found in the metadata service",
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    status.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=5.0,
+        help="how long to wait for the daemons' answers, all together (default: 5)",
+    )
+    status.add_argument(
+        "--interval-s",
+        type=_seconds_or_zero,
+        metavar="SECONDS",
+        default=1.0,
+        help="time between the two /metrics samples the transfer rate is measured over; 0: "
+        "no second sample, the rate is the average since the daemon started (default: 1)",
+    )
+
+    drain = sub.add_parser(
+        "drain",
+        help="drain one daemon (POST /v1/drain), optionally waiting until it is drained",
+        description="Asks the daemon at --admin to drain: it stops taking new requests, finishes "
+        "those in flight, and withdraws from the cluster. With --wait, polls GET /v1/status until "
+        "its state is drained or stopped, or it has exited. The helm chart's preStop hook runs this.",
+        epilog="exit status: 0 when the daemon accepted (and with --wait, finished) the drain; 1 when "
+        "it refused the token, could not be reached, or was still draining after --timeout-s.",
+    )
+    drain.add_argument(
+        "--admin", required=True, metavar="URL", help="the daemon's admin API, e.g. http://127.0.0.1:9100"
+    )
+    drain.add_argument(
+        "--token-file", required=True, metavar="FILE", help="file holding the daemon's admin token"
+    )
+    drain.add_argument("--wait", action="store_true", help="wait until the daemon is drained")
+    drain.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=60.0,
+        help="longest the whole command takes, waiting included (default: 60)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvx import __version__
 
@@ -109,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="FILE.png", help="with --sweep: draw the curve into FILE.png (needs kvx[bench])"
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_cluster_commands(sub)
     meta = sub.add_parser(
         "metadata",
         help="run the metadata service (gRPC registry, admin REST API)",
@@ -269,6 +354,32 @@ def _read_token(path: str | None) -> str | None:
     return token
 
 
+def _run_cluster(args: argparse.Namespace) -> int:
+    import json
+
+    from kvx import _status
+
+    if args.command == "agents":
+        token = _read_token(args.metadata_token_file)
+        print(_status.run_agents(args.metadata, token, args.role, args.json))
+        return 0
+    if args.command == "status":
+        report = _status.collect(
+            args.metadata,
+            _read_token(args.metadata_token_file),
+            _read_token(args.admin_token_file),
+            args.timeout_s,
+            args.interval_s,
+        )
+        print(json.dumps(report, indent=2) if args.json else _status.render_status(report))
+        return 0 if report["ok"] else 1
+    token = _read_token(args.token_file)
+    assert token is not None, "--token-file is required"
+    state = _status.run_drain(args.admin, token, args.wait, args.timeout_s)
+    print(f"{args.admin}: {state}")
+    return 0
+
+
 def _run_metadata(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -359,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("kvx demo: --blocks must not exceed --num-blocks", file=sys.stderr)
                 return 2
             return _demo.run(args.layers, args.num_blocks, args.block_size, args.blocks)
+        if args.command in ("agents", "status", "drain"):
+            return _run_cluster(args)
         if args.command == "metadata":
             return _run_metadata(args)
         if args.command == "proxy":
