@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_cluster_commands(sub)
+    _add_daemon_commands(sub)
     meta = sub.add_parser(
         "metadata",
         help="run the metadata service (gRPC registry, admin REST API)",
@@ -458,11 +459,55 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
+    from kvx.daemon.settings import add_arguments
+
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        daemon = sub.add_parser(
+            role,
+            help=f"run a {role} daemon: an engine, its kvx agent, an admin API; drains on SIGTERM",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            usage=f"kvx {role} [OPTIONS] [-- ENGINE ARGUMENTS]",
+            description=f"Runs a {role} instance: the engine (--engine synthetic: kvx's own, no model;\n"
+            f"vllm or sglang: started with the arguments after --, the KV connector set for {role}),\n"
+            "published in the metadata service for `kvx proxy --metadata`, and an admin API\n"
+            "(/healthz, /readyz, /v1/status, POST /v1/drain, /metrics). SIGTERM drains: the\n"
+            "instance is marked draining, finishes what it has, unregisters and exits 0.\n\n"
+            "Every option is also an environment variable KVX_<OPTION> (--drain-timeout-s:\n"
+            "KVX_DRAIN_TIMEOUT_S) and a key of the --config file (drain_timeout_s: 30);\n"
+            "flags come first, then the environment, then the file.",
+            epilog="examples:\n"
+            f"  kvx {role} --metadata 127.0.0.1:50051 --secret-file secret\n"
+            f"  kvx {role} --engine vllm --metadata 10.0.0.9:50051 --secret-file /etc/kvx/secret \\\n"
+            "      -- --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2\n"
+            f"  (its {other} counterpart: kvx {other} ...)",
+        )
+        add_arguments(daemon)
+
+
+def _run_daemon(args: argparse.Namespace, engine_args: list[str]) -> int:
+    from kvx.daemon import run, settings
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", "config")}
+    if args.command == "prefill":
+        return run.main(settings.load("prefill", flags, args.config, engine_args))
+    return run.main(settings.load("decode", flags, args.config, engine_args))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args: list[str] = []
+    if "--" in argv and any(a in ("prefill", "decode") for a in argv[: argv.index("--")]):
+        at = argv.index("--")
+        argv, engine_args = argv[:at], argv[at + 1 :]
     args = build_parser().parse_args(argv)
-    level = args.log_level or ("INFO" if args.command in ("metadata", "proxy") else "WARNING")
+    level = args.log_level or (
+        "INFO" if args.command in ("metadata", "proxy", "prefill", "decode") else "WARNING"
+    )
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("prefill", "decode"):
+            return _run_daemon(args, engine_args)
         if args.command == "demo":
             from kvx import _demo
 

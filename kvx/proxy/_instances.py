@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # The roles of the two legs of a completion; agents of the third role, "other", serve neither.
 ROLES: tuple[RoleName, ...] = ("prefill", "decode")
+DRAINING_KEY = "draining"  # engine_info key: "1" while the instance drains (kvx prefill/decode)
 API_URL_KEY = "api_url"  # engine_info key under which an engine publishes its OpenAI server
 MAX_WARNED_RECORDS = 1000  # bad api_url values warned about once each, up to this many remembered
 
@@ -187,12 +188,14 @@ class Discovery:
     def _list(self) -> dict[str, list[str]]:
         found: dict[str, list[str]] = {}
         for role in ROLES:
-            urls = []
+            urls: set[str] = set()
+            draining: set[str] = set()
             for record in self._client.list(role=role):
                 url = self._api_url(record)
                 if url is not None:
-                    urls.append(url)
-            found[role] = sorted(set(urls))
+                    # A daemon that drains publishes draining=1: no new requests go there.
+                    (draining if record.engine_info.get(DRAINING_KEY) == "1" else urls).add(url)
+            found[role] = sorted(urls - draining)
         return found
 
     def _api_url(self, record) -> str | None:
