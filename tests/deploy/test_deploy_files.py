@@ -32,6 +32,8 @@ import yaml
 
 from kvx import cli
 from kvx._version import __version__
+from kvx.daemon import settings as daemon_settings
+from kvx.errors import ConfigError
 from tests import conftest
 
 pytestmark = pytest.mark.skipif(
@@ -319,45 +321,11 @@ def test_compose_secrets_are_mounted_where_they_are_read(compose):
 
 # ---------------------------------------------------- kvx commands in compose
 
-# The options of `kvx prefill` and `kvx decode` as the daemon contract lists
-# them (every one is also KVX_<NAME> in the environment), with the per-role
-# port defaults. _daemon_parser() below prefers kvx's real parser as soon as
-# it has these commands, so this table then only backs the port defaults.
-DAEMON_OPTIONS: dict[str, dict] = {
-    "--config": {},
-    "--engine": {"choices": ["vllm", "sglang", "synthetic"]},
-    "--name": {},
-    "--metadata": {},
-    "--metadata-token-file": {},
-    "--secret-file": {},
-    "--host": {},
-    "--advertise-host": {},
-    "--api-port": {"type": int},
-    "--admin-port": {"type": int},
-    "--agent-port": {"type": int},
-    "--admin-token-file": {},
-    "--drain-timeout-s": {"type": float},
-    "--model-shape": {"choices": ["llama-3.1-8b", "llama-3.1-70b", "deepseek-v3", "tiny"]},
-    "--num-blocks": {"type": int},
-    "--prefill-tokens-per-s": {"type": int},
-    "--lease-s": {"type": float},
-    "--backend": {"choices": ["auto", "tcp", "shm"]},
-}
+# The daemons' per-role port defaults (kvx.daemon.settings.ROLE_PORTS), as compose relies on them.
 DAEMON_PORTS = {
     "prefill": {"api_port": 8100, "admin_port": 9100, "agent_port": 7100},
     "decode": {"api_port": 8200, "admin_port": 9200, "agent_port": 7200},
 }
-
-
-def _contract_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvx")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for role in ("prefill", "decode"):
-        daemon = sub.add_parser(role)
-        for option, kwargs in DAEMON_OPTIONS.items():
-            daemon.add_argument(option, **kwargs)
-        daemon.add_argument("engine_args", nargs=argparse.REMAINDER)
-    return parser
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -371,15 +339,8 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return _subcommands(parser)[command]
 
 
-def _daemon_parser() -> argparse.ArgumentParser:
-    # The daemons are being added to kvx.cli; once `kvx prefill` is there, its
-    # real parser checks compose.yaml and the contract table stands down.
-    real = cli.build_parser()
-    return real if {"prefill", "decode"} <= set(_subcommands(real)) else _contract_parser()
-
-
 def _parse(command: list[str]) -> argparse.Namespace:
-    parser = _daemon_parser() if command[0] in ("prefill", "decode") else cli.build_parser()
+    parser = cli.build_parser()
     try:
         args = parser.parse_args(command)
     except SystemExit as exc:  # argparse reports on stderr and exits
@@ -389,6 +350,14 @@ def _parse(command: list[str]) -> argparse.Namespace:
     for token in command[1 : command.index("--") if "--" in command else None]:
         if token.startswith("--"):
             assert token.split("=")[0] in options, f"kvx {command[0]}: {token} is not an option's full name"
+    if command[0] in ("prefill", "decode"):
+        # The daemons validate their values themselves (kvx.daemon.settings), as they do at start.
+        flags = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", "config")}
+        try:
+            settings = daemon_settings.load(command[0], flags, args.config)
+        except ConfigError as exc:
+            raise AssertionError(f"kvx {' '.join(command)}: {exc}") from exc
+        return argparse.Namespace(**settings.model_dump())
     return args
 
 
@@ -426,6 +395,13 @@ def test_kvx_commands_parse_with_kvx_parsers(compose):
         assert _parse(compose["services"][name]["command"]).metadata == "metadata:50051"
 
 
+def test_port_defaults_are_the_daemons():
+    for role, ports in DAEMON_PORTS.items():
+        assert (ports["api_port"], ports["admin_port"], ports["agent_port"]) == daemon_settings.ROLE_PORTS[
+            role
+        ]
+
+
 def test_command_checks_reject_bad_commands():
     with pytest.raises(AssertionError):
         _parse(["metadata", "--listne", "0.0.0.0:50051"])
@@ -438,7 +414,7 @@ def test_command_checks_reject_bad_commands():
 
 
 def test_kvx_services_set_only_contract_variables(compose):
-    known = {"KVX_" + option[2:].upper().replace("-", "_") for option in DAEMON_OPTIONS} | {"KVX_NATIVE"}
+    known = {"KVX_" + field.upper() for field in daemon_settings.DaemonSettings.model_fields} | {"KVX_NATIVE"}
     for name in KVX_SERVICES:
         environment = compose["services"][name].get("environment", {})
         names = set(environment) if isinstance(environment, dict) else {e.split("=")[0] for e in environment}
