@@ -23,8 +23,14 @@ import pytest
 from kvx.metadata.client import MetadataClient
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.v1 import agent_pb2, metadata_pb2
+from tests import conftest
 
 pytest.importorskip("httpx")
+
+# These commands read HTTP and gRPC, never the byte path: they run in the KVX_NATIVE=1 pass only.
+pytestmark = pytest.mark.skipif(
+    conftest.NATIVE == "0", reason="kvx status/agents/drain run in the KVX_NATIVE=1 pass: no byte path here"
+)
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
