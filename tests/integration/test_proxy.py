@@ -595,6 +595,34 @@ def test_instances_are_discovered_from_the_metadata_service(make_proxy, upstream
     assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200 and len(p1.received) == 1
 
 
+def test_an_instance_marked_draining_gets_no_new_requests(make_proxy, upstreams):
+    """A daemon that drains publishes draining=1; the proxy stops routing there, even
+    when another record (one of the engine's ranks) still names the same URL."""
+    p0, p1 = upstreams.prefill
+    (d0,) = upstreams.decode[:1]
+    service = ThreadedServer(MetadataServer("127.0.0.1:0"), start_timeout_s=20)
+    try:
+        client = MetadataClient(service.address)
+        daemon = _agent("p0-daemon", metadata_pb2.ROLE_PREFILL, p0.url)
+        lease = client.register(daemon, ttl_s=60).lease_id
+        client.register(_agent("p0-rank0", metadata_pb2.ROLE_PREFILL, p0.url), ttl_s=60)
+        client.register(_agent("p1-daemon", metadata_pb2.ROLE_PREFILL, p1.url), ttl_s=60)
+        proxy = make_proxy(
+            prefill_urls=(), decode_urls=(d0.url,), metadata_target=service.address, refresh_s=0.1
+        )
+        urls = lambda: sorted(i["url"] for i in proxy.get("/healthz").json()["prefill"])  # noqa: E731
+        assert urls() == sorted([p0.url, p1.url])
+        daemon.engine_info["draining"] = "1"
+        client.register(daemon, ttl_s=60, lease_id=lease)
+        assert wait_until(lambda: urls() == [p1.url])
+        for _ in range(4):
+            assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert len(p1.received) == 4 and not p0.received
+        client.close()
+    finally:
+        service.stop()
+
+
 # -- pieces and the command -------------------------------------------------------
 
 
