@@ -34,16 +34,26 @@ _OWN_FLAGS = {
     "vllm": ("--host", "--port", "--kv-transfer-config"),
     "sglang": ("--host", "--port", "--disaggregation-mode", "--disaggregation-transfer-backend"),
 }
+# The gauges of requests an engine holds: running or queued, and SGLang's
+# disaggregation queues (a prefill whose KV is still being sent, a decode
+# waiting for it), which count too: stopping then would strand the peer.
 _RUNNING = re.compile(
-    rb"^(?:vllm:num_requests_(?:running|waiting)|sglang:num_(?:running|queue)_reqs)\{[^}]*\} ([0-9.e+]+)$",
+    rb"^(?:vllm:num_requests_(?:running|waiting)"
+    rb"|sglang:num_(?:running|queue|prefill_(?:bootstrap|prealloc|inflight)_queue"
+    rb"|decode_(?:prealloc|transfer)_queue)_reqs)"
+    rb"(?:\{[^}]*\})? ([0-9.e+]+)$",
     re.M,
 )
+# Asks the engine on its own URL: no proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def engine_command(s: DaemonSettings) -> tuple[list[str], dict[str, str]]:
     """argv and extra environment of the engine process."""
     for arg in s.engine_args:
         flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):  # vLLM reads --kv_transfer_config as --kv-transfer-config
+            flag = "--" + flag[2:].replace("_", "-")
         if flag in _OWN_FLAGS[s.engine]:
             raise ConfigError(
                 f"{flag} after -- : the daemon sets it for {s.engine} (use the daemon's settings)"
@@ -74,7 +84,8 @@ def engine_command(s: DaemonSettings) -> tuple[list[str], dict[str, str]]:
     else:
         argv = [python, "-m", "sglang.launch_server", *s.engine_args]
         argv += ["--host", s.host, "--port", str(s.api_port), "--disaggregation-mode", s.role]
-        argv += ["--disaggregation-transfer-backend", "kvx"]
+        # Its /metrics (off by default) say how many requests it holds, for the drain.
+        argv += ["--disaggregation-transfer-backend", "kvx", "--enable-metrics"]
         env = {
             "KVX_HOST": str(s.advertise_host),
             "KVX_AUTH_SECRET_FILE": s.secret_file,
@@ -119,7 +130,7 @@ class EngineProcess:
 
     def _get(self, path: str, timeout_s: float = 2.0, limit: int = 8 << 20) -> bytes | None:
         try:
-            with urllib.request.urlopen(self.api_url + path, timeout=timeout_s) as r:  # noqa: S310 (our URL)
+            with _OPENER.open(self.api_url + path, timeout=timeout_s) as r:
                 return r.read(limit) if r.status == 200 else None
         except (OSError, urllib.error.URLError, ValueError):
             return None
