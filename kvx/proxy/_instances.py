@@ -191,6 +191,8 @@ class Discovery:
             urls: set[str] = set()
             draining: set[str] = set()
             for record in self._client.list(role=role):
+                if record.engine_info.get("engine") == "sglang":
+                    continue  # SGLang takes its own protocol: route it with SGLang's router
                 url = self._api_url(record)
                 if url is not None:
                     # A daemon that drains publishes draining=1: no new requests go there.

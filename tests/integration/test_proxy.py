@@ -607,6 +607,9 @@ def test_an_instance_marked_draining_gets_no_new_requests(make_proxy, upstreams)
         lease = client.register(daemon, ttl_s=60).lease_id
         client.register(_agent("p0-rank0", metadata_pb2.ROLE_PREFILL, p0.url), ttl_s=60)
         client.register(_agent("p1-daemon", metadata_pb2.ROLE_PREFILL, p1.url), ttl_s=60)
+        sglang = _agent("sglang-daemon", metadata_pb2.ROLE_PREFILL, "http://127.0.0.1:1")
+        sglang.engine_info["engine"] = "sglang"  # speaks SGLang's protocol, not this proxy's
+        client.register(sglang, ttl_s=60)
         proxy = make_proxy(
             prefill_urls=(), decode_urls=(d0.url,), metadata_target=service.address, refresh_s=0.1
         )
