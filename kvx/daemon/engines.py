@@ -109,6 +109,7 @@ class EngineProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its workers die with its group
+            preexec_fn=_die_with_parent,
         )
         logger.info("started %s (pid %d): %s", s.engine, self.popen.pid, " ".join(self.argv))
         self._reader = threading.Thread(target=self._read, name="kvx-engine-log", daemon=True)
@@ -168,6 +169,16 @@ class EngineProcess:
         deadline = time.monotonic() + 5
         while self._reader.is_alive() and time.monotonic() < deadline:
             self._reader.join(0.1)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the daemon dies, even by SIGKILL
+    (the daemon's own drain never runs then; an orphaned engine would hold the
+    GPU and the ports until someone finds it)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 class _suppress_gone:  # noqa: N801 (a context manager used like contextlib.suppress)

@@ -6,6 +6,7 @@ these tests hold its command line to what kvx's SGLang backend reads.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import re
@@ -170,3 +171,50 @@ def test_running_gauges_of_vllm() -> None:
         b'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0\n'
     )
     assert sum(float(m.group(1)) for m in engines._RUNNING.finditer(text)) == 3.0
+
+
+def test_the_engine_dies_with_a_daemon_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL gives the daemon no chance to stop its engine: the kernel must
+    (PR_SET_PDEATHSIG), or the engine would keep the GPU and its ports."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    engine = tmp_path / "engine-python"
+    pidfile = tmp_path / "engine.pid"
+    engine.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 600\n")
+    engine.chmod(0o755)
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123\n")
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvx", "prefill", "--engine", "vllm", "--engine-python", str(engine),
+         "--metadata", "127.0.0.1:9", "--secret-file", str(secret), "--api-port", "0", "--admin-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert time.monotonic() < deadline and daemon.poll() is None, "the engine did not start"
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        os.kill(pid, 0)  # alive
+        daemon.kill()
+        daemon.wait(10)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            # A zombie is gone for good; the init process reaps it.
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    break
+            assert time.monotonic() < deadline, "the engine outlived its daemon"
+            time.sleep(0.05)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
