@@ -10,6 +10,7 @@ with the reason and the end of the engine's output in the log.
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import logging
 import os
@@ -171,14 +172,15 @@ class EngineProcess:
             self._reader.join(0.1)
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the daemon dies, even by SIGKILL
     (the daemon's own drain never runs then; an orphaned engine would hold the
     GPU and the ports until someone finds it)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class _suppress_gone:  # noqa: N801 (a context manager used like contextlib.suppress)
