@@ -594,3 +594,59 @@ def test_drain_refuses_urls_that_are_not_http(token_file, tmp_path):
     ]:
         result = kvx("drain", "--admin", url, "--token-file", token_file)
         assert result.returncode == 1 and why in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_status_and_drain_with_real_daemons(service, tmp_path, token_file):
+    """kvx prefill and kvx decode (synthetic engine) as processes: status sees both
+    ready and decode's peer, drain --wait returns once the daemon is gone, exit 0."""
+    import httpx
+
+    secret = tmp_path / "secret"
+    secret.write_text("cluster-secret-0123456789abcdef\n")
+    procs = {}
+    try:
+        for role in ("prefill", "decode"):
+            procs[role] = subprocess.Popen(
+                [sys.executable, "-m", "kvx", role, "--metadata", service.address, "--secret-file", str(secret),
+                 "--name", f"{role}-real", "--api-port", "0", "--admin-port", "0", "--agent-port", "0",
+                 "--admin-token-file", token_file, "--drain-grace-s", "0.5"],
+                env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            result = kvx("status", "--metadata", service.address, "--json", "--interval-s", "0")
+            report = json.loads(result.stdout)
+            if result.returncode == 0 and report["summary"] == {"instances": 2, "ready": 2}:
+                break
+            assert time.monotonic() < deadline, result.stdout + result.stderr
+            time.sleep(0.5)
+        by_name = {i["name"]: i for i in report["instances"]}
+        status = {n: httpx.get(i["admin_url"] + "/v1/status", timeout=10).json() for n, i in by_name.items()}
+        body = {"prompt": "the quick brown fox jumps over the lazy dog " * 5, "max_tokens": 3}
+        first = httpx.post(
+            status["prefill-real"]["api_url"] + "/v1/completions",
+            json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+            timeout=30,
+        ).json()
+        second = httpx.post(
+            status["decode-real"]["api_url"] + "/v1/completions",
+            json={**body, "kv_transfer_params": first["kv_transfer_params"]},
+            timeout=30,
+        )
+        assert second.status_code == 200, second.text
+        result = kvx("status", "--metadata", service.address, "--json", "--interval-s", "0")
+        decode = {i["name"]: i for i in json.loads(result.stdout)["instances"]}["decode-real"]
+        assert [p["name"] for p in decode["peers"]] == ["prefill-real"] and decode["totals"]["transfers"] == 1
+
+        admin = by_name["prefill-real"]["admin_url"]
+        result = kvx("drain", "--admin", admin, "--token-file", token_file, "--wait", "--timeout-s", "60")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert procs["prefill"].wait(30) == 0
+        result = kvx("status", "--metadata", service.address, "--json", "--interval-s", "0")
+        assert [i["name"] for i in json.loads(result.stdout)["instances"]] == ["decode-real"]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
