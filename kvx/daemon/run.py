@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, setting: str) -> socket.socket:
+    """A listening socket, or a ConfigError naming the setting to change (``admin_port``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,10 +49,27 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+        raise ConfigError(
+            f"setting {setting} (--{setting.replace('_', '-')} / KVX_{setting.upper()}): "
+            f"cannot bind {host}:{port}: {exc.strerror}; choose another port, or stop what uses it"
+        ) from None
     sock.listen(512)
     sock.setblocking(False)
     return sock
+
+
+def _read_setting(settings: DaemonSettings, field: str) -> bytes | None:
+    """The stripped contents of the file a setting names (None when unset), or a
+    ConfigError naming the setting."""
+    path = getattr(settings, field)
+    if path is None:
+        return None
+    try:
+        return read_file(path).strip()
+    except ConfigError as exc:
+        raise ConfigError(
+            f"setting {field} (--{field.replace('_', '-')} / KVX_{field.upper()}): {exc}"
+        ) from None
 
 
 def _url(host: str, port: int) -> str:
@@ -78,7 +96,10 @@ class Daemon:
         assert settings.name is not None and settings.advertise_host is not None
         self.name: str = settings.name
         self.metrics = DaemonMetrics(self.name, settings.role, settings.engine, __version__)
-        self.admin_token = read_file(settings.admin_token_file).strip() if settings.admin_token_file else None
+        # Every file a setting names is read now, so a wrong path fails at start and says which setting.
+        for field in ("secret_file", "metadata_token_file"):
+            _read_setting(settings, field)
+        self.admin_token = _read_setting(settings, "admin_token_file")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ConfigError(
                 f"setting admin_token_file: the token in {settings.admin_token_file} is shorter than 16 characters"
@@ -182,8 +203,8 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(signum, self._on_signal, signum)
         assert s.admin_port is not None and s.api_port is not None and s.advertise_host is not None
-        admin_sock = _bind(s.host, s.admin_port)
-        api_sock = _bind(s.host, s.api_port) if s.engine == "synthetic" else None
+        admin_sock = _bind(s.host, s.admin_port, "admin_port")
+        api_sock = _bind(s.host, s.api_port, "api_port") if s.engine == "synthetic" else None
         api_port = api_sock.getsockname()[1] if api_sock else (s.api_port or _free_port(s.host))
         s.api_port = api_port
         self.admin_url = _url(s.advertise_host, admin_sock.getsockname()[1])

@@ -50,9 +50,10 @@ from kvx.config import MiB, Timeouts, check_name, read_file
 from kvx.daemon.metrics import DaemonMetrics
 from kvx.daemon.settings import DaemonSettings
 from kvx.daemon.shapes import ModelShape
-from kvx.errors import KvxError
+from kvx.errors import KvxError, ProtocolError
 from kvx.layout import KVLayout
 from kvx.metadata.client import MetadataOptions
+from kvx.proxy._body import parse_object
 from kvx.transfer import Notification
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ MAX_TOKENS = 4096  # tokens one answer may ask for
 DEFAULT_MAX_TOKENS = 16
 POOL_TARGET_BYTES = 256 * MiB
 ALLOC_WAIT_S = 30.0  # a request waits this long for free blocks, then gets 503
+# A request body's limit: kv_transfer_params of the largest pool (1 << 24 block
+# ids) would not fit, but they are refused anyway (more blocks than the prompt).
+MAX_BODY_BYTES = 8 * MiB
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
 DONE = b"done"
 _M = np.uint64(0xFFFFFFFFFFFFFFFF)
 _DONE_RE = re.compile(rb"done ([0-9a-f]{32}) ([0-9a-f]{32})")
@@ -327,7 +332,9 @@ class SyntheticEngine:
 
     def _decode(self, tokens: np.ndarray, max_tokens: int, params: dict[str, Any]) -> list[int]:
         nblocks = -(-tokens.size // self.block_tokens)
-        source, request_id, lease, region, remote_blocks = _check_params(params, tokens.size, nblocks)
+        source, request_id, lease, region, remote_blocks = _check_params(
+            params, tokens.size, nblocks, self.num_blocks
+        )
         blocks = self.blocks.alloc(nblocks, ALLOC_WAIT_S)
         try:
             try:
@@ -456,9 +463,10 @@ class SyntheticEngine:
 
 
 def _check_params(
-    params: dict[str, Any], num_tokens: int, nblocks: int
+    params: dict[str, Any], num_tokens: int, nblocks: int, pool_blocks: int
 ) -> tuple[str, str, str, int, list[int]]:
-    """kv_transfer_params of a remote prefill, checked (they come from the client)."""
+    """kv_transfer_params of a remote prefill, checked (they come from the client);
+    block ids are checked against this pool's size, which the prefill's must equal."""
     try:
         source = check_name(params["remote_engine_id"])
         request_id, lease = params["remote_request_id"], params["kvx_lease"]
@@ -481,9 +489,11 @@ def _check_params(
     if (
         not isinstance(blocks, list)
         or len(blocks) != nblocks
-        or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 32 for b in blocks)
+        or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool_blocks for b in blocks)
     ):
-        raise EngineError(400, f"kv_transfer_params remote_block_ids must be {nblocks} block ids")
+        raise EngineError(
+            400, f"kv_transfer_params remote_block_ids must be {nblocks} block ids below {pool_blocks}"
+        )
     return source, request_id, lease, region, blocks
 
 
@@ -517,15 +527,34 @@ def build_api(engine: SyntheticEngine, draining: threading.Event) -> FastAPI:
     app = FastAPI(title="kvx synthetic engine", docs_url=None, redoc_url=None)
     limiter = anyio.CapacityLimiter(engine.s.max_inflight)
 
-    def error(status: int, message: str) -> JSONResponse:
-        kind = "invalid_request_error" if status == 400 else "server_error"
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    def error(status: int, message: str, close: bool = False) -> JSONResponse:
+        kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        # Connection: close ends a refused body's connection, so the rest of it is not read.
+        headers = {"Connection": "close"} if close else None
+        return JSONResponse(
+            {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
+        )
+
+    async def read_body(request: Request) -> bytes | None:
+        """The body, or None once it passes MAX_BODY_BYTES (announced or sent)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:  # chunked, or longer than it said
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def serve(request: Request, chat: bool) -> Any:
+        raw = await read_body(request)
+        if raw is None:
+            return error(413, f"request body over {MAX_BODY_BYTES} bytes; send less", close=True)
         try:
-            body = json.loads(await request.body())
-            if not isinstance(body, dict):
-                raise EngineError(400, "the body must be a JSON object")
+            # Off the event loop, and refusing a body nested deep enough to recurse the parser out.
+            body = await anyio.to_thread.run_sync(parse_object, raw, MAX_JSON_DEPTH)
             prompt = _chat_prompt(body) if chat else body.get("prompt")
             max_tokens = _max_tokens(body)
             params = body.get("kv_transfer_params")
@@ -534,8 +563,8 @@ def build_api(engine: SyntheticEngine, draining: threading.Event) -> FastAPI:
             answer, out = await anyio.to_thread.run_sync(
                 engine.complete, prompt, max_tokens, params, limiter=limiter
             )
-        except json.JSONDecodeError:
-            return error(400, "the body is not JSON")
+        except ProtocolError as exc:  # not JSON, not an object, or nested too deep
+            return error(400, str(exc))
         except EngineError as exc:
             return error(exc.status, str(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
