@@ -529,6 +529,11 @@ class MetadataServer:
         options = [
             ("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
             ("grpc.so_reuseport", 0),
+            # kvx's clients ping every 5 s, also while idle (kvx/metadata/client.py): accept
+            # that, instead of gRPC's default of one ping in 5 min without data, past which a
+            # server answers an idle client's pings with GOAWAY "too_many_pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
         ]
         self._server = aio.server(options=options)
         self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
