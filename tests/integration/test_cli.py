@@ -3,11 +3,12 @@
 import contextlib
 import json
 import os
+import queue
 import re
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -63,28 +64,48 @@ class RunningDemo:
             env=ENV,
         )
         self.lines = []
+        # Threads read the pipes: select() on a buffered pipe misses lines already read ahead.
+        self.queue = queue.Queue()
+        self.stderr = []
+        self.readers = [
+            threading.Thread(target=self._read, args=(self.process.stdout, self.queue.put), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, put):
+        for line in stream:
+            put(line)
+        put(None)
 
     def read_until(self, text, timeout_s=DEMO_TIMEOUT_S):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
-            if ready:
-                line = self.process.stdout.readline()
-                if not line:
-                    break
-                self.lines.append(line)
-                if text in line:
-                    return
+            try:
+                line = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
         self.stop()
         pytest.fail(f"no {text!r} in the demo's output:\n{''.join(self.lines)}")
 
     def finish(self, timeout_s=DEMO_TIMEOUT_S):
         try:
-            out, err = self.process.communicate(timeout=timeout_s)
+            self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.stop()
             raise
-        return "".join(self.lines) + out, err
+        for reader in self.readers:  # both pipes are at their end once the demo has exited
+            reader.join(10)
+        while (line := self.queue.get_nowait()) is not None:
+            self.lines.append(line)
+        return "".join(self.lines), "".join(line for line in self.stderr if line is not None)
 
     def stop(self):
         if self.process.poll() is None:
