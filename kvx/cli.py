@@ -123,6 +123,79 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from kvx.daemon.shapes import PRESETS
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a local cluster, send requests through it and verify every KV block",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Starts a local cluster, each part a child process on free loopback ports: a\n"
+        "metadata service, a prefill and a decode daemon (synthetic engine) and kvx proxy,\n"
+        "which finds them in the metadata service. Sends --requests completions of varied\n"
+        "lengths through the proxy, streamed, and reports the KV bytes decode moved, the\n"
+        "transfer rate and TTFT (time to the first streamed token through the proxy). Every\n"
+        "answer is compared with the single-engine answer, and decode's count of verified\n"
+        "blocks with the blocks it moved. Every child is stopped at the end, on failure\n"
+        "and on Ctrl-C.\n\n"
+        "--agents runs the agent-level demo instead: a metadata service (in-process), a\n"
+        "prefill agent (child process) and a decode agent (this process); decode finds\n"
+        "prefill by name, READs a request's blocks with a notification, WRITEs a few back,\n"
+        "and verifies every byte.",
+        epilog="exit status: 0 when every request was answered right and every block verified;\n"
+        "1 on a failure (the message says which process and shows the end of its log);\n"
+        "130 on Ctrl-C, 143 on SIGTERM.",
+    )
+    demo.add_argument("--requests", type=_positive, default=64, help="completions to send (default: 64)")
+    demo.add_argument(
+        "--concurrency", type=_positive, default=4, help="requests in flight at once, 1..64 (default: 4)"
+    )
+    demo.add_argument(
+        "--model-shape",
+        choices=list(PRESETS),
+        default="tiny",
+        help="the synthetic engine's KV shape (default: tiny)",
+    )
+    demo.add_argument(
+        "--max-tokens", type=_positive, default=16, help="tokens per answer, 1..4096 (default: 16)"
+    )
+    agents = demo.add_argument_group("with --agents")
+    agents.add_argument("--agents", action="store_true", help="the agent-level demo instead of the cluster")
+    agents.add_argument("--layers", type=_positive, help="KV layers (default: 8)")
+    agents.add_argument("--num-blocks", type=_positive, help="blocks per layer and pool (default: 256)")
+    agents.add_argument("--block-size", type=_size, help="bytes per block (default: 16KiB)")
+    agents.add_argument("--blocks", type=_positive, help="blocks in the request (default: 100)")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from kvx import _demo
+
+    agent_options = ("layers", "num_blocks", "block_size", "blocks")
+    if not args.agents:
+        given = [f"--{k.replace('_', '-')}" for k in agent_options if getattr(args, k) is not None]
+        if given:
+            print(f"kvx demo: {', '.join(given)} go with --agents", file=sys.stderr)
+            return 2
+        if args.concurrency > _demo.MAX_CONCURRENCY or args.max_tokens > 4096:
+            print(
+                f"kvx demo: --concurrency is 1..{_demo.MAX_CONCURRENCY}, --max-tokens 1..4096",
+                file=sys.stderr,
+            )
+            return 2
+        if args.requests > _demo.MAX_REQUESTS:
+            print(f"kvx demo: --requests is 1..{_demo.MAX_REQUESTS}", file=sys.stderr)
+            return 2
+        return _demo.run(args.requests, args.concurrency, args.model_shape, args.max_tokens)
+    layers = args.layers or 8
+    num_blocks = args.num_blocks or 256
+    block_size = args.block_size or _size("16KiB")
+    blocks = args.blocks or 100
+    if blocks > num_blocks:
+        print("kvx demo: --blocks must not exceed --num-blocks", file=sys.stderr)
+        return 2
+    return _demo.run_agents(layers, num_blocks, block_size, blocks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvx import __version__
 
@@ -137,22 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser(
-        "demo",
-        help="move KV blocks between a prefill and a decode agent and verify them",
-        description="Starts a metadata service (in-process, memory store), a prefill "
-        "agent (child process) and a decode agent (this process); both register, decode "
-        "finds prefill by name, READs a request's blocks from prefill's KV pool (filled "
-        "with known bytes) with a notification, WRITEs a few back, and verifies every byte.",
-    )
-    demo.add_argument("--layers", type=_positive, default=8, help="KV layers (default: 8)")
-    demo.add_argument(
-        "--num-blocks", type=_positive, default=256, help="blocks per layer and pool (default: 256)"
-    )
-    demo.add_argument(
-        "--block-size", type=_size, default=_size("16KiB"), help="bytes per block (default: 16KiB)"
-    )
-    demo.add_argument("--blocks", type=_positive, default=100, help="blocks in the request (default: 100)")
+    _add_demo(sub)
 
     bench = sub.add_parser(
         "bench",
@@ -509,12 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("prefill", "decode"):
             return _run_daemon(args, engine_args)
         if args.command == "demo":
-            from kvx import _demo
-
-            if args.blocks > args.num_blocks:
-                print("kvx demo: --blocks must not exceed --num-blocks", file=sys.stderr)
-                return 2
-            return _demo.run(args.layers, args.num_blocks, args.block_size, args.blocks)
+            return _run_demo(args)
         if args.command in ("agents", "status", "drain"):
             return _run_cluster(args)
         if args.command == "metadata":

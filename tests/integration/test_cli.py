@@ -1,9 +1,15 @@
 """The kvx command as a user runs it."""
 
+import contextlib
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -21,11 +27,163 @@ def kvx(*args, timeout=120):
     )
 
 
+DEMO_TIMEOUT_S = 240  # the whole demo takes about 15 s; a busy 2-core machine may take longer
+
+
+def demo_pids(out):
+    """The pids the demo says it started, one line per process: ``<what>  pid N ...``."""
+    return [int(m) for m in re.findall(r"^  \S.*? pid (\d+) ", out, re.M)]
+
+
+def alive(pid):
+    """True while ``pid`` is a process that has not exited (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_all_gone(pids, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "the demo left processes behind"
+
+
+class RunningDemo:
+    """``kvx demo`` in the background, its stdout read line by line as it comes."""
+
+    def __init__(self, *args):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvx", "demo", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=ENV,
+        )
+        self.lines = []
+        # Threads read the pipes: select() on a buffered pipe misses lines already read ahead.
+        self.queue = queue.Queue()
+        self.stderr = []
+        self.readers = [
+            threading.Thread(target=self._read, args=(self.process.stdout, self.queue.put), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, put):
+        for line in stream:
+            put(line)
+        put(None)
+
+    def read_until(self, text, timeout_s=DEMO_TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
+        self.stop()
+        pytest.fail(f"no {text!r} in the demo's output:\n{''.join(self.lines)}")
+
+    def finish(self, timeout_s=DEMO_TIMEOUT_S):
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        for reader in self.readers:  # both pipes are at their end once the demo has exited
+            reader.join(10)
+        while (line := self.queue.get_nowait()) is not None:
+            self.lines.append(line)
+        return "".join(self.lines), "".join(line for line in self.stderr if line is not None)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        for pid in demo_pids("".join(self.lines)):  # what it started, should the test fail
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def running_demo():
+    demos = []
+
+    def start(*args):
+        demos.append(RunningDemo(*args))
+        return demos[-1]
+
+    yield start
+    for demo in demos:
+        demo.stop()
+
+
 @pytest.mark.slow
-def test_demo_moves_verifies_and_says_so():
-    result = kvx("demo")
+def test_demo_runs_a_cluster_verifies_every_block_and_leaves_nothing(running_demo):
+    demo = running_demo("--requests", "24")
+    out, err = demo.finish()
+    assert demo.process.returncode == 0, out + err
+    assert "kvx demo: a local cluster" in out and "FAILED" not in out + err
+    pids = demo_pids(out)
+    assert len(pids) == 4, out  # metadata service, prefill, decode, proxy
+    assert re.search(r"requests:\s+24 answered in [\d.]+ s = [\d.]+ requests/s", out), out
+    moved = re.search(r"KV moved:\s+([\d.]+) (KiB|MiB) in 24 READs by decode over (shm|tcp)", out)
+    assert moved, out
+    assert re.search(r"TTFT:\s+p50 [\d.]+ ms, p99 [\d.]+ ms \(time to the first streamed token", out), out
+    assert re.search(
+        r"verified: every answer equals the single-engine answer, and decode checked all \d+ blocks", out
+    )
+    assert "stopped every process it started" in out
+    # Not a TTY: the progress is plain lines on stderr.
+    assert "24/24 requests" in err and "\r" not in err
+    assert_all_gone(pids)
+
+
+@pytest.mark.slow
+def test_demo_fails_clearly_when_a_daemon_dies_and_leaves_nothing(running_demo):
+    demo = running_demo("--requests", "1000000", "--concurrency", "2")
+    demo.read_until("sending 1000000 completions")
+    out = "".join(demo.lines)
+    decode = int(re.search(r"decode daemon\s+pid (\d+)", out).group(1))
+    os.kill(decode, signal.SIGKILL)
+    out, err = demo.finish()
+    assert demo.process.returncode == 1, out + err
+    assert f"kvx demo: FAILED: the decode daemon (pid {decode}) was killed by SIGKILL during the run" in err
+    assert "verified:" not in out and "stopped every process it started" in out
+    assert_all_gone(demo_pids(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_demo_stops_everything_on_ctrl_c_and_sigterm(running_demo, signum):
+    demo = running_demo("--requests", "1000000")
+    demo.read_until("sending 1000000 completions")
+    demo.process.send_signal(signum)
+    out, err = demo.finish()
+    assert demo.process.returncode == 128 + signum, out + err
+    assert f"kvx demo: stopped by {signal.Signals(signum).name}" in err
+    pids = demo_pids(out)
+    assert len(pids) == 4, out
+    assert_all_gone(pids)
+
+
+@pytest.mark.slow
+def test_demo_agents_moves_verifies_and_says_so():
+    result = kvx("demo", "--agents")
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    assert out.startswith("kvx demo --agents: KV pool of 8 layers")
     assert "verified: all" in out and "MISMATCH" not in out
     assert "prefill got notification b'request demo-1: KV received'" in out
     assert "push:" in out and "landed" in out
@@ -71,8 +229,12 @@ def test_bench_write_text_output(backend, limit):
 def test_bad_arguments_are_clear_errors():
     result = kvx("bench", "--block-size", "12 parsecs")
     assert result.returncode == 2 and "not a size" in result.stderr
-    result = kvx("demo", "--blocks", "10", "--num-blocks", "5")
+    result = kvx("demo", "--agents", "--blocks", "10", "--num-blocks", "5")
     assert result.returncode == 2 and "--blocks must not exceed" in result.stderr
+    result = kvx("demo", "--blocks", "10")
+    assert result.returncode == 2 and "--blocks go with --agents" in result.stderr
+    result = kvx("demo", "--concurrency", "65")
+    assert result.returncode == 2 and "--concurrency is 1..64" in result.stderr
     assert kvx("--help").returncode == 0 and "demo" in kvx("--help").stdout
 
 
