@@ -69,7 +69,6 @@ ALLOC_WAIT_S = 30.0  # a request waits this long for free blocks, then gets 503
 MAX_BODY_BYTES = 8 * MiB
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
 DONE = b"done"
-_M = np.uint64(0xFFFFFFFFFFFFFFFF)
 _DONE_RE = re.compile(rb"done ([0-9a-f]{32}) ([0-9a-f]{32})")
 
 
@@ -425,9 +424,6 @@ class SyntheticEngine:
     def leases_held(self) -> int:
         with self._lock:
             return len(self._leases)
-
-    def lease_counts(self) -> dict[str, int]:
-        return {"held": self.leases_held, "expired_total": int(self.metrics.leases_expired._value.get())}
 
     # Lifecycle.
 
