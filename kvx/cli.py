@@ -196,6 +196,160 @@ def _run_demo(args: argparse.Namespace) -> int:
     return _demo.run_agents(layers, num_blocks, block_size, blocks)
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 and finite: {text!r}")
+    return value
+
+
+def _sweep_sizes(text: str) -> tuple[int, ...]:
+    """--sizes of kvx bench --sweep: at most 64, each 4KiB..1GiB, and a
+    whole number of 16 KiB blocks above 16 KiB (the sweep's block size)."""
+    sizes = tuple(parse_size(part.strip()) for part in text.split(",") if part.strip())
+    if not 1 <= len(sizes) <= 64:
+        raise ConfigError(f"--sizes takes 1..64 sizes, not {len(sizes)}")
+    for n in sizes:
+        if not 4096 <= n <= 1 << 30 or (n > 16384 and n % 16384):
+            raise ConfigError(f"--sizes: {n} bytes is not 4KiB..1GiB and a multiple of 16KiB above 16KiB")
+    return sizes
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    """``kvx plan [model]`` (kvx/plan/). The optional first word names what
+    to run; ``model`` (the analytical model) is the only one, and the
+    default, so that more can join it (``kvx plan simulate``)."""
+    plan = sub.add_parser(
+        "plan",
+        help="size a P/D cluster: KV bytes, transfer time, TTFT and NICs needed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The analytical model of KV transfer in a prefill/decode cluster (docs/plan.md):\n"
+        "KV bytes per request and rank, transfer time p50/p99 with the NICs' queueing at\n"
+        "--rate, TTFT p50/p99 (prefill queue + compute + transfer + overhead), the NICs'\n"
+        "utilisation, the NICs needed to keep transfer under --target-share of TTFT, and\n"
+        "whether layer-by-layer transfer hides behind prefill. Link figures are nominal\n"
+        "defaults unless --curve gives a measured one.",
+        epilog="examples:\n"
+        "  kvx plan --model llama-3.1-70b --prompt-tokens 8192 --rate 4 --prefill-instances 4 \\\n"
+        "      --prefill-tp 8 --decode-tp 8 --link 8x400\n"
+        "  kvx bench --sweep --json > tcp.json; kvx plan --model config.json --curve tcp.json --link tcp\n"
+        "exit status: 0; 2 on bad input (the message says which).",
+    )
+    plan.add_argument(
+        "action", nargs="?", choices=["model"], default="model", help="what to run (default: model)"
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|CONFIG.json",
+        help="a preset name or a Hugging Face config.json",
+    )
+    plan.add_argument("--kv-dtype", help="the KV cache's dtype when it differs from the config's (e.g. fp8)")
+    plan.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: 16)")
+    for side in ("prefill", "decode"):
+        plan.add_argument(
+            f"--{side}-tp", type=_positive, default=1, help=f"{side} tensor parallelism (default: 1)"
+        )
+        plan.add_argument(
+            f"--{side}-pp", type=_positive, default=1, help=f"{side} pipeline stages (default: 1)"
+        )
+    prompt = plan.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-tokens", type=_positive, metavar="N", help="every prompt is N tokens")
+    prompt.add_argument(
+        "--prompt-hist",
+        metavar="FILE",
+        help="prompt lengths: JSON [[tokens, weight], ...] or CSV tokens,weight",
+    )
+    plan.add_argument("--rate", type=_number, default=1.0, help="requests/s, whole cluster (default: 1)")
+    plan.add_argument("--prefill-instances", type=_positive, default=1, help="prefill instances (default: 1)")
+    plan.add_argument(
+        "--prefill-tokens-per-s",
+        type=_number,
+        default=None,
+        metavar="N",
+        help="prompt tokens one prefill instance computes per second (default: 20000, a placeholder: "
+        "measure yours)",
+    )
+    plan.add_argument(
+        "--overhead-s",
+        type=_number,
+        default=None,
+        metavar="SECONDS",
+        help="fixed cost per request (default: 0.002)",
+    )
+    plan.add_argument(
+        "--link",
+        default="rdma",
+        help="nvlink3|nvlink4|nvlink5|pcie4|pcie5, rdma[:GBITS], tcp[:GBITS] or NxGBITS "
+        "(N RDMA NICs; default: rdma, 400 Gb/s)",
+    )
+    plan.add_argument(
+        "--nics",
+        type=_positive,
+        help="NICs (or GPU links) per prefill instance; default: N of NxGBITS, the prefill ranks for "
+        "nvlink and pcie, else 1",
+    )
+    plan.add_argument(
+        "--curve", metavar="SWEEP.json", help="a measured curve: `kvx bench --sweep --json` output"
+    )
+    plan.add_argument(
+        "--target-share",
+        type=_number,
+        default=0.1,
+        help="the transfer's largest share of TTFT (default: 0.1)",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR (needs kvx[bench])")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from kvx.plan import files, links, model, render, shapes
+
+    try:
+        shape = shapes.load_shape(args.model, args.kv_dtype)
+        link, spec_nics = links.parse_link(args.link)
+        prompt = files.read_histogram(args.prompt_hist) if args.prompt_hist else ((args.prompt_tokens, 1.0),)
+        curve = files.read_curve(args.curve) if args.curve else link.curve()
+        if args.nics is not None and spec_nics is not None and args.nics != spec_nics:
+            raise ConfigError(f"--link {args.link} names {spec_nics} NICs and --nics {args.nics}; give one")
+        nics = (
+            args.nics
+            or spec_nics
+            or (args.prefill_tp * args.prefill_pp if link.kind in ("nvlink", "pcie") else 1)
+        )
+        cluster = model.Cluster(
+            shape,
+            prompt,
+            args.rate,
+            curve,
+            prefill_instances=args.prefill_instances,
+            prefill_tokens_per_s=args.prefill_tokens_per_s or model.DEFAULT_PREFILL_TOKENS_PER_S,
+            overhead_s=model.DEFAULT_OVERHEAD_S if args.overhead_s is None else args.overhead_s,
+            nics=nics,
+            block_tokens=args.block_size,
+            prefill_tp=args.prefill_tp,
+            prefill_pp=args.prefill_pp,
+            decode_tp=args.decode_tp,
+            decode_pp=args.decode_pp,
+            target_share=args.target_share,
+        )
+        plan = model.evaluate(cluster)
+        print(
+            render.to_json(cluster, plan, link.name) if args.json else render.table(cluster, plan, link.name)
+        )
+        if args.plot:
+            for path in render.plot(cluster, args.plot, link.name):
+                print(f"wrote {path}", file=sys.stderr)
+    except ConfigError as exc:
+        # Bad input, like a bad flag: exit 2.
+        print(f"kvx plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvx import __version__
 
@@ -248,9 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(--block-size, --blocks, --iters and --warmup are then chosen per size)",
     )
     bench.add_argument(
+        "--sizes",
+        metavar="SIZE,SIZE,...",
+        help="with --sweep: these transfer sizes instead (multiples of 16KiB above it, e.g. "
+        "64KiB,128KiB,256KiB: a denser curve for kvx plan --curve)",
+    )
+    bench.add_argument(
         "--plot", metavar="FILE.png", help="with --sweep: draw the curve into FILE.png (needs kvx[bench])"
     )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_plan(sub)
     _add_cluster_commands(sub)
     _add_daemon_commands(sub)
     meta = sub.add_parser(
@@ -574,17 +735,23 @@ def main(argv: list[str] | None = None) -> int:
             return _run_metadata(args)
         if args.command == "proxy":
             return _run_proxy(args)
+        if args.command == "plan":
+            return _run_plan(args)
         if args.command == "bench":
             from kvx import _bench
 
             if args.plot and not args.sweep:
                 raise ConfigError("--plot draws the curve of --sweep; add --sweep")
+            if args.sizes and not args.sweep:
+                raise ConfigError("--sizes are the sizes of --sweep; add --sweep")
             if args.sweep:
+                sizes = _sweep_sizes(args.sizes) if args.sizes else _bench.SWEEP_SIZES
                 curve = _bench.sweep(
                     args.op,
                     args.streams,
                     backend=args.backend,
                     memory=args.memory,
+                    sizes=sizes,
                     progress=not args.json and sys.stderr.isatty(),
                 )
                 print(_bench.main_json(curve) if args.json else _bench.render_sweep(curve))
