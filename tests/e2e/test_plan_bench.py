@@ -1,0 +1,93 @@
+"""kvx plan's curve against measurement: calibrate a Curve on some transfer
+sizes of a kvx bench run, predict the time of sizes it did not see, measured
+in the same run.
+
+Calibration and held-out sizes are measured in one session, in rounds that
+alternate between them (ascending, then descending), so that the shared
+machine's noise hits both alike; each size's time is the median of all its
+samples. shm stays at or below 4 MiB: above that, on a 32 MiB-L3 machine, a
+transfer's source and destination stop fitting in the cache and the time per
+byte jumps about fourfold between 4 and 6 MiB, which no curve through 4 and
+16 MiB can know (docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from kvx import _bench
+from kvx.descs import Descs
+from kvx.plan.links import Curve
+
+K, M = 1024, 1 << 20
+TOLERANCE = 0.15
+ROUNDS = 60
+ROUND_BYTES = 16 * M  # per size and round: a few transfers of the large sizes, up to 30 of the small
+
+
+def measure(backend: str, sizes: list[int]) -> dict[int, list[float]]:
+    session = _bench._Session(2 * max(sizes), 1, backend, "host")
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        assert session.peer.backend == backend
+        prepared = {}
+        for n in sizes:
+            block = min(_bench.SWEEP_BLOCK, n)
+            ids = np.arange(0, 2 * (n // block), 2)
+            prepared[n] = (
+                Descs.from_blocks(session.region, ids, block),
+                Descs.from_blocks(session.peer.regions[0], ids, block),
+            )
+        for r in range(ROUNDS):
+            for n in sizes if r % 2 == 0 else sizes[::-1]:
+                local, remote = prepared[n]
+                session.peer.read(local, remote).wait(60)  # not timed: warm
+                for _ in range(max(3, min(30, ROUND_BYTES // n))):
+                    start = time.perf_counter()
+                    session.peer.read(local, remote).wait(60)
+                    samples[n].append(time.perf_counter() - start)
+    finally:
+        session.close()
+    return samples
+
+
+def doubling(low: int, high: int) -> list[int]:
+    return [low << k for k in range((high // low).bit_length())]
+
+
+# Calibration every factor 2; held out: the sizes half-way (x 1.5) between.
+TCP = doubling(64 * K, 16 * M)
+SHM = doubling(64 * K, 4 * M)
+
+
+@pytest.mark.parametrize(
+    "backend, calibrate, held_out",
+    [
+        ("tcp", TCP, [3 * n // 2 for n in TCP[:-1]]),
+        ("shm", SHM, [3 * n // 2 for n in SHM[:-1]]),
+    ],
+)
+def test_curve_predicts_held_out_sizes(backend, calibrate, held_out):
+    started = time.monotonic()
+    samples = measure(backend, sorted(calibrate + held_out))
+    # The calibration in the format of `kvx bench --sweep --json`.
+    sweep = {
+        "backend": backend,
+        "points": [
+            {
+                "bytes": n,
+                "latency_us_p50": statistics.median(samples[n]) * 1e6,
+                "latency_us_p99": float(np.percentile(samples[n], 99)) * 1e6,
+            }
+            for n in calibrate
+        ],
+    }
+    curve = Curve.from_sweep(sweep)
+    errors = {n: curve.transfer_s(n) / statistics.median(samples[n]) - 1 for n in held_out}
+    report = ", ".join(f"{n // K} KiB {e:+.1%}" for n, e in errors.items())
+    print(f"\n{backend}: predicted vs measured p50 ({time.monotonic() - started:.1f} s): {report}")
+    assert max(abs(e) for e in errors.values()) <= TOLERANCE, report
