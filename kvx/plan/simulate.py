@@ -267,7 +267,14 @@ class SimResult:
 def simulate(config: SimConfig) -> SimResult:
     """Run one simulation; deterministic for ``config.seed``."""
     config.check()
-    return SimResult(**Engine(config, _prompt_sampler(config.prompt_tokens)).run())
+    result = SimResult(**Engine(config, _prompt_sampler(config.prompt_tokens)).run())
+    for name in result.unstable:
+        log.warning(
+            "%s: offered load %.2f >= 1, its queue grows without bound", name, result.offered_load[name]
+        )
+    if result.sim["truncated"]:
+        log.warning("the simulation %s", result.sim["truncated"])
+    return result
 
 
 # -- the command line (``kvx plan simulate``) ---------------------------------------
@@ -427,10 +434,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(format_result(config, result))
-    for name in result.unstable:
-        log.warning(
-            "%s: offered load %.2f >= 1, its queue grows without bound", name, result.offered_load[name]
-        )
     return 0
 
 

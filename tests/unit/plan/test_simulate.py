@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -246,8 +249,10 @@ def test_bad_inputs_raise_config_errors(overrides, match):
         simulate(_config(**overrides))
 
 
-def test_an_overloaded_queue_is_reported_not_hung():
-    result = simulate(_config(rate=600.0, duration_s=20.0))  # prefill rho 1.5
+def test_an_overloaded_queue_is_reported_not_hung(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvx.plan.simulate"):
+        result = simulate(_config(rate=600.0, duration_s=20.0))  # prefill rho 1.5
+    assert "prefill: offered load 1.50 >= 1" in caplog.text
     assert result.unstable == ["prefill"]
     assert result.offered_load["prefill"] == pytest.approx(1.5)
     assert result.ttft_s["p99"] > 1.0  # the queue grew for the whole run
@@ -282,3 +287,21 @@ def test_cli_prints_json_and_rejects_bad_flags(capsys):
     assert "rate must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_simulate_cli(["--prefill", "2", "--decode", "2", "--prompt-tokens", "lots"])
+
+
+def test_the_module_runs_as_a_command():
+    argv = [
+        sys.executable,
+        "-m",
+        "kvx.plan.simulate",
+        "--prefill",
+        "2",
+        "--decode",
+        "3",
+        "--duration",
+        "5",
+        "--json",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["sim"]["nodes"] == 5
