@@ -232,7 +232,9 @@ class SimResult:
     Latency summaries (``ttft_s``, ``transfer_s``, ``prefill_wait_s``, ``lookup_s``) hold
     count, mean, p50, p90, p99 and max of completed requests; ``transfer_s`` runs from
     the end of prefill to the last byte at decode, NIC waits included; ``lookup_s`` only
-    counts requests with at least one cache miss. ``offered_load`` is the utilisation the
+    counts requests with at least one cache miss. ``utilisation`` is the work of the
+    requests arriving in the window over the window (so over 1 where a queue is unstable
+    or the window short against the service times). ``offered_load`` is the utilisation the
     inputs imply (from a sample of prompts); ``unstable`` names the queues at or above 1.
     """
 
