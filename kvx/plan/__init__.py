@@ -4,6 +4,8 @@ what it needs (docs/plan.md).
 - :mod:`kvx.plan.shapes`: a model's KV bytes per token and per request.
 - :mod:`kvx.plan.links`: links and curves (time of one transfer by size).
 - :mod:`kvx.plan.model`: the queueing model (pure functions).
+- :mod:`kvx.plan.simulate`: the discrete-event cluster simulator
+  (docs/plan-simulate.md).
 """
 
 from kvx.plan.links import LINKS, Curve, Link, parse_link
