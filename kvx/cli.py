@@ -219,12 +219,22 @@ def _sweep_sizes(text: str) -> tuple[int, ...]:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    """``kvx plan [model]`` (kvx/plan/). The optional first word names what
-    to run; ``model`` (the analytical model) is the only one, and the
-    default, so that more can join it (``kvx plan simulate``)."""
-    plan = sub.add_parser(
+    """``kvx plan [model|simulate]`` (kvx/plan/): ``model``, the analytical
+    model, is the default; ``simulate`` the discrete-event simulator."""
+    top = sub.add_parser(
         "plan",
-        help="size a P/D cluster: KV bytes, transfer time, TTFT and NICs needed",
+        help="size a P/D cluster: the model (KV bytes, transfer time, TTFT, NICs needed) or a simulation",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Size a prefill/decode cluster. `kvx plan model` (the default: `kvx plan --model ...`)\n"
+        "is the analytical model (docs/plan.md); `kvx plan simulate` the discrete-event\n"
+        "simulator (docs/plan-simulate.md). `kvx plan model --help` and\n"
+        "`kvx plan simulate --help` list their flags.",
+    )
+    actions = top.add_subparsers(dest="action", metavar="{model,simulate}")
+    actions.required = True
+    plan = actions.add_parser(
+        "model",
+        help="the analytical model (the default)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The analytical model of KV transfer in a prefill/decode cluster (docs/plan.md):\n"
         "KV bytes per request and rank, transfer time p50/p99 with the NICs' queueing at\n"
@@ -238,9 +248,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "  kvx bench --sweep --json > tcp.json; kvx plan --model config.json --curve tcp.json --link tcp\n"
         "exit status: 0; 2 on bad input (the message says which).",
     )
-    plan.add_argument(
-        "action", nargs="?", choices=["model"], default="model", help="what to run (default: model)"
-    )
+    from kvx.plan.simulate import add_simulate_parser
+
+    add_simulate_parser(actions)
     plan.add_argument(
         "--model",
         required=True,
@@ -719,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv and any(a in ("prefill", "decode") for a in argv[: argv.index("--")]):
         at = argv.index("--")
         argv, engine_args = argv[:at], argv[at + 1 :]
+    if argv[:1] == ["plan"] and not set(argv[1:2]) & {"model", "simulate", "-h", "--help"}:
+        argv.insert(1, "model")  # `kvx plan --model ...` is `kvx plan model --model ...`
     args = build_parser().parse_args(argv)
     level = args.log_level or (
         "INFO" if args.command in ("metadata", "proxy", "prefill", "decode") else "WARNING"
@@ -735,6 +747,14 @@ def main(argv: list[str] | None = None) -> int:
             return _run_metadata(args)
         if args.command == "proxy":
             return _run_proxy(args)
+        if args.command == "plan" and args.action == "simulate":
+            from kvx.plan.simulate import run_simulate
+
+            try:
+                return run_simulate(args)
+            except ConfigError as exc:
+                print(f"kvx plan simulate: {exc}", file=sys.stderr)
+                return 2
         if args.command == "plan":
             return _run_plan(args)
         if args.command == "bench":

@@ -212,3 +212,18 @@ def test_bench_sweep_sizes_flag(capsys):
             cli._sweep_sizes(bad)
     assert cli.main(["bench", "--sizes", "64KiB"]) == 1
     assert "add --sweep" in capsys.readouterr().err
+
+
+def test_cli_plan_model_and_simulate_subcommands(capsys):
+    # `kvx plan --model ...` is `kvx plan model --model ...`.
+    code, implicit, _ = run_cli(capsys, "--model", "tiny", "--prompt-tokens", "512", "--json")
+    assert code == 0
+    code, explicit, _ = run_cli(capsys, "model", "--model", "tiny", "--prompt-tokens", "512", "--json")
+    assert code == 0 and json.loads(explicit) == json.loads(implicit)
+    argv = ["simulate", "--prefill", "2", "--decode", "2", "--duration", "5", "--seed", "3", "--json"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    result = json.loads(out)
+    assert result["requests"]["completed"] > 0
+    code, _, err = run_cli(capsys, "simulate", "--prefill", "0", "--decode", "2")
+    assert code == 2 and "prefill" in err
