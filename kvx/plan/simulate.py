@@ -304,8 +304,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "simulate",
         help="simulate a P/D cluster: TTFT tails, NIC and spine load, failures, metadata load",
         description="A discrete-event simulation of a prefill/decode cluster (docs/plan-simulate.md). "
-        "The transfer time of one request is --fixed-us + bytes / --link-gbps, its bytes "
-        "prompt tokens x --bytes-per-token.",
+        "The transfer time of one request is --fixed-us + bytes / --link-gbps (or a measured "
+        "--curve), its bytes prompt tokens x --bytes-per-token (or from --model's KV shape).",
     )
     add = parser.add_argument
     add("--prefill", type=int, required=True, help="prefill instances (one per node)")
@@ -319,7 +319,19 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         default=131072,
         help="KV bytes per token (default 131072: llama-3.1-8b)",
     )
+    add(
+        "--model",
+        metavar="PRESET|CONFIG.json",
+        help="KV bytes per request from a model's shape (as kvx plan model --model) instead of "
+        "--bytes-per-token",
+    )
+    add("--block-size", type=int, default=16, help="with --model: tokens per KV block (default 16)")
     add("--link-gbps", type=float, default=400.0, help="NIC bandwidth, Gbit/s (default 400)")
+    add(
+        "--curve",
+        metavar="SWEEP.json",
+        help="a measured transfer curve (kvx bench --sweep --json) instead of --fixed-us + --link-gbps",
+    )
     add("--fixed-us", type=float, default=20.0, help="fixed cost of one transfer, us (default 20)")
     add("--nics", type=int, default=1, help="NICs per node (default 1)")
     add("--spine-oversubscription", type=float, default=1.0, help="leaf uplink oversubscription (default 1)")
@@ -356,14 +368,27 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         sample = _prompt_sampler(args.prompt_tokens)(np.random.default_rng(args.seed), 1 << 14)
         rate = 0.6 * args.prefill * args.prefill_tokens_per_s / float(np.mean(sample))
     warmup = args.duration / 10 if args.warmup is None else args.warmup
+    request_bytes: Callable[[int], int] = lambda tokens: tokens * per_token  # noqa: E731
+    transfer_s: Callable[[int], float] = lambda nbytes: fixed_s + nbytes / bytes_per_s  # noqa: E731
+    if args.model:
+        from kvx.plan.shapes import load_shape
+
+        if args.block_size < 1:
+            raise ConfigError(f"--block-size must be >= 1, not {args.block_size}")
+        shape, block = load_shape(args.model), args.block_size
+        request_bytes = lambda tokens: shape.request_bytes(tokens, block_tokens=block)  # noqa: E731
+    if args.curve:
+        from kvx.plan.files import read_curve
+
+        transfer_s = read_curve(args.curve).transfer_s
     return SimConfig(
         prefill=args.prefill,
         decode=args.decode,
         rate=rate,
         prompt_tokens=args.prompt_tokens,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
-        request_bytes=lambda tokens: tokens * per_token,
-        transfer_s=lambda nbytes: fixed_s + nbytes / bytes_per_s,
+        request_bytes=request_bytes,
+        transfer_s=transfer_s,
         nics_per_node=args.nics,
         spine_oversubscription=args.spine_oversubscription,
         nodes_per_leaf=args.nodes_per_leaf,
