@@ -223,6 +223,8 @@ def measure_cluster(
     if model_shape not in PRESETS:
         raise ConfigError(f"model_shape must be one of {', '.join(PRESETS)}, not {model_shape!r}")
     warmup = max(5, min(30, requests // 10)) if warmup is None else warmup
+    if not 0 <= warmup <= MAX_REQUESTS:
+        raise ConfigError(f"warmup must be 0..{MAX_REQUESTS} requests, not {warmup}")
     shape = PRESETS[model_shape]
     service_s = prompt_tokens / prefill_tokens_per_s
     blocks = -(-prompt_tokens // _demo.BLOCK_TOKENS)
