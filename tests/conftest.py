@@ -23,6 +23,15 @@ from kvx._worker import Worker, WorkerConfig
 kvx.backends.register("procmem", "tests.backends.procmem:ProcMemBackend")
 
 NATIVE = os.environ.get("KVX_NATIVE", "")
+# KVX_NATIVE switches the byte path alone (kvx._datapath). A test module about something
+# else (the metadata service and its stores, the proxy, the side channel) would only repeat
+# itself in the KVX_NATIVE=0 pass: the agents some of them start do connect through the
+# byte path's I/O, which the transfer, fault and shm tests run in both passes anyway.
+# Such a module sets ``pytestmark`` to this.
+native_pass_only = pytest.mark.skipif(
+    NATIVE == "0",
+    reason="runs in the KVX_NATIVE=1 pass: it tests no byte path (the transfer tests run both)",
+)
 # Workers allocate their pools with kvx.alloc_shared (see backend_setting).
 SHARED_POOLS = False
 SECRET = b"test-cluster-secret-0123456789"

@@ -43,7 +43,9 @@ POLL_S = 0.2
 def _bind(host: str, port: int, setting: str) -> socket.socket:
     """A listening socket, or a ConfigError naming the setting to change (``admin_port``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on the connections of such a socket
+    # only, and without it each answer's body waited for a delayed ACK of its head (40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -87,7 +87,10 @@ class DaemonSettings(BaseSettings):
         None, ge=1, le=1 << 24, description="KV blocks in the pool (default: 256 MiB worth, 16..4096)"
     )
     prefill_tokens_per_s: float = Field(
-        0.0, ge=0, description="simulated prefill compute, tokens per second (default: 0, none)"
+        0.0,
+        ge=0,
+        description="simulated prefill compute, tokens per second, on one simulated accelerator: "
+        "one request at a time, first come first served (default: 0, none)",
     )
     max_inflight: int = Field(
         64, ge=1, le=4096, description="requests served at once; more wait (default: 64)"

@@ -8,7 +8,8 @@ and moves real KV blocks through kvx:
   the word modulo ``VOCAB``), or is given as token ids.
 - Prefill writes the prompt's KV into a registered pool: every byte is a
   function of (token id, layer, plane, position) (:func:`derive_kv`), and can
-  spend simulated compute time first. Asked for a remote decode, it holds the
+  spend simulated compute time first, on one simulated accelerator that serves
+  one request at a time in arrival order (:class:`ComputeServer`). Asked for a remote decode, it holds the
   blocks under a lease and answers with ``kv_transfer_params`` that say
   where they are.
 - Decode READs those blocks from the prefill daemon's agent (found by name
@@ -64,6 +65,7 @@ MAX_TOKENS = 4096  # tokens one answer may ask for
 DEFAULT_MAX_TOKENS = 16
 POOL_TARGET_BYTES = 256 * MiB
 ALLOC_WAIT_S = 30.0  # a request waits this long for free blocks, then gets 503
+COMPUTE_WAIT_S = 120.0  # the longest wait for the simulated accelerator; a longer queue gets 503
 # A request body's limit: kv_transfer_params of the largest pool (1 << 24 block
 # ids) would not fit, but they are refused anyway (more blocks than the prompt).
 MAX_BODY_BYTES = 8 * MiB
@@ -192,6 +194,53 @@ class BlockPool:
             return len(self._free)
 
 
+class ComputeServer:
+    """The simulated accelerator: one server that spends ``tokens / tokens_per_s``
+    seconds per request, one request at a time, first come first served.
+
+    A real engine's accelerator computes one prefill batch at a time, so requests
+    that arrive while it is busy queue; sleeping in each request's own thread
+    instead would be infinitely many accelerators, and load would never queue.
+
+    Each request takes its turn on arrival, under a lock (the order of arrival
+    is the order of the lock): it finishes at ``max(now, the previous request's
+    finish) + its service time`` and sleeps until then. This is a FIFO ticket
+    queue whose turns are known when the ticket is taken, so a late wake-up of
+    one thread (the machine is busy) delays that request only, never the ones
+    behind it: the server stays exactly one server at ``tokens_per_s``. A
+    request whose finish is more than ``wait_s`` away is refused at once (503)
+    and takes no turn; ``close`` ends every wait.
+    """
+
+    def __init__(self, tokens_per_s: float, wait_s: float) -> None:
+        assert tokens_per_s > 0 and wait_s > 0
+        self.tokens_per_s = tokens_per_s
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._busy_until = 0.0  # time.monotonic() when the last request taken finishes
+        self._closed = threading.Event()
+
+    def run(self, tokens: int) -> float:
+        """Spend the compute of ``tokens`` in turn; the seconds from arrival to done."""
+        service_s = tokens / self.tokens_per_s
+        with self._lock:
+            arrived = time.monotonic()
+            finish = max(arrived, self._busy_until) + service_s
+            if finish - arrived > self.wait_s:
+                raise EngineError(
+                    503,
+                    f"the prefill compute queue is {finish - arrived - service_s:.0f} s long "
+                    f"(over {self.wait_s:.0f} s): send fewer requests or raise --prefill-tokens-per-s",
+                )
+            self._busy_until = finish
+        if self._closed.wait(max(0.0, finish - time.monotonic())):
+            raise EngineError(503, "the engine is stopping")
+        return time.monotonic() - arrived
+
+    def close(self) -> None:
+        self._closed.set()
+
+
 class _Lease:
     __slots__ = ("blocks", "deadline", "token")
 
@@ -223,6 +272,11 @@ class SyntheticEngine:
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.compute = (
+            ComputeServer(settings.prefill_tokens_per_s, COMPUTE_WAIT_S)
+            if settings.prefill_tokens_per_s
+            else None
+        )
         self.in_flight = 0
         secret = read_file(settings.secret_file).strip()
         token = (
@@ -292,17 +346,19 @@ class SyntheticEngine:
             self.metrics.requests_in_flight.dec()
             self.metrics.request(ok)
 
-    def _compute(self, tokens: np.ndarray) -> np.ndarray:
-        if self.s.prefill_tokens_per_s:
-            self._stop.wait(tokens.size / self.s.prefill_tokens_per_s)
-        return derive_kv(tokens, self.shape, self.block_tokens)
-
     def _prefill(self, tokens: np.ndarray, max_tokens: int, hold: bool) -> tuple[list[int], dict | None]:
         nblocks = -(-tokens.size // self.block_tokens)
+        if nblocks > self.num_blocks:  # refused before it queues (alloc says why)
+            self.blocks.alloc(nblocks, 0)
+        if self.compute is not None:
+            # The accelerator's time; the derivation below is this process's own CPU
+            # work, outside the server, so the service time is exactly tokens / rate
+            # and the derivation is part of each request's fixed overhead.
+            self.compute.run(tokens.size)
         blocks = self.blocks.alloc(nblocks, ALLOC_WAIT_S)
         kept = False
         try:
-            kv = self._compute(tokens)
+            kv = derive_kv(tokens, self.shape, self.block_tokens)
             self.kv[:, :, blocks, :] = kv
             answer = answer_tokens(kv_digest(kv), 1 if hold else max_tokens)
             if not hold:
@@ -432,6 +488,8 @@ class SyntheticEngine:
 
     def close(self) -> None:
         self._stop.set()
+        if self.compute is not None:
+            self.compute.close()
         self.agent.close()
 
     def status(self) -> dict[str, Any]:

@@ -194,6 +194,38 @@ def test_oracle_can_fail(reference: dict[int, list[int]]) -> None:
     assert reference[n] != reference[n + 1]
 
 
+def test_mooncake_reference_and_fake_negative_control(
+    model: Path, tmp: Path, reference: dict[int, list[int]]
+) -> None:
+    """The same harness: mooncake_tcp passes it; SGLang's fake transfer (bootstrap host
+    2.2.2.2: nothing moves, decode runs on empty KV) must fail it.
+
+    It runs before the kvx tests, so that no other engine is up: the kvx pair starts
+    after it (an idle SGLang engine on CPU polls a core, and the kvx pair's decode
+    outlives the kvx tests). The fake requests go to decode alone: its fake receiver
+    never contacts prefill, and a prefill request would only wait out its bootstrap
+    timeout (15 s each) for an answer nobody reads."""
+    prefill, decode, bootstrap = pair(model, tmp, "mooncake_tcp", "mooncake")
+    try:
+        deadline = time.monotonic() + 300
+        prefill.wait_ready(deadline)
+        decode.wait_ready(deadline)
+        cases = [(i, ids) for i, ids in enumerate(PROMPTS[:3])] + [(len(PROMPTS), ORACLE_PAIR[0])]
+        real = [output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]) for _, ids in cases]
+        assert real == [reference[i] for i, _ in cases]
+        fake = []
+        for _, ids in cases:
+            room = random.randrange(2**63)
+            d = generate(
+                decode.url, ids, bootstrap_host="2.2.2.2", bootstrap_port=bootstrap, bootstrap_room=room
+            )
+            fake.append(output_ids(d) if d.status_code == 200 else None)
+        assert fake != real, "the fake transfer passed the comparison: the oracle cannot fail"
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
 def test_kvx_pair_equals_single_engine(kvx_pair, reference: dict[int, list[int]]) -> None:
     prefill, decode, bootstrap, _ = kvx_pair
     for i, ids in enumerate(PROMPTS):  # a few tokens to past the chunk size
@@ -345,26 +377,3 @@ def test_prefill_killed_mid_transfer(kvx_pair, reference: dict[int, list[int]]) 
     )
     assert len(output_ids(resp)) == MAX_NEW
     assert httpx.get(decode.url + "/health", timeout=10).status_code == 200
-
-
-def test_mooncake_reference_and_fake_negative_control(
-    model: Path, tmp: Path, reference: dict[int, list[int]]
-) -> None:
-    """The same harness: mooncake_tcp passes it; SGLang's fake transfer (bootstrap host
-    2.2.2.2: nothing moves, decode runs on empty KV) must fail it."""
-    prefill, decode, bootstrap = pair(model, tmp, "mooncake_tcp", "mooncake")
-    try:
-        deadline = time.monotonic() + 300
-        prefill.wait_ready(deadline)
-        decode.wait_ready(deadline)
-        cases = [(i, ids) for i, ids in enumerate(PROMPTS[:3])] + [(len(PROMPTS), ORACLE_PAIR[0])]
-        real = [output_ids(disaggregated(prefill, decode, bootstrap, ids)[1]) for _, ids in cases]
-        assert real == [reference[i] for i, _ in cases]
-        fake = []
-        for _, ids in cases:
-            _, d = disaggregated(prefill, decode, bootstrap, ids, host="2.2.2.2")
-            fake.append(output_ids(d) if d.status_code == 200 else None)
-        assert fake != real, "the fake transfer passed the comparison: the oracle cannot fail"
-    finally:
-        prefill.stop()
-        decode.stop()

@@ -19,8 +19,9 @@ import kvx
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer
 from kvx.metadata.store import MemoryStore, StoreError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.conftest import native_pass_only
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), native_pass_only]
 
 TOKEN = "t0ken-admin-7f3a91"
 GRPC_TOKEN = "t0ken-grpc-0c55e2"

@@ -425,6 +425,50 @@ def test_a_prefill_killed_mid_request_fails_it_quickly_and_others_serve(make_clu
     assert fast.status()["leases"]["held"] == 0 or wait_until(lambda: fast.status()["leases"]["held"] == 0)
 
 
+def _timed(url: str, prompt: str, sent_at: float) -> tuple[float, int, Any]:
+    status, got = complete(url, prompt, 2)
+    return time.monotonic() - sent_at, status, got
+
+
+@native_pass_only
+def test_prefill_compute_is_one_server_first_come_first_served(make_cluster):
+    """--prefill-tokens-per-s is one simulated accelerator: concurrent prompts queue
+    (they would all finish after one service time on a server per request), and
+    a short prompt sent behind a long one waits for it (shortest-first or shared
+    service would finish it first)."""
+    c = make_cluster()
+    rate = 100.0  # tokens per second: a word is a token
+    prefill = c.start("prefill", "p0", "--prefill-tokens-per-s", str(rate))
+    c.wait_ready(prefill)
+    rng = random.Random(11)
+    n, service_s = 5, 30 / rate
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+    try:
+        start = time.monotonic()
+        prompts = [words(30, rng) for _ in range(n)]
+        futures = [pool.submit(_timed, prefill.api_url, p, start) for p in prompts]
+        done = sorted((f.result(60) for f in futures), key=lambda r: r[0])
+        assert all(status == 200 for _, status, _ in done), done
+        assert sorted(got for _, _, got in done) == sorted(expected(p, 2) for p in prompts)
+        times = [t for t, _, _ in done]
+        # One server: the i-th completion comes about i service times in.
+        assert times[-1] >= (n - 1) * service_s * 0.8, times
+        assert all(b - a >= service_s * 0.5 for a, b in zip(times, times[1:], strict=False)), times
+        assert times[-1] < n * service_s + 30, times
+
+        long, short = words(150, rng), words(10, rng)  # 1.5 s, then 0.1 s
+        start = time.monotonic()
+        first = pool.submit(_timed, prefill.api_url, long, start)
+        time.sleep(0.5)  # it is computing: the short one arrives behind it
+        second = pool.submit(_timed, prefill.api_url, short, start)
+        (t_long, s_long, got_long), (t_short, s_short, got_short) = first.result(60), second.result(60)
+        assert (s_long, got_long, s_short, got_short) == (200, expected(long, 2), 200, expected(short, 2))
+        assert t_short > t_long, (t_long, t_short)
+        assert t_short >= (150 + 10) / rate * 0.8, t_short
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 BAD_SETTINGS = [
     ("drain_timeout_s", ["--drain-timeout-s", "-1"], {}, None),
     ("model_shape", ["--model-shape", "gpt-17"], {}, None),

@@ -17,7 +17,9 @@ import kvx
 from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer, TlsConfig
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
-from tests.conftest import wait_until
+from tests.conftest import native_pass_only, wait_until
+
+pytestmark = native_pass_only
 
 Event = metadata_pb2.WatchAgentsResponse
 

@@ -14,9 +14,9 @@ from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.etcd import EtcdStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.v1 import metadata_pb2
-from tests.conftest import wait_until
+from tests.conftest import native_pass_only, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, native_pass_only]
 
 
 def _until(predicate, timeout_s=10.0):

@@ -11,9 +11,9 @@ import pytest
 
 import kvx
 from kvx.metadata.client import MetadataClient
-from tests.conftest import wait_until
+from tests.conftest import native_pass_only, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, native_pass_only]
 
 
 def _free_port():

@@ -38,9 +38,9 @@ from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS, prefill_body
 from kvx.proxy._instances import InstancePool
 from kvx.proxy._serve import uvicorn_config
 from kvx.v1 import metadata_pb2
-from tests.conftest import wait_until
+from tests.conftest import native_pass_only, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), native_pass_only]
 
 HTTP_TIMEOUT_S = 10.0
 HOLD_MAX_S = 10.0  # a held fake answer goes on by itself after this

@@ -19,8 +19,9 @@ import pytest
 
 from kvx.connectors import side_channel
 from kvx.errors import ConfigError, ConnectError
+from tests.conftest import native_pass_only
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), native_pass_only]
 
 DOC = {"engine_id": "e0", "ranks": [{"rank": 0, "agent": "prefill-0"}]}
 TRICKLE_S = 0.2  # between two header lines of a trickling client

@@ -18,6 +18,9 @@ from kvx.errors import ConfigError
 from kvx.metadata import etcd as etcd_module
 from kvx.metadata.etcd import EtcdStore, parse_etcd_url
 from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError, WatchLagError
+from tests.conftest import native_pass_only
+
+pytestmark = native_pass_only
 
 TEST_DEADLINE_S = 40.0
 # etcd raises shorter leases to its minimum (about 2 s with default timing).
