@@ -59,35 +59,55 @@ def doubling(low: int, high: int) -> list[int]:
     return [low << k for k in range((high // low).bit_length())]
 
 
-# Calibration every factor 2; held out: the sizes half-way (x 1.5) between.
+# Calibration every factor 2 and half-way (x 1.5); held out: x 1.25 of each
+# power of 2. Coarser calibration misses where a transfer stops fitting in a
+# cache level (on tcp the time per byte rises between 512 KiB and 1 MiB on a
+# 512 KiB-L2 machine): at factor-2 spacing the size half-way was predicted
+# up to 16% long, at factor 4 up to 23% (docs/plan.md, "Calibrating").
 TCP = doubling(64 * K, 16 * M)
 SHM = doubling(64 * K, 4 * M)
+# Each band is calibrated and checked in a session of its own. On tcp,
+# 128-256 KiB transfers measured in rounds with 1-16 MiB ones took up to 20%
+# longer at some sizes than at their neighbours (their p50 sits in a broad,
+# bimodal spread), bumps that no curve through the neighbours knows; measured
+# apart, as `kvx bench --sweep` measures the small sizes before any large one,
+# they follow the curve within a few percent. shm showed no such bumps.
+BANDS = {"tcp": [(64 * K, 1 * M), (1 * M, 16 * M)], "shm": [(64 * K, 4 * M)]}
+
+
+def denser(sizes: list[int]) -> list[int]:
+    return sorted(sizes + [3 * n // 2 for n in sizes[:-1]])
 
 
 @pytest.mark.parametrize(
     "backend, calibrate, held_out",
     [
-        ("tcp", TCP, [3 * n // 2 for n in TCP[:-1]]),
-        ("shm", SHM, [3 * n // 2 for n in SHM[:-1]]),
+        ("tcp", denser(TCP), [5 * n // 4 for n in TCP[:-1]]),
+        ("shm", denser(SHM), [5 * n // 4 for n in SHM[:-1]]),
     ],
 )
 def test_curve_predicts_held_out_sizes(backend, calibrate, held_out):
     started = time.monotonic()
-    samples = measure(backend, sorted(calibrate + held_out))
-    # The calibration in the format of `kvx bench --sweep --json`.
-    sweep = {
-        "backend": backend,
-        "points": [
-            {
-                "bytes": n,
-                "latency_us_p50": statistics.median(samples[n]) * 1e6,
-                "latency_us_p99": float(np.percentile(samples[n], 99)) * 1e6,
-            }
-            for n in calibrate
-        ],
-    }
-    curve = Curve.from_sweep(sweep)
-    errors = {n: curve.transfer_s(n) / statistics.median(samples[n]) - 1 for n in held_out}
+    errors = {}
+    for low, high in BANDS[backend]:
+        band_calibrate = [n for n in calibrate if low <= n <= high]
+        band_held_out = [n for n in held_out if low < n < high]
+        samples = measure(backend, sorted(band_calibrate + band_held_out))
+        # The calibration in the format of `kvx bench --sweep --json`.
+        sweep = {
+            "backend": backend,
+            "points": [
+                {
+                    "bytes": n,
+                    "latency_us_p50": statistics.median(samples[n]) * 1e6,
+                    "latency_us_p99": float(np.percentile(samples[n], 99)) * 1e6,
+                }
+                for n in band_calibrate
+            ],
+        }
+        curve = Curve.from_sweep(sweep)
+        errors.update({n: curve.transfer_s(n) / statistics.median(samples[n]) - 1 for n in band_held_out})
+    assert sorted(errors) == sorted(held_out)  # every held-out size is checked
     report = ", ".join(f"{n // K} KiB {e:+.1%}" for n, e in errors.items())
     print(f"\n{backend}: predicted vs measured p50 ({time.monotonic() - started:.1f} s): {report}")
     assert max(abs(e) for e in errors.values()) <= TOLERANCE, report
