@@ -210,6 +210,12 @@ class ComputeServer:
     behind it: the server stays exactly one server at ``tokens_per_s``. A
     request whose finish is more than ``wait_s`` away is refused at once (503)
     and takes no turn; ``close`` ends every wait.
+
+    The queue is bounded by its wait in seconds, not by its length (the
+    daemon's in-flight limit bounds the threads waiting). One request's
+    own compute is bounded too: a prompt whose compute alone is over
+    ``wait_s`` is refused (400), whatever the queue, since it could never
+    be served and would hold the server for longer than any wait allowed.
     """
 
     def __init__(self, tokens_per_s: float, wait_s: float) -> None:
@@ -223,6 +229,13 @@ class ComputeServer:
     def run(self, tokens: int) -> float:
         """Spend the compute of ``tokens`` in turn; the seconds from arrival to done."""
         service_s = tokens / self.tokens_per_s
+        if service_s > self.wait_s:
+            raise EngineError(
+                400,
+                f"a prompt of {tokens} tokens takes {service_s:.0f} s of prefill compute at "
+                f"{self.tokens_per_s:g} tokens/s, over the {self.wait_s:.0f} s bound: send a shorter "
+                "prompt or raise --prefill-tokens-per-s",
+            )
         with self._lock:
             arrived = time.monotonic()
             finish = max(arrived, self._busy_until) + service_s
