@@ -206,6 +206,13 @@ def _number(text: str) -> float:
     return value
 
 
+def _positive_number(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
 def _sweep_sizes(text: str) -> tuple[int, ...]:
     """--sizes of kvx bench --sweep: at most 64, each 4KiB..1GiB, and a
     whole number of 16 KiB blocks above 16 KiB (the sweep's block size)."""
@@ -273,11 +280,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="prompt lengths: JSON [[tokens, weight], ...] or CSV tokens,weight",
     )
-    plan.add_argument("--rate", type=_number, default=1.0, help="requests/s, whole cluster (default: 1)")
+    plan.add_argument(
+        "--rate", type=_positive_number, default=1.0, help="requests/s, whole cluster (default: 1)"
+    )
     plan.add_argument("--prefill-instances", type=_positive, default=1, help="prefill instances (default: 1)")
     plan.add_argument(
         "--prefill-tokens-per-s",
-        type=_number,
+        type=_positive_number,
         default=None,
         metavar="N",
         help="prompt tokens one prefill instance computes per second (default: 20000, a placeholder: "
@@ -336,7 +345,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.rate,
             curve,
             prefill_instances=args.prefill_instances,
-            prefill_tokens_per_s=args.prefill_tokens_per_s or model.DEFAULT_PREFILL_TOKENS_PER_S,
+            prefill_tokens_per_s=(
+                model.DEFAULT_PREFILL_TOKENS_PER_S
+                if args.prefill_tokens_per_s is None
+                else args.prefill_tokens_per_s
+            ),
             overhead_s=model.DEFAULT_OVERHEAD_S if args.overhead_s is None else args.overhead_s,
             nics=nics,
             block_tokens=args.block_size,
@@ -723,14 +736,35 @@ def _run_daemon(args: argparse.Namespace, engine_args: list[str]) -> int:
     return run.main(settings.load("decode", flags, args.config, engine_args))
 
 
+# The options build_parser gives before the command, and whether each takes a value.
+_GLOBAL_OPTIONS = {"--log-level": True, "--version": False, "-h": False, "--help": False}
+
+
+def _command_index(argv: list[str]) -> int:
+    """Where the command word is in ``argv``: after the global options
+    (``kvx --log-level INFO plan ...``); len(argv) when there is none."""
+    at = 0
+    while at < len(argv) and argv[at].startswith("-"):
+        name = argv[at].split("=", 1)[0]
+        takes_value = _GLOBAL_OPTIONS.get(name, False) and "=" not in argv[at]
+        at += 2 if takes_value else 1
+    return at
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     engine_args: list[str] = []
     if "--" in argv and any(a in ("prefill", "decode") for a in argv[: argv.index("--")]):
         at = argv.index("--")
         argv, engine_args = argv[:at], argv[at + 1 :]
-    if argv[:1] == ["plan"] and not set(argv[1:2]) & {"model", "simulate", "-h", "--help"}:
-        argv.insert(1, "model")  # `kvx plan --model ...` is `kvx plan model --model ...`
+    at = _command_index(argv)
+    if argv[at : at + 1] == ["plan"] and not set(argv[at + 1 : at + 2]) & {
+        "model",
+        "simulate",
+        "-h",
+        "--help",
+    }:
+        argv.insert(at + 1, "model")  # `kvx plan --model ...` is `kvx plan model --model ...`
     args = build_parser().parse_args(argv)
     level = args.log_level or (
         "INFO" if args.command in ("metadata", "proxy", "prefill", "decode") else "WARNING"

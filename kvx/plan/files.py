@@ -23,19 +23,29 @@ def _read(path: str) -> str:
     if len(raw) > FILE_BYTES_MAX:
         raise ConfigError(f"{path} is over {FILE_BYTES_MAX >> 20} MiB")
     try:
-        return raw.decode()
+        # utf-8-sig: editors on Windows start UTF-8 files with a byte order mark.
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not UTF-8 text") from None
 
 
+def load_json(text: str | bytes, path: str, hint: str = "") -> Any:
+    """``json.loads`` with its failures as ConfigError; nesting deep enough
+    to exhaust the parser's recursion (``[`` x 100000) among them."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a kvx plan input{hint}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not JSON ({exc}){hint}") from None
+
+
 def read_curve(path: str) -> Curve:
     """The curve of a ``kvx bench --sweep --json`` file."""
-    try:
-        data = json.loads(_read(path))
-    except ValueError as exc:
-        raise ConfigError(
-            f"{path} is not JSON ({exc}); write it with `kvx bench --sweep --json > {path}`"
-        ) from None
+    # _read is outside load_json's except: its ConfigError (a ValueError too)
+    # must not be reported as "not JSON".
+    text = _read(path)
+    data = load_json(text, path, f"; write it with `kvx bench --sweep --json > {path}`")
     return Curve.from_sweep(data, f"{path}")
 
 
@@ -46,10 +56,7 @@ def read_histogram(path: str) -> tuple[tuple[int, float], ...]:
     text = _read(path)
     rows: list[tuple[Any, Any]]
     if text.lstrip()[:1] in ("[", "{"):
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"{path} is not JSON: {exc}") from None
+        data = load_json(text, path)
         if isinstance(data, dict):
             rows = list(data.items())
         elif isinstance(data, list):
@@ -58,13 +65,18 @@ def read_histogram(path: str) -> tuple[tuple[int, float], ...]:
             raise ConfigError(f"{path}: a histogram is a JSON list or object")
     else:
         rows = []
+        first = True
         for i, line in enumerate(csv.reader(io.StringIO(text))):
             if not line or not "".join(line).strip() or line[0].lstrip().startswith("#"):
-                continue
+                continue  # blank lines and comments, before the header too
             if len(line) != 2:
                 raise ConfigError(f"{path} line {i + 1}: want 'tokens,weight', got {','.join(line)!r}")
-            if i == 0 and not line[0].strip().isdigit():
-                continue  # a header
+            if first and not line[0].strip().isdigit():
+                first = False
+                continue  # a header: the first line that is not a comment
+            first = False
+            if len(rows) >= PROMPT_BINS_MAX:
+                raise ConfigError(f"{path}: a histogram needs 1..{PROMPT_BINS_MAX} rows, not more")
             rows.append((line[0], line[1]))
     if not 1 <= len(rows) <= PROMPT_BINS_MAX:
         raise ConfigError(f"{path}: a histogram needs 1..{PROMPT_BINS_MAX} rows, not {len(rows)}")

@@ -14,11 +14,14 @@ measurements, not measurements of kvx; see :data:`LINKS` and docs/plan.md.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from kvx.errors import ConfigError
 
@@ -51,6 +54,20 @@ class Curve:
         """The p99 time of one transfer of ``nbytes`` (the p50 for a default curve)."""
         return self._at(nbytes, 2)
 
+    def transfer_s_many(self, nbytes: np.ndarray) -> np.ndarray:
+        """:meth:`transfer_s` of each of an array of sizes, at once."""
+        n = np.asarray(nbytes, float)
+        pts = self.points
+        if not pts:
+            out = self.fixed_s + n / self.bandwidth_bytes_per_s
+        else:
+            sizes = np.array([p[0] for p in pts], float)
+            times = np.array([p[1] for p in pts], float)
+            # np.interp holds the first point's time below the smallest size,
+            # as _at does; past the largest size the rest goes at the bandwidth.
+            out = np.interp(n, sizes, times) + np.maximum(n - sizes[-1], 0.0) / self.bandwidth_bytes_per_s
+        return np.where(n > 0, out, 0.0)
+
     def _at(self, nbytes: float, column: int) -> float:
         if nbytes <= 0:
             return 0.0
@@ -59,12 +76,23 @@ class Curve:
             return self.fixed_s + nbytes / self.bandwidth_bytes_per_s
         if nbytes <= pts[0][0]:
             return pts[0][column]
-        for (b0, *t0), (b1, *t1) in zip(pts, pts[1:], strict=False):  # neighbours
-            if nbytes <= b1:
-                a, b = t0[column - 1], t1[column - 1]
-                return a + (b - a) * (nbytes - b0) / (b1 - b0)
-        # Past the largest size: the last point plus the rest at the curve's bandwidth.
-        return pts[-1][column] + (nbytes - pts[-1][0]) / self.bandwidth_bytes_per_s
+        if nbytes > pts[-1][0]:
+            # Past the largest size: the last point plus the rest at the curve's bandwidth.
+            return pts[-1][column] + (nbytes - pts[-1][0]) / self.bandwidth_bytes_per_s
+        # Bisect for the segment (b0, b1] holding nbytes: sweeps have up to
+        # SWEEP_POINTS_MAX points and the model asks for many sizes.
+        i = bisect.bisect_left(self._sizes, nbytes)
+        (b0, *t0), (b1, *t1) = pts[i - 1], pts[i]
+        a, b = t0[column - 1], t1[column - 1]
+        return a + (b - a) * (nbytes - b0) / (b1 - b0)
+
+    @property
+    def _sizes(self) -> list[int]:
+        cached = self.__dict__.get("_sizes_cache")
+        if cached is None:
+            cached = [p[0] for p in self.points]
+            object.__setattr__(self, "_sizes_cache", cached)
+        return cached
 
     @classmethod
     def from_points(cls, points: list[tuple[int, float, float]], source: str = "measured") -> Curve:

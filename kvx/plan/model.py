@@ -18,6 +18,7 @@ FFTs; docs/plan.md gives the formulas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -35,6 +36,10 @@ DEFAULT_OVERHEAD_S = 0.002  # HTTP and proxy hops per request
 DEFAULT_TARGET_SHARE = 0.1
 GRID_CELLS = 1 << 15
 TAIL_MASS = 1e-7  # the probability beyond the grid's end
+# The grid resolves a wait only while its step is well under the mean service
+# time; past that (a queue within about 0.5% of saturation) the waiting time
+# is taken as exponential with the Cramer-Lundberg decay rate instead.
+GRID_STEP_PER_SERVICE_MAX = 1 / 8
 PROMPT_BINS_MAX = 10_000
 NICS_SEARCH_MAX = 1024
 
@@ -68,8 +73,13 @@ class Cluster:
                 raise ConfigError(f"a prompt length must be 1..16777216 tokens, not {tokens!r}")
             if not (math.isfinite(weight) and weight >= 0):
                 raise ConfigError(f"a prompt length's weight must be >= 0, not {weight!r}")
-        if not sum(w for _, w in self.prompt) > 0:
+        total = sum(w for _, w in self.prompt)
+        if not total > 0:
             raise ConfigError("the prompt lengths' weights sum to 0")
+        if not math.isfinite(total):
+            raise ConfigError(
+                "the prompt lengths' weights sum past the largest float; scale them down (they are relative)"
+            )
         _positive("request rate", self.rate_rps, allow_zero=True)
         _positive("prefill tokens/s", self.prefill_tokens_per_s)
         _positive("overhead", self.overhead_s, allow_zero=True)
@@ -83,10 +93,21 @@ class Cluster:
         self.shape.request_bytes(1, self.prefill_tp, self.prefill_pp, self.block_tokens)
         self.shape.request_bytes(1, self.decode_tp, self.decode_pp, self.block_tokens)
 
-    @property
+    @functools.cached_property
     def weights(self) -> np.ndarray:
         w = np.array([w for _, w in self.prompt], float)
         return w / w.sum()
+
+    @functools.cached_property
+    def tokens(self) -> np.ndarray:
+        """Each prompt length, in the order of ``prompt``."""
+        return np.array([t for t, _ in self.prompt], float)
+
+    @functools.cached_property
+    def wire_bytes(self) -> np.ndarray:
+        """:meth:`request_bytes` of each prompt length, computed once: the
+        NIC search asks for them again at every NIC count."""
+        return np.array([self.request_bytes(t) for t, _ in self.prompt], float)
 
     @property
     def instance_rate_rps(self) -> float:
@@ -154,7 +175,8 @@ def decay_rate(rate_rps: float, services: Services) -> float:
     smax = float(s.max())
 
     def f(d: float) -> float:
-        return rate_rps * (float(np.dot(w, np.exp(d * s))) - 1) - d
+        # expm1: near saturation d * s is tiny and exp(.) - 1 would cancel.
+        return rate_rps * float(np.dot(w, np.expm1(d * s))) - d
 
     hi = 1.0 / float(np.dot(w, s))
     while f(hi) <= 0:
@@ -191,6 +213,8 @@ def wait_pmf(rate_rps: float, services: Services, dt: float, cells: int) -> np.n
         pmf[0] = 1.0
         return pmf
     assert rho < 1, "wait_pmf of an overloaded queue"
+    if coarse(services, dt):
+        return _exponential_wait_pmf(rate_rps, services, dt, cells)
     s = np.array([x for x, _ in services])
     w = np.array([x for _, x in services])
     w = w / w.sum()
@@ -208,6 +232,25 @@ def wait_pmf(rate_rps: float, services: Services, dt: float, cells: int) -> np.n
     hf = np.fft.rfft(h, n)
     pmf = np.fft.irfft((1 - rho) / (1 - rho * hf), n)[:cells]
     pmf = np.clip(pmf, 0, None)
+    return pmf / pmf.sum()
+
+
+def coarse(services: Services, dt: float) -> bool:
+    """Whether a grid step of ``dt`` is too coarse for the residual service
+    time: most of its mass would fall into cell 0 and the waiting time
+    would collapse to 0 (the percentiles with it)."""
+    return dt > GRID_STEP_PER_SERVICE_MAX * _mean(services)
+
+
+def _exponential_wait_pmf(rate_rps: float, services: Services, dt: float, cells: int) -> np.ndarray:
+    """The heavy-traffic waiting time on the grid: P(W > t) = rho exp(-delta t)
+    (Cramer-Lundberg, with the constant at rho as in M/M/1; near saturation
+    both the constant and the mean rho / delta tend to the exact ones)."""
+    rho = utilisation(rate_rps, services)
+    delta = decay_rate(rate_rps, services)
+    edges = (np.arange(cells) + 0.5) * dt  # upper edges of cells 0..cells-1
+    cdf = 1 - rho * np.exp(-delta * edges)
+    pmf = np.diff(np.concatenate(([0.0], cdf)))
     return pmf / pmf.sum()
 
 
@@ -243,6 +286,7 @@ class Plan:
     overlap_hides: bool  # layer by layer, the transfer hides behind compute
     overlap_exposed_s: float  # what of the transfer is left after compute, layer by layer
     overloaded: str | None  # which server is at or past 100%
+    approximation: str | None = None  # which waits' percentiles come from the exponential tail
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -251,12 +295,10 @@ class Plan:
 def _services(
     cluster: Cluster, nics: int | None = None
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    w = cluster.weights
-    prefill = [(cluster.prefill_s(t), float(x)) for (t, _), x in zip(cluster.prompt, w, strict=True)]
-    transfer = [
-        (cluster.transfer_service_s(t, nics), float(x)) for (t, _), x in zip(cluster.prompt, w, strict=True)
-    ]
-    return prefill, transfer
+    w = cluster.weights.tolist()
+    prefill_s = (cluster.tokens / cluster.prefill_tokens_per_s).tolist()
+    transfer_s = cluster.curve.transfer_s_many(cluster.wire_bytes / (nics or cluster.nics)).tolist()
+    return list(zip(prefill_s, w, strict=True)), list(zip(transfer_s, w, strict=True))
 
 
 def _mean(services: Services) -> float:
@@ -275,14 +317,30 @@ def mean_ttft_s(cluster: Cluster, nics: int | None = None) -> tuple[float, float
 def nics_needed(cluster: Cluster) -> int | None:
     """The fewest NICs per prefill instance that keep the transfer's mean
     share of the mean TTFT at or under the target; None when no count does
-    (the overhead, or the curve's fixed cost, alone is over it)."""
-    for nics in range(1, NICS_SEARCH_MAX + 1):
+    (the overhead, or the curve's fixed cost, alone is over it, or prefill
+    is overloaded, which no NIC count helps).
+
+    A bisection: more NICs make each NIC's share smaller, so (on a curve that
+    rises with size) the transfer, waiting included, shorter; its share
+    T / (P + T + overhead) of TTFT rises with T, so it falls as NICs are
+    added. On a measured curve whose noise dips between points the count
+    found keeps the share under the target but may not be the fewest."""
+
+    def meets(nics: int) -> bool:
         ttft, transfer = mean_ttft_s(cluster, nics)
-        if math.isfinite(ttft) and transfer <= cluster.target_share * ttft:
-            return nics
-        if nics > 1 and math.isfinite(ttft) and transfer <= cluster.curve.transfer_s(1) * 1.001:
-            return None  # more NICs no longer shorten it
-    return None
+        return math.isfinite(ttft) and transfer <= cluster.target_share * ttft
+
+    prefill, _ = _services(cluster)
+    if utilisation(cluster.instance_rate_rps, prefill) >= 1 or not meets(NICS_SEARCH_MAX):
+        return None
+    lo, hi = 0, NICS_SEARCH_MAX  # meets(hi); lo fails or is 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _quantile(cdf: np.ndarray, dt: float, shifts: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -306,10 +364,25 @@ def _quantile(cdf: np.ndarray, dt: float, shifts: np.ndarray, weights: np.ndarra
 
 
 def _distributions(lam: float, prefill: Services, transfer: Services) -> tuple[np.ndarray, np.ndarray, float]:
-    """The two waits' pmfs on one grid, and its step."""
+    """The two waits' pmfs on one grid (for their sum), and its step. Where
+    one wait is far longer than the other, the shorter lies within a few of
+    the grid's cells: it adds at most a few steps (span / GRID_CELLS) to TTFT."""
     span = wait_span_s(lam, prefill) + wait_span_s(lam, transfer)
     dt = max(span, 1e-9) / GRID_CELLS
     return wait_pmf(lam, prefill, dt, GRID_CELLS), wait_pmf(lam, transfer, dt, GRID_CELLS), dt
+
+
+def _own_cdf(lam: float, services: Services) -> tuple[np.ndarray, float, bool]:
+    """One wait's cdf on a grid of its own span, its step, and whether that
+    step is coarse (the wait near saturation: the exponential tail)."""
+    dt = max(wait_span_s(lam, services), 1e-9) / GRID_CELLS
+    rho = utilisation(lam, services)
+    return np.cumsum(wait_pmf(lam, services, dt, GRID_CELLS)), dt, rho > 0 and coarse(services, dt)
+
+
+def _percent(x: float) -> str:
+    # An exponent past 10,000%: a tiny --prefill-tokens-per-s is valid input.
+    return f"{x:.0%}" if x < 100 else f"{x * 100:.3g}%"
 
 
 def evaluate(cluster: Cluster) -> Plan:
@@ -317,29 +390,39 @@ def evaluate(cluster: Cluster) -> Plan:
     c, s = cluster, cluster.shape
     lam = c.instance_rate_rps
     w = c.weights
-    tokens = np.array([t for t, _ in c.prompt])
+    tokens = c.tokens
     prefill, transfer = _services(c)
     rho_p, rho_t = utilisation(lam, prefill), utilisation(lam, transfer)
     mean_tokens = float(np.dot(w, tokens))
-    wire = float(np.dot(w, [c.request_bytes(int(t)) for t in tokens]))
+    wire = float(np.dot(w, c.wire_bytes))
     ttft_mean, transfer_mean = mean_ttft_s(c)
     overloaded = None
     if rho_p >= 1:
-        overloaded = f"prefill instances at {rho_p:.0%}"
+        overloaded = f"prefill instances at {_percent(rho_p)}"
     elif rho_t >= 1:
-        overloaded = f"NICs at {rho_t:.0%}"
+        overloaded = f"NICs at {_percent(rho_t)}"
     pw = tt = ttft = (math.inf, math.inf)
+    approximation = None
     if overloaded is None:
         pmf_p, pmf_t, dt = _distributions(lam, prefill, transfer)
-        cdf_p, cdf_t = np.cumsum(pmf_p), np.cumsum(pmf_t)
+        # Each wait's own percentiles on a grid of its own span: on the shared
+        # one a short wait next to a long one would fall into cell 0.
+        cdf_p, dt_p, coarse_p = _own_cdf(lam, prefill)
+        cdf_t, dt_t, coarse_t = _own_cdf(lam, transfer)
+        approx = [name for name, flag in (("prefill", coarse_p), ("transfer", coarse_t)) if flag]
+        if approx:
+            approximation = (
+                f"{' and '.join(approx)} wait near saturation: percentiles from the exponential "
+                "tail (Cramer-Lundberg)"
+            )
         both = np.cumsum(
             np.fft.irfft(np.fft.rfft(pmf_p, 2 * GRID_CELLS) * np.fft.rfft(pmf_t, 2 * GRID_CELLS))[:GRID_CELLS]
         )
         zero = np.zeros(1)
         one = np.ones(1)
-        pw = (_quantile(cdf_p, dt, zero, one, 0.5), _quantile(cdf_p, dt, zero, one, 0.99))
+        pw = (_quantile(cdf_p, dt_p, zero, one, 0.5), _quantile(cdf_p, dt_p, zero, one, 0.99))
         t_shift = np.array([x for x, _ in transfer])
-        tt = (_quantile(cdf_t, dt, t_shift, w, 0.5), _quantile(cdf_t, dt, t_shift, w, 0.99))
+        tt = (_quantile(cdf_t, dt_t, t_shift, w, 0.5), _quantile(cdf_t, dt_t, t_shift, w, 0.99))
         shifts = np.array([p + x for (p, _), (x, _) in zip(prefill, transfer, strict=True)]) + c.overhead_s
         ttft = (_quantile(both, dt, shifts, w, 0.5), _quantile(both, dt, shifts, w, 0.99))
     layers = s.layers_per_stage(c.prefill_pp)
@@ -384,4 +467,5 @@ def evaluate(cluster: Cluster) -> Plan:
         overlap_hides=layer_transfer <= layer_compute,
         overlap_exposed_s=exposed,
         overloaded=overloaded,
+        approximation=approximation,
     )

@@ -22,14 +22,28 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+# Past these a fixed-point figure runs to hundreds of digits (a rate of
+# 1e-300 tokens/s is valid input): switch to an exponent.
+_SECONDS_FIXED_MAX = 1e6
+_PERCENT_FIXED_MAX = 1e4
+
+
 def secs(t: float) -> str:
     if not math.isfinite(t):
         return "unbounded"
+    if t >= _SECONDS_FIXED_MAX:
+        return f"{t:.3g} s"
     if t >= 1:
         return f"{t:.2f} s"
     if t >= 1e-3:
         return f"{t * 1e3:.1f} ms"
     return f"{t * 1e6:.0f} us"
+
+
+def pct(x: float, digits: int = 0) -> str:
+    if math.isfinite(x) and abs(x) >= _PERCENT_FIXED_MAX:
+        return f"{x * 100:.3g}%"
+    return f"{x:.{digits}%}"
 
 
 def table(cluster: Cluster, plan: Plan, link_name: str) -> str:
@@ -46,19 +60,19 @@ def table(cluster: Cluster, plan: Plan, link_name: str) -> str:
         ("link", f"{link_name}, {c.nics} per prefill instance; curve: {c.curve.source}"),
         ("KV per request", f"{size(p.request_bytes)} on the wire, {size(p.nic_bytes)} per NIC"),
         ("KV per rank", f"prefill {size(p.prefill_rank_bytes)}, decode {size(p.decode_rank_bytes)}"),
-        ("prefill", f"{secs(p.prefill_s)} compute, {p.prefill_utilisation:.0%} busy"),
+        ("prefill", f"{secs(p.prefill_s)} compute, {pct(p.prefill_utilisation)} busy"),
         (
             "prefill wait",
             f"mean {secs(p.prefill_wait_mean_s)}, p50 {secs(p.prefill_wait_p50_s)}, p99 {secs(p.prefill_wait_p99_s)}",
         ),
-        ("NIC", f"{p.nic_utilisation:.1%} busy"),
+        ("NIC", f"{pct(p.nic_utilisation, 1)} busy"),
         (
             "transfer",
             f"{secs(p.transfer_service_s)} alone; with waiting mean {secs(p.transfer_mean_s)}, "
             f"p50 {secs(p.transfer_p50_s)}, p99 {secs(p.transfer_p99_s)}",
         ),
         ("TTFT", f"mean {secs(p.ttft_mean_s)}, p50 {secs(p.ttft_p50_s)}, p99 {secs(p.ttft_p99_s)}"),
-        ("transfer share", f"{p.transfer_share:.1%} of mean TTFT (target {p.target_share:.0%})"),
+        ("transfer share", f"{pct(p.transfer_share, 1)} of mean TTFT (target {pct(p.target_share)})"),
         (
             "NICs needed",
             f"{p.nics_needed} per prefill instance" if p.nics_needed else "none reaches the target",
@@ -73,6 +87,8 @@ def table(cluster: Cluster, plan: Plan, link_name: str) -> str:
             ),
         ),
     ]
+    if p.approximation:
+        rows.append(("note", p.approximation))
     if p.overloaded:
         rows.append(("OVERLOADED", f"{p.overloaded}: queues grow without bound; add instances or NICs"))
     width = max(len(k) for k, _ in rows)
@@ -113,12 +129,26 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: str) -> None:
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"--plot: cannot write {path} ({exc})") from None
+
+
 def plot(cluster: Cluster, directory: str, link_name: str) -> list[str]:
     """Two PNGs in ``directory``: transfer time against prompt length for
     each default link (and the cluster's own curve), and utilisation and
     TTFT against the request rate. Returns their paths."""
     plt = _pyplot()
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--plot {directory}: cannot make that directory ({exc}); name a directory"
+        ) from None
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--plot {directory}: not a directory; name a directory for the PNGs")
     c = cluster
     lengths = [1 << k for k in range(8, 18)]  # 256 .. 128k tokens
     curves: list[tuple[str, Curve]] = [(f"{link_name} (this plan)", c.curve)]
@@ -137,7 +167,7 @@ def plot(cluster: Cluster, directory: str, link_name: str) -> list[str]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     first = os.path.join(directory, "transfer-vs-prompt.png")
-    fig.savefig(first, dpi=110)
+    _save(fig, first)
     plt.close(fig)
 
     prefill_one = evaluate(dataclasses.replace(c, rate_rps=0.0))
@@ -162,6 +192,6 @@ def plot(cluster: Cluster, directory: str, link_name: str) -> list[str]:
     bottom.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     second = os.path.join(directory, "utilisation-vs-rate.png")
-    fig.savefig(second, dpi=110)
+    _save(fig, second)
     plt.close(fig)
     return [first, second]

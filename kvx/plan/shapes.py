@@ -162,6 +162,8 @@ def load_shape(spec: str, dtype: str | None = None) -> KVShape:
         raise ConfigError(f"{spec} is over {CONFIG_BYTES_MAX >> 20} MiB; is it a config.json?")
     try:
         config = json.loads(raw)
+    except RecursionError:
+        raise ConfigError(f"{spec} is nested too deeply to be a config.json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{spec} is not JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -200,6 +202,8 @@ def shape_from_config(config: dict[str, Any], name: str, dtype: str | None = Non
         raise ConfigError(f"{where}: config.json has no torch_dtype; pass the KV dtype (--kv-dtype bfloat16)")
     dtype_bytes = _dtype_bytes(dtype_name, where)
     model_type = config.get("model_type", "")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{where}: 'model_type' must be a string, not {model_type!r}")
     if model_type in MLA_MODEL_TYPES or config.get("kv_lora_rank"):
         latent = _int(config, "kv_lora_rank", where) + _int(config, "qk_rope_head_dim", where)
         return KVShape(name, layers, kv_heads=1, head_dim=latent, dtype_bytes=dtype_bytes, planes=1)
