@@ -52,8 +52,12 @@ def test_mean_transfer_time_matches_the_model_within_5_percent(utilisation):
 
 
 def test_mean_ttft_matches_the_model_with_a_prefill_queue():
-    # Prefill at 50% utilisation; the NIC lightly loaded, where the model's
-    # Poisson arrivals at the NIC and the simulator's prefill departures agree.
+    # Prefill at 50% utilisation, the NIC at about 39%. The simulator's NIC
+    # sees prefill's departures, burstier than the model's Poisson arrivals
+    # (requests queued behind a long prefill reach the NIC bunched, right
+    # behind its long transfer): the model's mean transfer is about 8% short
+    # (5.94 ms against 6.40 to 6.47 ms over seeds 5 to 8), its mean TTFT 2%
+    # to 3% short, within the 5% asserted here.
     tokens_per_s = 20_000.0
     mean_tokens = sum(t * w for t, w in PROMPTS) / sum(w for _, w in PROMPTS)
     rate = 0.5 * tokens_per_s / mean_tokens
