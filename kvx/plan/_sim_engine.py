@@ -22,7 +22,10 @@ from kvx.plan._sim_loop import FAIL, Loop
 if TYPE_CHECKING:
     from kvx.plan.simulate import SimConfig
 
-_CHUNK = 1 << 16  # arrivals drawn per numpy batch: bounds memory at any scale
+# Arrivals drawn per numpy batch: this bounds the batch's memory only. The rest that could
+# grow with the run is bounded in _sim_loop: latencies by a sample of SAMPLES_MAX per series,
+# transfers waiting for their decode NIC (an unstable queue's backlog) by PENDING_MAX.
+_CHUNK = 1 << 16
 _SAMPLE = 1 << 16  # prompts drawn to compute the offered loads
 _CURVE_CACHE_MAX = 1 << 20  # prompt lengths whose bytes and transfer time are remembered
 
@@ -33,10 +36,12 @@ class Engine:
     def __init__(self, config: SimConfig, sampler: Callable[[np.random.Generator, int], np.ndarray]) -> None:
         self.c = config
         self.sampler = sampler
-        arrivals, failures, sample = np.random.SeedSequence(config.seed).spawn(3)
+        # the fourth child is new: the first three draw what they drew before it
+        arrivals, failures, sample, samples = np.random.SeedSequence(config.seed).spawn(4)
         self.rng_arrivals = np.random.default_rng(arrivals)
         self.rng_failures = np.random.default_rng(failures)
         self.rng_sample = np.random.default_rng(sample)
+        self.rng_samples = np.random.default_rng(samples)  # which latencies a long run keeps
         self.rnd = random.Random(config.seed)  # router re-draws, detection delays
         self.curve: dict[int, tuple[float, float]] = {}
         nodes = config.prefill + config.decode

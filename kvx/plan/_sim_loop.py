@@ -28,20 +28,65 @@ INF = math.inf
 _first = operator.itemgetter(0)
 
 
-def summary(values: array) -> dict[str, float]:
-    """count, mean, p50, p90, p99, max of float32 samples."""
-    if not len(values):
-        return {"count": 0}
-    data = np.frombuffer(values, dtype=np.float32)
-    p50, p90, p99 = np.percentile(data, [50, 90, 99])
-    return {
-        "count": int(data.size),
-        "mean": float(data.mean(dtype=np.float64)),
-        "p50": float(p50),
-        "p90": float(p90),
-        "p99": float(p99),
-        "max": float(data.max()),
-    }
+SAMPLES_MAX = 1 << 20  # latencies kept per series (a uniform sample of them beyond this)
+PENDING_MAX = 1 << 20  # transfers known but not yet at their decode NIC: an unstable run's backlog
+
+
+class Samples:
+    """One latency series: count, sum and max of every value, and a uniform random sample
+    of at most SAMPLES_MAX values for the percentiles (bottom-k sampling: each value gets a
+    uniform random key and the SAMPLES_MAX smallest keys are kept; seeded, so a run is
+    still reproducible). Values are appended to ``buf`` (float32) in the hot loop;
+    ``compact`` folds it into the sample once it is full, keeping memory at about
+    ``SAMPLES_MAX`` x 16 bytes per series at any run length."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.buf = array("f")
+        self.count = 0
+        self.total = 0.0
+        self.max = -INF
+        self.kept = np.empty(0, dtype=np.float32)
+        self.keys = np.empty(0)
+        self.sampled = False
+
+    def compact(self, force: bool = False) -> None:
+        if len(self.buf) < SAMPLES_MAX and not force:
+            return
+        if not len(self.buf):
+            return
+        new = np.frombuffer(self.buf, dtype=np.float32).copy()
+        del self.buf[:]  # in place: the hot loop holds buf.append
+        self.count += new.size
+        self.total += float(new.sum(dtype=np.float64))
+        self.max = max(self.max, float(new.max()))
+        if not self.sampled and self.kept.size + new.size <= SAMPLES_MAX:
+            self.kept = np.concatenate([self.kept, new])
+            return
+        if not self.sampled:  # first time over the cap: key what was kept until now
+            self.keys = self.rng.random(self.kept.size)
+            self.sampled = True
+        values = np.concatenate([self.kept, new])
+        keys = np.concatenate([self.keys, self.rng.random(new.size)])
+        if values.size > SAMPLES_MAX:
+            keep = np.argpartition(keys, SAMPLES_MAX - 1)[:SAMPLES_MAX]
+            values, keys = values[keep], keys[keep]
+        self.kept, self.keys = values, keys
+
+    def summary(self) -> dict[str, float]:
+        """count, mean and max of every value; p50, p90, p99 of the sample."""
+        self.compact(force=True)
+        if not self.count:
+            return {"count": 0}
+        p50, p90, p99 = np.percentile(self.kept, [50, 90, 99])
+        return {
+            "count": self.count,
+            "mean": self.total / self.count,
+            "p50": float(p50),
+            "p90": float(p90),
+            "p99": float(p99),
+            "max": self.max,
+        }
 
 
 class _Metadata:
@@ -146,10 +191,12 @@ class Loop:
         )
         self.failures = {"count": 0, "prefill": 0, "decode": 0, "in_window": 0, "skipped": 0}
         self.events = 0
-        self.ttft = array("f")
-        self.transfer = array("f")
-        self.prefill_wait = array("f")
-        self.lookup = array("f")
+        rng = engine.rng_samples
+        self.ttft = Samples(rng)
+        self.transfer = Samples(rng)
+        self.prefill_wait = Samples(rng)
+        self.lookup = Samples(rng)
+        self.series = (self.ttft, self.transfer, self.prefill_wait, self.lookup)
         self._spine_init(engine)
 
     def _set_next_fail(self, node: int, t: float) -> None:
@@ -175,7 +222,11 @@ class Loop:
         if engine.spine:
             nodes = np.bincount(self.leaf_p, minlength=L) + np.bincount(self.leaf_d, minlength=L)
             bw = engine._nic_bytes_per_s()
-            self.leaf_capacity = nodes * c.nics_per_node * bw / c.spine_oversubscription
+            # a leaf with no nodes (fewer nodes than leaves x nodes_per_leaf, spread evenly)
+            # carries nothing: an infinite capacity gives it an offered load of 0, not 0/0
+            self.leaf_occupied = nodes > 0
+            capacity = nodes * c.nics_per_node * bw / c.spine_oversubscription
+            self.leaf_capacity = np.where(self.leaf_occupied, capacity, INF)
             if c.spine_window_s < c.duration_s:
                 self.rare.append((c.spine_window_s, TICK, 0, 0))
                 heapq.heapify(self.rare)
@@ -189,7 +240,7 @@ class Loop:
         self.stretch[:] = np.maximum(offered, 1.0).tolist()
         if now - w >= c.warmup_s:
             s = self.spine_stats
-            s["windows"] += offered.size
+            s["windows"] += int(self.leaf_occupied.sum())
             s["sum"] += float(np.minimum(offered, 1.0).sum())
             s["max"] = max(s["max"], float(offered.max()))
             s["overloaded"] += int((offered > 1.0).sum())
@@ -290,8 +341,9 @@ class Loop:
         spine = self.engine.spine
         leaf_p, leaf_d, stretch = self.leaf_p, self.leaf_d, self.stretch
         up_bytes, down_bytes = self.up_bytes, self.down_bytes
-        ttft_add, transfer_add = self.ttft.append, self.transfer.append
-        wait_add, lookup_add = self.prefill_wait.append, self.lookup.append
+        ttft_add, transfer_add = self.ttft.buf.append, self.transfer.buf.append
+        wait_add, lookup_add = self.prefill_wait.buf.append, self.lookup.buf.append
+        series = self.series
         handle_rare, repick = self._rare, self._repick
         P, D = c.prefill, c.decode
         completed = dropped = 0
@@ -341,15 +393,23 @@ class Loop:
                     ttft_add(end - t + lat + overhead)
                     transfer_add(end - pf)
 
-        def until(t: float) -> None:
+        def until(t: float) -> str | None:
             """Handle the rare events up to t; those on decode nodes after the transfers
-            that reach them first."""
+            that reach them first. Returns why the caps stopped it, or None: a long
+            stretch without arrivals (a low rate) is all rare events."""
+            check = self.events + _CHECK_EVERY
             while rare and rare[0][0] <= t:
                 now, kind, node, _ = heappop(rare)
                 if node >= P:
                     flush(now)
                 handle_rare(now, kind, node)
                 self.events += 1
+                if self.events >= check:
+                    stop = self._capped(events, now, started)
+                    if stop:
+                        return stop
+                    check = self.events + _CHECK_EVERY
+            return None
 
         next_rare = rare[0][0] if rare else INF
         events = 0
@@ -363,11 +423,20 @@ class Loop:
             ):
                 if events >= next_check:
                     truncated = self._capped(events, t, started)
+                    if not truncated and len(pending) > PENDING_MAX:
+                        truncated = (
+                            f"stopped at {t:.3f} s simulated: {len(pending):,} requests queued "
+                            f"(the backlog bound, {PENDING_MAX:,}); a queue is unstable"
+                        )
                     if truncated:
                         break
+                    for one in series:
+                        one.compact()
                     next_check = events + _CHECK_EVERY
                 if t >= next_rare:
-                    until(t)
+                    truncated = until(t)
+                    if truncated:
+                        break
                     next_rare = rare[0][0] if rare else INF
                 events += 1
                 measured = t >= warm
@@ -450,8 +519,11 @@ class Loop:
                 break
             if times:
                 flush(times[-1])
+                for one in series:
+                    one.compact()
         if not truncated:
-            until(INF)
+            truncated = until(INF)
+        if not truncated:
             flush(INF)
         self.events += events
         counts.update(
@@ -481,7 +553,7 @@ class Loop:
         c = self.c
         window = c.duration_s - c.warmup_s
         K = c.nics_per_node
-        lookup = summary(self.lookup)
+        lookup = self.lookup.summary()
         s = self.spine_stats
         utilisation = {
             "prefill_mean": sum(self.prefill_busy) / (c.prefill * window),
@@ -498,9 +570,9 @@ class Loop:
         node_hours = (c.prefill + c.decode) * c.duration_s / 3600.0
         return {
             "requests": dict(self.counts),
-            "ttft_s": summary(self.ttft),
-            "transfer_s": summary(self.transfer),
-            "prefill_wait_s": summary(self.prefill_wait),
+            "ttft_s": self.ttft.summary(),
+            "transfer_s": self.transfer.summary(),
+            "prefill_wait_s": self.prefill_wait.summary(),
             "lookup_s": lookup,
             "utilisation": utilisation,
             "metadata": self.metadata.report(window, lookup),

@@ -41,6 +41,8 @@ import numpy as np
 
 from kvx.errors import ConfigError
 from kvx.plan._sim_engine import Engine
+from kvx.plan.links import parse_link
+from kvx.plan.model import DEFAULT_PREFILL_TOKENS_PER_S
 
 __all__ = [
     "MetadataLoad",
@@ -61,6 +63,36 @@ PromptSampler = Callable[[np.random.Generator, int], np.ndarray]
 PromptTokens = int | Sequence[tuple[int, float]] | PromptSampler
 
 _FAILURES_MAX = 1_000_000  # failures are drawn up front; more is a misconfiguration
+# Bounds on the inputs: every per-instance list, heap and batch is sized from these, so an
+# absurd count is refused up front instead of running out of memory.
+NODES_MAX = 1_000_000  # prefill + decode
+NICS_MAX = 1024  # per node
+METADATA_CORES_MAX = 4096
+LOOKUPS_MAX = 1024  # per request
+AGENTS_PER_NODE_MAX = 100_000  # only arithmetic: no per-agent state
+WATCHERS_MAX = 100_000_000
+PROMPT_TOKENS_MAX = 100_000_000
+PROMPT_BINS_MAX = 100_000
+SEED_MAX = 2**64 - 1
+DURATION_MAX_S = 1e8  # about three years
+SPINE_WINDOWS_MAX = 10_000_000  # spine windows (events) in one run
+FLOAT_MAX = 1e15  # any other rate, time or factor
+
+
+def _count(name: str, value: Any, low: int, high: int) -> None:
+    """An integer in [low, high] (bools and floats are refused: they hide mistakes)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], not {value!r}")
+
+
+def _number(name: str, value: Any, low: float, high: float = FLOAT_MAX, low_open: bool = False) -> None:
+    """A finite real number in [low, high] ((low, high] with low_open)."""
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if ok:
+        ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"({low:g}" if low_open else f"[{low:g}"
+        raise ConfigError(f"{name} must be a finite number in {bound}, {high:g}], not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,23 +122,16 @@ class MetadataLoad:
     timeout_s: float = 5.0
 
     def check(self) -> None:
-        if self.lookups_per_request < 0:
-            raise ConfigError(f"metadata lookups_per_request must be >= 0, not {self.lookups_per_request}")
-        if not 0.0 <= self.cache_hit_ratio <= 1.0:
-            raise ConfigError(f"metadata cache_hit_ratio must be in [0, 1], not {self.cache_hit_ratio}")
-        if self.agents_per_node < 0:
-            raise ConfigError(f"metadata agents_per_node must be >= 0, not {self.agents_per_node}")
-        if self.cores < 1:
-            raise ConfigError(f"metadata cores must be >= 1, not {self.cores}")
-        if self.watchers is not None and self.watchers < 0:
-            raise ConfigError(f"metadata watchers must be >= 0 or None, not {self.watchers}")
+        _count("metadata lookups_per_request", self.lookups_per_request, 0, LOOKUPS_MAX)
+        _number("metadata cache_hit_ratio", self.cache_hit_ratio, 0.0, 1.0)
+        _count("metadata agents_per_node", self.agents_per_node, 0, AGENTS_PER_NODE_MAX)
+        _count("metadata cores", self.cores, 1, METADATA_CORES_MAX)
+        if self.watchers is not None:
+            _count("metadata watchers (None: one per node)", self.watchers, 0, WATCHERS_MAX)
         for name in ("lease_ttl_s", "renewal_interval_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"metadata {name} must be > 0, not {getattr(self, name)}")
+            _number(f"metadata {name}", getattr(self, name), 0.0, DURATION_MAX_S, low_open=True)
         for name in ("lookup_cost_s", "renewal_cost_s", "register_cost_s", "notify_cost_s"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ConfigError(f"metadata {name} must be a finite number >= 0, not {value}")
+            _number(f"metadata {name}", getattr(self, name), 0.0, DURATION_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -154,36 +179,40 @@ class SimConfig:
 
     def check(self) -> None:
         """Raise ConfigError on an input the simulation cannot run."""
+        if not (isinstance(self.prefill, int | np.integer) and isinstance(self.decode, int | np.integer)):
+            raise ConfigError(f"prefill and decode must be integers, not {self.prefill!r}/{self.decode!r}")
         if self.prefill < 1 or self.decode < 1:
             raise ConfigError(
                 f"need at least one prefill and one decode instance, not {self.prefill}/{self.decode}"
             )
-        if not (self.rate > 0 and math.isfinite(self.rate)):
-            raise ConfigError(f"rate must be a finite number of requests/s > 0, not {self.rate}")
-        if not self.prefill_tokens_per_s > 0:
+        if self.prefill + self.decode > NODES_MAX:
             raise ConfigError(
-                f"prefill_tokens_per_s must be > 0 (math.inf: instant), not {self.prefill_tokens_per_s}"
+                f"at most {NODES_MAX:,} nodes (prefill + decode) are simulated, not "
+                f"{self.prefill + self.decode:,}"
             )
-        if self.nics_per_node < 1:
-            raise ConfigError(f"nics_per_node must be >= 1, not {self.nics_per_node}")
-        if not self.spine_oversubscription >= 1.0:
-            raise ConfigError(
-                f"spine_oversubscription must be >= 1 (1: non-blocking), not {self.spine_oversubscription}"
-            )
-        if self.nodes_per_leaf < 1:
-            raise ConfigError(f"nodes_per_leaf must be >= 1, not {self.nodes_per_leaf}")
-        if self.nic_bytes_per_s is not None and not self.nic_bytes_per_s > 0:
-            raise ConfigError(f"nic_bytes_per_s must be > 0 or None, not {self.nic_bytes_per_s}")
+        _number("rate", self.rate, 0.0, low_open=True)
+        if self.prefill_tokens_per_s != math.inf:
+            _number("prefill_tokens_per_s (math.inf: instant)", self.prefill_tokens_per_s, 0.0, low_open=True)
+        _count("nics_per_node", self.nics_per_node, 1, NICS_MAX)
+        _number("spine_oversubscription (1: non-blocking)", self.spine_oversubscription, 1.0)
+        _count("nodes_per_leaf", self.nodes_per_leaf, 1, NODES_MAX)
+        if self.nic_bytes_per_s is not None:
+            _number("nic_bytes_per_s (or None)", self.nic_bytes_per_s, 0.0, low_open=True)
         for name in ("spine_window_s", "duration_s", "max_wall_s"):
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise ConfigError(f"{name} must be a finite number > 0, not {getattr(self, name)}")
-        for name in ("overhead_s", "failure_rate", "restart_s"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ConfigError(f"{name} must be a finite number >= 0, not {getattr(self, name)}")
+            _number(name, getattr(self, name), 0.0, DURATION_MAX_S, low_open=True)
+        for name in ("overhead_s", "restart_s"):
+            _number(name, getattr(self, name), 0.0, DURATION_MAX_S)
+        _number("failure_rate", self.failure_rate, 0.0)
         if not 0 <= self.warmup_s < self.duration_s:
             raise ConfigError(f"warmup_s must be in [0, duration_s={self.duration_s}), not {self.warmup_s}")
-        if self.max_events < 1:
-            raise ConfigError(f"max_events must be >= 1, not {self.max_events}")
+        _count("seed", self.seed, 0, SEED_MAX)
+        _count("max_events", self.max_events, 1, 2**62)
+        windows = self.duration_s / self.spine_window_s
+        if self.spine_oversubscription > 1.0 and windows > SPINE_WINDOWS_MAX:
+            raise ConfigError(
+                f"{windows:.3g} spine windows (duration_s / spine_window_s); at most {SPINE_WINDOWS_MAX:,} "
+                "are simulated: shorten duration_s (--duration) or lengthen spine_window_s"
+            )
         expected = self.failure_rate * (self.prefill + self.decode) * self.duration_s / 3600
         if expected > _FAILURES_MAX:
             raise ConfigError(
@@ -197,18 +226,26 @@ class SimConfig:
 def _check_prompt_tokens(spec: PromptTokens) -> None:
     if callable(spec):
         return
-    if isinstance(spec, int | np.integer):
-        if spec < 1:
-            raise ConfigError(f"prompt_tokens must be >= 1, not {spec}")
+    if isinstance(spec, int | np.integer) and not isinstance(spec, bool):
+        if not 1 <= spec <= PROMPT_TOKENS_MAX:
+            raise ConfigError(f"prompt_tokens must be >= 1 and <= {PROMPT_TOKENS_MAX:,}, not {spec}")
         return
     try:
-        pairs = [(int(tokens), float(weight)) for tokens, weight in spec]
+        pairs = [(tokens, float(weight)) for tokens, weight in spec]  # type: ignore[union-attr]
     except (TypeError, ValueError):
         raise ConfigError(
             f"prompt_tokens must be an int, [(tokens, weight), ...] or a sampler f(rng, n), not {spec!r}"
         ) from None
-    if not pairs or any(tokens < 1 or not weight >= 0 for tokens, weight in pairs):
-        raise ConfigError(f"prompt_tokens histogram needs tokens >= 1 and weights >= 0: {spec!r}")
+    if not 1 <= len(pairs) <= PROMPT_BINS_MAX:
+        raise ConfigError(f"a prompt_tokens histogram needs 1..{PROMPT_BINS_MAX:,} bins, not {len(pairs)}")
+    for tokens, weight in pairs:
+        if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer):
+            raise ConfigError(f"prompt_tokens histogram lengths must be integers, not {tokens!r}")
+        if not (1 <= tokens <= PROMPT_TOKENS_MAX and 0 <= weight <= FLOAT_MAX):
+            raise ConfigError(
+                f"a prompt_tokens histogram needs lengths in [1, {PROMPT_TOKENS_MAX:,}] and finite "
+                f"weights in [0, {FLOAT_MAX:g}], not ({tokens!r}, {weight!r})"
+            )
     if not sum(weight for _, weight in pairs) > 0:
         raise ConfigError(f"prompt_tokens histogram weights sum to zero: {spec!r}")
 
@@ -304,15 +341,30 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "simulate",
         help="simulate a P/D cluster: TTFT tails, NIC and spine load, failures, metadata load",
         description="A discrete-event simulation of a prefill/decode cluster (docs/plan-simulate.md). "
-        "The transfer time of one request is --fixed-us + bytes / --link-gbps (or a measured "
-        "--curve), its bytes prompt tokens x --bytes-per-token (or from --model's KV shape).",
+        "The transfer time of one request is --link's default curve (as kvx plan model --link), "
+        "--fixed-us + bytes / --link-gbps, or a measured --curve; its bytes prompt tokens x "
+        "--bytes-per-token (or from --model's KV shape).",
     )
     add = parser.add_argument
     add("--prefill", type=int, required=True, help="prefill instances (one per node)")
     add("--decode", type=int, required=True, help="decode instances (one per node)")
     add("--rate", type=float, help="requests/s to the whole cluster (default: 60%% of the prefill capacity)")
-    add("--prompt-tokens", type=_histogram, default=4096, help="a length or tokens:weight,... (default 4096)")
-    add("--prefill-tokens-per-s", type=float, default=10000.0, help="per prefill instance (default 10000)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument(
+        "--prompt-tokens", type=_histogram, default=4096, help="a length or tokens:weight,... (default 4096)"
+    )
+    prompt.add_argument(
+        "--prompt-hist",
+        metavar="FILE",
+        help="prompt lengths from a histogram file, as kvx plan model --prompt-hist "
+        "(JSON [[tokens, weight], ...] or CSV tokens,weight)",
+    )
+    add(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help=f"per prefill instance (default {DEFAULT_PREFILL_TOKENS_PER_S:g}, as kvx plan model)",
+    )
     add(
         "--bytes-per-token",
         type=int,
@@ -326,14 +378,21 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         "--bytes-per-token",
     )
     add("--block-size", type=int, default=16, help="with --model: tokens per KV block (default 16)")
-    add("--link-gbps", type=float, default=400.0, help="NIC bandwidth, Gbit/s (default 400)")
+    add(
+        "--link",
+        help="a link as kvx plan model --link names it (rdma[:GBITS], tcp[:GBITS], NxGBITS, nvlink4, "
+        "pcie5, ...): its default curve, the same as the model's; NxGBITS also sets --nics. "
+        "Not with --link-gbps or --fixed-us",
+    )
+    add("--link-gbps", type=float, help="NIC bandwidth, Gbit/s (default 400, without --link)")
     add(
         "--curve",
         metavar="SWEEP.json",
-        help="a measured transfer curve (kvx bench --sweep --json) instead of --fixed-us + --link-gbps",
+        help="a measured transfer curve (kvx bench --sweep --json) for the transfer times; the spine's "
+        "capacity still comes from the link's nominal bandwidth (--link or --link-gbps)",
     )
-    add("--fixed-us", type=float, default=20.0, help="fixed cost of one transfer, us (default 20)")
-    add("--nics", type=int, default=1, help="NICs per node (default 1)")
+    add("--fixed-us", type=float, help="fixed cost of one transfer, us (default 20, without --link)")
+    add("--nics", type=int, help="NICs per node (default: N of --link NxGBITS, else 1)")
     add("--spine-oversubscription", type=float, default=1.0, help="leaf uplink oversubscription (default 1)")
     add("--nodes-per-leaf", type=int, default=32, help="nodes per leaf switch (default 32)")
     add("--overhead-ms", type=float, default=0.0, help="fixed per-request overhead added to TTFT (default 0)")
@@ -350,26 +409,63 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     add("--duration", type=float, default=60.0, help="simulated seconds (default 60)")
     add("--warmup", type=float, default=None, help="seconds not counted (default: a tenth of --duration)")
-    add("--seed", type=int, default=0, help="random seed (default 0)")
+    add("--seed", type=int, default=0, help="random seed, >= 0 (default 0)")
     add("--max-wall-s", type=float, default=1800.0, help="stop after this much wall time (default 1800)")
+    add("--max-events", type=int, default=1_000_000_000, help="stop after this many events (default 1e9)")
     add("--json", action="store_true", help="print one JSON object")
     return parser
 
 
+def _transfer(args: argparse.Namespace) -> tuple[Callable[[int], float], float, int]:
+    """The transfer curve, the NIC's nominal bytes/s (for the spine) and NICs per node."""
+    spec_nics = None
+    if args.link:
+        if args.link_gbps is not None or args.fixed_us is not None:
+            raise ConfigError("--link sets the curve: give --link or --link-gbps/--fixed-us, not both")
+        link, spec_nics = parse_link(args.link)
+        curve = link.curve()
+        transfer_s: Callable[[int], float] = curve.transfer_s
+        bytes_per_s = link.peak_bytes_per_s
+    else:
+        gbps = 400.0 if args.link_gbps is None else args.link_gbps
+        fixed_us = 20.0 if args.fixed_us is None else args.fixed_us
+        _number("--link-gbps", gbps, 0.0, 1e6, low_open=True)
+        _number("--fixed-us", fixed_us, 0.0, 1e12)
+        bytes_per_s, fixed_s = gbps * 1e9 / 8, fixed_us * 1e-6
+        transfer_s = lambda nbytes: fixed_s + nbytes / bytes_per_s  # noqa: E731
+    if args.nics is not None and spec_nics is not None and args.nics != spec_nics:
+        raise ConfigError(f"--link {args.link} names {spec_nics} NICs and --nics {args.nics}; give one")
+    nics = args.nics if args.nics is not None else (spec_nics or 1)
+    if args.curve:
+        from kvx.plan.files import read_curve
+
+        transfer_s = read_curve(args.curve).transfer_s
+    return transfer_s, bytes_per_s, nics
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """A SimConfig from the ``simulate`` flags (the simple transfer curve)."""
+    """A SimConfig from the ``simulate`` flags, checked."""
     per_token = args.bytes_per_token
-    bytes_per_s = args.link_gbps * 1e9 / 8
-    fixed_s = args.fixed_us * 1e-6
-    if per_token < 0 or not bytes_per_s > 0:
-        raise ConfigError("--bytes-per-token must be >= 0 and --link-gbps > 0")
+    _count("--bytes-per-token", per_token, 0, 1 << 40)
+    transfer_s, bytes_per_s, nics = _transfer(args)
+    prompt: PromptTokens = args.prompt_tokens
+    if args.prompt_hist:
+        from kvx.plan.files import read_histogram
+
+        prompt = list(read_histogram(args.prompt_hist))
+    # validated before the default rate samples them
+    _check_prompt_tokens(prompt)
+    _number("--duration", args.duration, 0.0, DURATION_MAX_S, low_open=True)
     rate = args.rate
     if rate is None:
-        sample = _prompt_sampler(args.prompt_tokens)(np.random.default_rng(args.seed), 1 << 14)
+        if args.prefill_tokens_per_s == math.inf:
+            raise ConfigError("--rate is needed with an infinite --prefill-tokens-per-s")
+        _number("--prefill-tokens-per-s", args.prefill_tokens_per_s, 0.0, low_open=True)
+        _count("--seed", args.seed, 0, SEED_MAX)
+        sample = _prompt_sampler(prompt)(np.random.default_rng(args.seed), 1 << 14)
         rate = 0.6 * args.prefill * args.prefill_tokens_per_s / float(np.mean(sample))
     warmup = args.duration / 10 if args.warmup is None else args.warmup
     request_bytes: Callable[[int], int] = lambda tokens: tokens * per_token  # noqa: E731
-    transfer_s: Callable[[int], float] = lambda nbytes: fixed_s + nbytes / bytes_per_s  # noqa: E731
     if args.model:
         from kvx.plan.shapes import load_shape
 
@@ -377,19 +473,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ConfigError(f"--block-size must be >= 1, not {args.block_size}")
         shape, block = load_shape(args.model), args.block_size
         request_bytes = lambda tokens: shape.request_bytes(tokens, block_tokens=block)  # noqa: E731
-    if args.curve:
-        from kvx.plan.files import read_curve
-
-        transfer_s = read_curve(args.curve).transfer_s
-    return SimConfig(
+    config = SimConfig(
         prefill=args.prefill,
         decode=args.decode,
         rate=rate,
-        prompt_tokens=args.prompt_tokens,
+        prompt_tokens=prompt,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         request_bytes=request_bytes,
         transfer_s=transfer_s,
-        nics_per_node=args.nics,
+        nics_per_node=nics,
         spine_oversubscription=args.spine_oversubscription,
         nodes_per_leaf=args.nodes_per_leaf,
         nic_bytes_per_s=bytes_per_s,
@@ -405,8 +497,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         duration_s=args.duration,
         warmup_s=warmup,
         seed=args.seed,
+        max_events=args.max_events,
         max_wall_s=args.max_wall_s,
     )
+    config.check()
+    return config
 
 
 def _ms(summary: dict[str, float], key: str) -> str:
