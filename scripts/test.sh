@@ -10,6 +10,11 @@ packages=()
 command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 command -v iptables >/dev/null 2>&1 || packages+=(iptables)
 command -v tc >/dev/null 2>&1 || packages+=(iproute2)
+# The rdma backend's suites run real one-sided RMA through libfabric's tcp
+# provider (kvx._fabric builds only when its headers are present); the verbs
+# provider builds against libibverbs' headers and is tested with a double.
+[ -e /usr/include/rdma/fabric.h ] || packages+=(libfabric-dev)
+[ -e /usr/include/infiniband/verbs.h ] || packages+=(libibverbs-dev)
 if [ "${#packages[@]}" -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     if [ "$(id -u)" -eq 0 ]; then
