@@ -186,9 +186,9 @@ def check_affinity(root: str, env: Mapping[str, str], devices: list[topology.Rdm
     for item in table:
         for endpoint in item.endpoints:
             shared.setdefault(str(endpoint), []).append(item.gpu.index)
-    for endpoint, users in shared.items():
+    for name, users in shared.items():
         if len(users) > 1 and table[0].level != "pinned":
-            section.add(OK, f"{endpoint} is shared by GPUs {', '.join(map(str, users))}")
+            section.add(OK, f"{name} is shared by GPUs {', '.join(map(str, users))}")
     return section
 
 
@@ -589,7 +589,7 @@ def _admin_version(url: str, timeout_s: float) -> tuple[str, str, str]:
         )
     if version != __version__:
         return WARN, f"the metadata service runs kvx {version}, this is kvx {__version__}", "upgrade one side"
-    return OK, f"the metadata service runs kvx {version}, as this kvx"
+    return OK, f"the metadata service runs kvx {version}, as this kvx", ""
 
 
 # --- the whole report ------------------------------------------------------------------------
