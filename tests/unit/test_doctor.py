@@ -205,3 +205,35 @@ def test_bad_arguments_exit_2(tmp_path):
     done = _kvx("--sysfs-root", str(tmp_path / "absent"))
     assert done.returncode == 2 and "is not a directory" in done.stderr
     assert _kvx("--metadata-admin", "http://127.0.0.1:1").returncode == 2
+
+
+def test_the_admin_api_version_is_compared_with_this_kvx():
+    import http.server
+    import threading
+
+    from kvx import __version__
+
+    versions = iter([__version__, "0.0.1"])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server name
+            body = json.dumps({"info": {"version": next(versions)}}).encode()
+            self.send_response(200 if self.path == "/openapi.json" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert _doctor._admin_version(url, 5.0)[0] == "OK"
+        status, text, _ = _doctor._admin_version(url, 5.0)
+        assert status == "WARN" and "runs kvx 0.0.1" in text
+        assert _doctor._admin_version("file:///etc/passwd", 5.0)[0] == "FAIL"
+    finally:
+        server.shutdown()
+        server.server_close()
