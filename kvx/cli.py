@@ -196,6 +196,69 @@ def _run_demo(args: argparse.Namespace) -> int:
     return _demo.run_agents(layers, num_blocks, block_size, blocks)
 
 
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    """``kvx doctor`` (kvx/_doctor.py)."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this host for kvx: RDMA NICs, GPU-NIC affinity, GPUDirect, memlock, CUDA, shm",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="What to run first when transfers are slow or fail. Checks, each line OK, WARN\n"
+        "or FAIL with the fix (docs/doctor.md): RDMA devices and ports (state, link layer,\n"
+        "rate, the GID kvx would use), which NIC each GPU would use, how GPU memory would\n"
+        "be registered with a NIC (dma-buf or nvidia_peermem), the memlock limit, libfabric,\n"
+        "CUDA, shm (ptrace_scope, process_vm_readv) and, with --metadata, the metadata\n"
+        "service. Every probe is bounded in time.",
+        epilog="environment: KVX_RDMA_DEVICES and KVX_RDMA_GID_INDEX are checked as kvx would use them.\n"
+        "exit status: 0 when no line FAILs (WARNs allowed), 1 when one does, 2 on bad arguments.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    doctor.add_argument(
+        "--metadata", metavar="HOST:PORT", help="also check that this kvx metadata service answers"
+    )
+    doctor.add_argument(
+        "--metadata-token-file", metavar="FILE", help="file holding the bearer token of the metadata service"
+    )
+    doctor.add_argument(
+        "--metadata-admin",
+        metavar="URL",
+        help="with --metadata: the service's admin API (e.g. http://HOST:8081), to compare its kvx version",
+    )
+    doctor.add_argument(
+        "--timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=5.0,
+        help="longest wait for each network probe (default: 5)",
+    )
+    # Reads sysfs and procfs under this directory instead of / (tests); also KVX_SYSFS_ROOT.
+    doctor.add_argument("--sysfs-root", metavar="DIR", help=argparse.SUPPRESS)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from kvx import _doctor
+
+    if args.metadata_admin and not args.metadata:
+        print("kvx doctor: --metadata-admin goes with --metadata", file=sys.stderr)
+        return 2
+    try:
+        root = _doctor.sysfs_root(args.sysfs_root, os.environ)
+    except ConfigError as exc:
+        print(f"kvx doctor: {exc}", file=sys.stderr)
+        return 2
+    report = _doctor.collect(
+        root,
+        metadata=args.metadata,
+        metadata_token=_read_token(args.metadata_token_file),
+        metadata_admin=args.metadata_admin,
+        timeout_s=args.timeout_s,
+    )
+    print(json.dumps(report, indent=2) if args.json else _doctor.render(report))
+    return 0 if report["ok"] else 1
+
+
 def _number(text: str) -> float:
     try:
         value = float(text)
@@ -436,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_plan(sub)
     _add_cluster_commands(sub)
+    _add_doctor(sub)
     _add_daemon_commands(sub)
     meta = sub.add_parser(
         "metadata",
@@ -775,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_daemon(args, engine_args)
         if args.command == "demo":
             return _run_demo(args)
+        if args.command == "doctor":
+            return _run_doctor(args)
         if args.command in ("agents", "status", "drain"):
             return _run_cluster(args)
         if args.command == "metadata":
