@@ -32,7 +32,6 @@ if os.environ.get("KVX_ASAN") == "1":
     ldflags += ["-fsanitize=address"]
 
 
-
 def verbs_extension():
     """kvx._verbs (csrc/kvx_verbs.c) where rdma-core's headers exist; it dlopens libibverbs."""
     if not Path("/usr/include/infiniband/verbs.h").exists() and not os.environ.get("KVX_VERBS"):

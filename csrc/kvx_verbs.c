@@ -112,6 +112,10 @@ static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static int load_library(const char *path, char *why, size_t why_len)
 {
     pthread_mutex_lock(&load_mu);
+    if (!path && V.handle) { /* first use after load(path): keep what is loaded */
+        pthread_mutex_unlock(&load_mu);
+        return 0;
+    }
     if (!path)
         path = getenv("KVX_IBVERBS_LIB");
     if (!path || !*path)
@@ -809,10 +813,14 @@ static PyObject *Endpoint_register(Endpoint *ep, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"addr", "length", "remote_read", "remote_write", "device", NULL};
     unsigned long long addr, len;
-    int rr, rw, device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK$pp|i", kwlist, &addr, &len, &rr, &rw,
+    int rr = -1, rw = -1, device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK|$ppi", kwlist, &addr, &len, &rr, &rw,
                                      &device))
         return NULL;
+    if (rr < 0 || rw < 0) {
+        PyErr_SetString(PyExc_TypeError, "register needs remote_read= and remote_write=");
+        return NULL;
+    }
     if (len == 0 || addr + len < addr) {
         PyErr_SetString(PyExc_ValueError, "register needs a non-empty range that does not wrap");
         return NULL;
