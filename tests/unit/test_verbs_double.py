@@ -354,3 +354,32 @@ def test_gpu_memory_through_dmabuf_then_peer_memory(double):
     finally:
         lib.fake_cuda_fail(0)
         ep.close()
+
+
+def test_the_wrapper_raises_kvx_errors(double):
+    from kvx import errors
+    from kvx.backends.rdma import verbs as wrapper
+
+    verbs, lib = double
+    assert wrapper.available() is None  # the double has one device
+    a, b = wrapper.Endpoint(), wrapper.Endpoint()
+    try:
+        half_a, info_a = a.prepare()
+        half_b, info_b = b.prepare()
+        with pytest.raises(wrapper.PeerInfoError):
+            b.complete(half_b, info_a[:-1])
+        peer = a.complete(half_a, info_b)
+        b.complete(half_b, info_a)
+        buf = np.zeros(PIECE, dtype=np.uint8)
+        mr = b.register(buf.ctypes.data, PIECE, remote_read=True, remote_write=True)
+        local = a.register(buf.ctypes.data, PIECE, remote_read=False, remote_write=False)
+        with pytest.raises(wrapper.VerbsError) as raised:
+            a.post(WRITE, peer, [buf.ctypes.data], [PIECE], [buf.ctypes.data], [PIECE], [mr.key ^ 1], 5000)
+        assert isinstance(raised.value, errors.TransferError) and raised.value.status == "remote access error"
+        assert a.peer_state(peer)[0] == "broken"
+        local.close()
+        mr.close()
+    finally:
+        a.close()
+        b.close()
+    assert violations(lib) == ""
