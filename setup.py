@@ -31,6 +31,22 @@ if os.environ.get("KVX_ASAN") == "1":
     cflags += ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"]
     ldflags += ["-fsanitize=address"]
 
+
+def verbs_extension():
+    """kvx._verbs (csrc/kvx_verbs.c) where rdma-core's headers exist; it dlopens libibverbs."""
+    if not Path("/usr/include/infiniband/verbs.h").exists() and not os.environ.get("KVX_VERBS"):
+        return []
+    return [
+        Extension(
+            "kvx._verbs",
+            sources=["csrc/kvx_verbs.c"],
+            extra_compile_args=cflags,
+            extra_link_args=ldflags + ["-ldl"],
+            optional=True,
+        )
+    ]
+
+
 setup(
     cmdclass={"build_py": BuildPy},
     ext_modules=[
@@ -45,5 +61,6 @@ setup(
             ("kvx._datapath._native", "csrc/kvx_io.c"),
             ("kvx._datapath._cma", "csrc/kvx_cma.c"),
         )
-    ],
+    ]
+    + verbs_extension(),
 )
