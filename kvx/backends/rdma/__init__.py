@@ -55,6 +55,8 @@ PROVIDER_ENV = "KVX_RDMA_PROVIDER"
 # tcp provider is never chosen by itself: kvx's own tcp backend is faster.
 HARDWARE_PROVIDERS = ("efa", "verbs;ofi_rxm")
 SOFTWARE_PROVIDER = "tcp;ofi_rxm"
+# Providers whose endpoint is first opened asking for GPU memory registration.
+HMEM_PROVIDERS = ("efa", "verbs")
 
 # The connect exchange (wire.py): kvx's own types, as a built-in backend's.
 RDMA_CONNECT = MsgType.RDMA_CONNECT
@@ -115,10 +117,12 @@ def open_endpoint(setting: str) -> tuple[Any, str]:
             )
     failures = []
     for provider in candidates:
-        try:
-            return fab.Endpoint(provider=provider), ""
-        except Exception as exc:
-            failures.append(f"{provider}: {exc}")
+        # GPU memory registration (FI_HMEM) where the NIC may offer it; without, where it does not.
+        for hmem in (True, False) if _core(provider) in HMEM_PROVIDERS else (False,):
+            try:
+                return fab.Endpoint(provider=provider, hmem=hmem), ""
+            except Exception as exc:
+                failures.append(f"{provider}{' with GPU memory' if hmem else ''}: {exc}")
     why = f"no rdma endpoint could be opened ({'; '.join(failures)})"
     if forced or explicit:
         raise ConfigError(f"{why}; check {PROVIDER_ENV} and the provider's devices (kvx doctor)")
