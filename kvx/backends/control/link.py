@@ -729,6 +729,11 @@ class Link:
     def close(self) -> None:
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
 
+    def fail(self, error: KvxError) -> None:
+        """End the link because of ``error`` (a backend found the peer dead
+        or hung); everything in flight fails with it."""
+        self._on_break(error)
+
     def conn(self) -> Connection:
         """The connection for the next request (round robin)."""
         if len(self.conns) == 1:

@@ -39,7 +39,15 @@ from kvx.backends.control.sock import recv_exact
 from kvx.backends.control.wire import MsgType
 from kvx.backends.rdma.copy import RdmaCopy, post_error
 from kvx.backends.tcp import TcpChannel
-from kvx.errors import AccessError, ClosedError, ConfigError, KvxError, PeerLostError, ProtocolError
+from kvx.errors import (
+    AccessError,
+    ClosedError,
+    ConfigError,
+    KvxError,
+    PeerLostError,
+    ProtocolError,
+    TimeoutError,
+)
 from kvx.memory import MemoryKind
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
@@ -462,7 +470,11 @@ class RdmaChannel(Channel):
             self.backend.run_post(self.fabric_peer, op, *arrays, timeout_ms=self.timeout_ms)
         except Exception as exc:
             error = post_error(exc, op, self.link.peer, self.timeout_ms)
-            if not isinstance(error, ClosedError):
+            if isinstance(error, TimeoutError):
+                # The peer hangs, and the bytes of a READ that timed out may still land: the
+                # link ends (as a stalled tcp connection does) and the fabric peer is forgotten.
+                self.link.fail(error)
+            elif not isinstance(error, (ClosedError, PeerLostError)):
                 self._failed(error)
             raise error from exc
         if self._failures:

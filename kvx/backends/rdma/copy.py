@@ -10,12 +10,25 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvx.backends.control.pinned import PinnedCopy
-from kvx.errors import ClosedError, KvxError, TimeoutError, TransferError
+from kvx.errors import ClosedError, KvxError, PeerLostError, TimeoutError, TransferError
 from kvx.transfer import Op
 
 if TYPE_CHECKING:
     from kvx.backends.rdma import RdmaChannel
 
+# Error completions that mean the peer's process or host is gone.
+LOST = frozenset(
+    {
+        "FI_ENOTCONN",
+        "FI_ECONNRESET",
+        "FI_ECONNABORTED",
+        "FI_ECONNREFUSED",
+        "FI_EHOSTUNREACH",
+        "FI_ENETUNREACH",
+        "FI_ENETDOWN",
+        "FI_ESHUTDOWN",
+    }
+)
 # ep.post's op codes (kvx/backends/rdma/fabric.py).
 OP_READ = 0
 OP_WRITE = 1
@@ -60,4 +73,7 @@ def post_error(exc: BaseException, op: int, peer: str, timeout_ms: int) -> KvxEr
     if isinstance(exc, ClosedError):
         return exc
     status = getattr(exc, "status", None) or type(exc).__name__
-    return TransferError(f"rdma {what} with peer {peer!r} failed: {status}: {exc}")
+    text = getattr(exc, "text", None) or str(exc)
+    if status in LOST:
+        return PeerLostError(f"rdma {what} with peer {peer!r} failed: {status}: the peer is gone ({text})")
+    return TransferError(f"rdma {what} with peer {peer!r} failed: {status}: {text}")
