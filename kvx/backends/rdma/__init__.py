@@ -357,7 +357,7 @@ class RdmaBackend(Backend):
             if flags & FLAG_GPU
             else "; its GPU memory, if any, goes over tcp (not registered with its NIC)"
         )
-        return channel, f"; one-sided READ and WRITE by this agent's NIC{gpu}"
+        return channel, f"; one-sided READ and WRITE through this agent's endpoint{gpu}"
 
     def run_post(self, fabric_peer: int, op: int, *arrays: np.ndarray, timeout_ms: int) -> None:
         """``ep.post``, kept from overlapping ``close``."""
