@@ -5,6 +5,9 @@ server in another child that moves the same number of bytes per request from
 one contiguous buffer with plain send/recv; over shm it is one
 process_vm_readv/writev call on exactly the same ranges of the target's
 memory, with nothing around it (no check, no pin, no thread hand-off).
+Over rdma (``--backend rdma``: both agents open the endpoint that
+KVX_RDMA_PROVIDER names, else the best NIC, else libfabric's tcp provider)
+the limit shown is the raw socket's.
 Transfers alternate with the limit's, so noise on a shared machine hits both
 alike.
 """
@@ -178,8 +181,17 @@ class _Session:
             self.cp = gpu.cupy_module()
             if not gpu.available():
                 raise ConfigError("--memory cuda needs a CUDA device, and this process sees none")
+        # rdma by name: the target opens the same endpoint (the tcp provider where no NIC is).
+        target_backend = "rdma" if backend == "rdma" else "auto"
         self.worker = Worker(
-            WorkerConfig("bench-target", pool_bytes, auth_secret=secret, streams=streams, memory=memory)
+            WorkerConfig(
+                "bench-target",
+                pool_bytes,
+                auth_secret=secret,
+                streams=streams,
+                memory=memory,
+                backend=target_backend,
+            )
         )
         self.agent: Agent | None = None
         self.raw: RawClient | None = None

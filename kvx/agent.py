@@ -281,21 +281,42 @@ class Agent:
         """
         self._check_open()
         region = self._regions.add(obj, remote_access=remote_access, device=device)
-        if remote_access:
+        told: list[Backend] = []
+        try:
             for backend in self._backends.values():
                 backend.registered(region)
+                told.append(backend)
+        except BaseException:
+            self._forget(region, told)  # refused (say, a NIC could not register it): not registered
+            raise
         if self._directory is not None and remote_access:
             try:
                 self._directory.regions_changed()
             except MetadataError:
-                self._regions.remove(region, 0)  # refused (say, too many regions): not registered
+                self._forget(region, told)  # refused (say, too many regions): not registered
                 raise
         return region
+
+    def _forget(self, region: Region, backends: list[Backend]) -> None:
+        """Take a region that no peer has seen yet out again."""
+        self._regions.remove(region, 0)
+        for backend in backends:
+            try:
+                backend.deregistered(region)
+            except Exception:
+                logger.exception("backend %s failed to let go of region %d", backend.name, region.id)
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         """Remove a region. Waits for transfers that may touch it (up to
         ``timeout_s``, default Timeouts.transfer_s), then raises RegionBusyError."""
-        self._regions.remove(region, self.timeouts.transfer_s if timeout_s is None else timeout_s)
+        removed = self._regions.remove(region, self.timeouts.transfer_s if timeout_s is None else timeout_s)
+        # Pins and leases have ended: backends close what lets a peer reach
+        # the memory (a NIC's registration) before deregister returns.
+        for backend in self._backends.values():
+            try:
+                backend.deregistered(removed)
+            except Exception:  # one backend must not keep the others' registrations open
+                logger.exception("backend %s failed to let go of region %d", backend.name, removed.id)
         if self._directory is not None:
             self._directory.regions_changed()
 

@@ -473,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", *backends.names()],
         default="auto",
         help="transport; auto picks as agents do: shm on one host when permitted, "
-        "cuda_ipc there for GPU memory (default: auto)",
+        "cuda_ipc there for GPU memory (default: auto); rdma opens the endpoint "
+        "KVX_RDMA_PROVIDER names on both sides (else the best NIC, else libfabric's tcp provider)",
     )
     bench.add_argument(
         "--memory",

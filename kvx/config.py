@@ -25,7 +25,7 @@ def check_name(name: str) -> str:
 
 
 # Agent(backend=...): "auto" picks per peer; the built-in backends (kvx.backends registers more).
-BACKENDS = ("auto", "tcp", "shm", "cuda_ipc")
+BACKENDS = ("auto", "tcp", "shm", "cuda_ipc", "rdma")
 
 
 def check_backend(backend: str) -> str:

@@ -149,6 +149,9 @@ class RegionTable:
         self._removing: set[int] = set()
         self._tokens = itertools.count(1)
         self._waiters = 0
+        # Region id -> the key under which a NIC lets peers touch it (the rdma
+        # backend sets it once the region is registered with its endpoint).
+        self._remote_keys: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -228,9 +231,10 @@ class RegionTable:
             self._regions[rid] = region
             return region
 
-    def remove(self, region: Region | int, timeout_s: float) -> None:
+    def remove(self, region: Region | int, timeout_s: float) -> Region:
         """Deregister; waits for accesses that started before, and for the
-        leases peers hold on it (revoked through ``on_remove``), up to timeout_s."""
+        leases peers hold on it (revoked through ``on_remove``), up to
+        timeout_s. Returns the region that was removed."""
         rid = region.id if isinstance(region, Region) else int(region)
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -267,12 +271,33 @@ class RegionTable:
                 self._waiters -= 1
                 self._removing.discard(rid)
             removed = self._regions.pop(rid)
+            self._remote_keys.pop(rid, None)
             self._base[rid] = 0
             self._size[rid] = 0
             self._device[rid] = -1
             self._cuda -= removed.memory_kind is MemoryKind.CUDA
         # Let go of the memory: a handle the caller keeps must not pin it.
         object.__setattr__(removed, "owner", None)
+        return removed
+
+    def set_remote_key(self, region_id: int, key: int) -> None:
+        """The key peers name the region by on a NIC (the rdma backend's
+        memory registration); handed out only with a pin (``remote_keys``)."""
+        with self._lock:
+            if region_id in self._regions:
+                self._remote_keys[region_id] = key
+
+    def remote_keys(self, ids: np.ndarray, who: str) -> bytes:
+        """Per region its NIC key (uint64). Call with the regions pinned."""
+        with self._lock:
+            keys = [self._remote_keys.get(rid) for rid in ids.tolist()]
+        if None in keys:
+            rid = ids.tolist()[keys.index(None)]
+            raise AccessError(
+                f"{who}: region {rid} is not registered with this agent's rdma endpoint (its "
+                "registration failed, see the agent's log, or the agent offers no rdma)"
+            )
+        return np.array(keys, "<u8").tobytes()
 
     def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[Any, Any, int, int]:
         """Check descriptors and pin the table: (addresses, lengths, total bytes, token).

@@ -87,7 +87,12 @@ def backend_setting(param: str, monkeypatch) -> str:
     """The agent backend setting for a suite's ``backend`` parameter.
     "shm-segments": shm where this process is refused cross-memory attach
     (the probe says EPERM) and workers' pools are kvx.alloc_shared memory,
-    so that the bytes go through shared segments."""
+    so that the bytes go through shared segments.
+    "rdma": the rdma backend through libfabric's tcp provider, which does real
+    one-sided READ and WRITE between the processes (skipped where kvx was
+    built without libfabric)."""
+    if param == "rdma":
+        return rdma_setting(monkeypatch)
     if param != "shm-segments":
         return param
     from kvx.backends import shm
@@ -99,6 +104,27 @@ def backend_setting(param: str, monkeypatch) -> str:
     )
     monkeypatch.setattr(sys.modules[__name__], "SHARED_POOLS", True)
     return "shm"
+
+
+# The software provider CI moves rdma bytes through; workers inherit it.
+RDMA_PROVIDER = "tcp;ofi_rxm"
+
+
+def rdma_setting(monkeypatch) -> str:
+    """Skip unless kvx._fabric is built; else every agent this test starts
+    (workers too) opens an endpoint on libfabric's tcp provider."""
+    from kvx.backends import rdma
+
+    if NATIVE == "0":
+        pytest.skip(
+            "rdma moves bytes through kvx._fabric, not the data path KVX_NATIVE picks: "
+            "it runs in the KVX_NATIVE=1 pass"
+        )
+    _, why = rdma.load_fabric()
+    if why is not None:
+        pytest.skip(f"the rdma backend needs kvx._fabric: {why}")
+    monkeypatch.setenv(rdma.PROVIDER_ENV, RDMA_PROVIDER)
+    return "rdma"
 
 
 def open_fds() -> int:

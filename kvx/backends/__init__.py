@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "tcp": "kvx.backends.tcp:TcpBackend",
     "shm": "kvx.backends.shm:ShmBackend",
     "cuda_ipc": "kvx.backends.cuda_ipc:CudaIpcBackend",
+    "rdma": "kvx.backends.rdma:RdmaBackend",
 }
 
 

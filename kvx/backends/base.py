@@ -147,7 +147,14 @@ class Backend(abc.ABC):
         """Add what this backend offers peers to the agent's metadata."""
 
     def registered(self, region: Region) -> None:
-        """A region was registered (with remote access)."""
+        """A region was registered, with or without remote access (its
+        ``remote_read``/``remote_write`` say which); raising refuses the
+        registration (the agent removes the region again)."""
+
+    def deregistered(self, region: Region) -> None:
+        """A region left the table: every pin and lease on it has ended. What
+        the backend set up for it (a NIC's memory registration) must be gone
+        when this returns, so that no peer can touch the memory any more."""
 
     def handlers(self) -> dict[int, Handler]:
         """Message types this backend serves on inbound control connections."""

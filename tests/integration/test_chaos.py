@@ -30,11 +30,11 @@ BLOCKS = 512
 HALF = BLOCKS // 2
 
 
-@pytest.fixture(params=["tcp", "shm", "shm-segments"], autouse=True)
+@pytest.fixture(params=["tcp", "shm", "shm-segments", "rdma"], autouse=True)
 def backend(request, monkeypatch):
-    """Every test here runs over tcp, over shm, and over shm with cross-memory
+    """Every test here runs over tcp, over shm, over shm with cross-memory
     attach refused and the workers' pools in shared segments (the initiator's
-    setting; targets offer all)."""
+    setting; targets offer all), and over rdma through libfabric's tcp provider."""
     return backend_setting(request.param, monkeypatch)
 
 

@@ -205,7 +205,9 @@ def test_malformed_pin_messages_close_the_connection(make_worker, make_agent):
     assert "holds no pin" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
     ids = np.array([worker.region_id], "<u4").tobytes()
-    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=17) + ids)  # unknown bit
+    sock.sendall(
+        _wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=65) + ids
+    )  # unknown bit (16 is PIN_RDMA)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
     keep_ipc = _wire.PIN_READ | _wire.PIN_KEEP | _wire.PIN_IPC  # IPC handles are never leased

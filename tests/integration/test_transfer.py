@@ -14,12 +14,13 @@ from tests.conftest import SECRET, backend_setting
 BLOCK = 4096
 
 
-@pytest.fixture(params=["tcp", "shm", "shm-segments", "procmem"], autouse=True)
+@pytest.fixture(params=["tcp", "shm", "shm-segments", "rdma", "procmem"], autouse=True)
 def backend(request, monkeypatch):
     """Every test here runs over tcp, over shm, over shm with cross-memory
     attach refused and the workers' pools in shared segments (the initiator's
-    setting; targets offer all), and over procmem, the test-only backend
-    registered in tests/conftest.py that shows what adding a backend takes."""
+    setting; targets offer all), over rdma through libfabric's tcp provider,
+    and over procmem, the test-only backend registered in tests/conftest.py
+    that shows what adding a backend takes."""
     if request.param == "procmem" and conftest.NATIVE == "0":
         pytest.skip(
             "procmem moves bytes with pread/pwrite, not the data path KVX_NATIVE picks: "

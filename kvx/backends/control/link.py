@@ -297,9 +297,10 @@ class Connection:
         self.copies = 0
         self.copies_done = threading.Condition(self.lock)
         self.copy_waiters = 0
-        # Leases held on this connection: (region id, for writing) -> (base, size),
-        # and per region the copies using it (see wire.py, PIN_KEEP).
-        self.leases: dict[tuple[int, bool], tuple[int, int]] = {}
+        # Leases held on this connection: (region id, for writing) -> (base, size,
+        # then what the pin's kind adds: an rdma key), and per region the copies
+        # using it (see wire.py, PIN_KEEP).
+        self.leases: dict[tuple[int, bool], tuple[int, ...]] = {}
         self.lease_uses: collections.Counter[int] = collections.Counter()
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
@@ -526,8 +527,13 @@ class Connection:
         if data_len or payload_len % 8 or payload_len > _wire.MAX_PIN_REPLY_BYTES or part.copy is None:
             raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_PIN_OK")
         remote_addrs = np.frombuffer(recv_exact(self.sock, payload_len), dtype=np.uint64)
-        if part.keep is not None and len(remote_addrs) != 2 * len(part.keep[0]):
-            raise ProtocolError(f"peer {self.peer!r} answered a lease of {len(part.keep[0])} regions badly")
+        if part.keep is not None:
+            n = len(part.keep[0])
+            # Per region: base and size, then as many extra words as the pin's kind adds (after all pairs).
+            if len(remote_addrs) < 2 * n or len(remote_addrs) % n:
+                raise ProtocolError(f"peer {self.peer!r} answered a lease of {n} regions badly")
+            extra = len(remote_addrs) // n - 2
+            words = remote_addrs.tolist()
         with self.lock:
             if self.error is not None:
                 raise _again(self.error)
@@ -535,7 +541,8 @@ class Connection:
             if part.keep is not None:
                 regions, writing = part.keep
                 for i, rid in enumerate(regions.tolist()):
-                    self.leases[(rid, writing)] = (int(remote_addrs[2 * i]), int(remote_addrs[2 * i + 1]))
+                    more = words[2 * n + extra * i : 2 * n + extra * (i + 1)]
+                    self.leases[(rid, writing)] = (words[2 * i], words[2 * i + 1], *more)
         try:
             part.copy(remote_addrs)
             result = None
@@ -546,7 +553,8 @@ class Connection:
         return result
 
     def lease(self, regions: list[int], writing: bool) -> tuple[int, ...] | None:
-        """The (base, size) pairs this connection leases for ``regions``, with
+        """What this connection leases for ``regions``, laid out as the pin's
+        answer was (the (base, size) pairs, then the extras per region), with
         a copy begun on them (``unlease`` ends it); None when one is not leased."""
         with self.lock:
             if self.error is not None:
@@ -561,7 +569,9 @@ class Connection:
                 found = [leases.get((rid, writing)) for rid in regions]
                 if None in found:
                     return None
-                pairs = tuple(v for pair in found if pair is not None for v in pair)
+                pairs = tuple(v for got in found if got is not None for v in got[:2]) + tuple(
+                    v for got in found if got is not None for v in got[2:]
+                )
             uses = self.lease_uses
             for rid in regions:
                 uses[rid] += 1
@@ -718,6 +728,11 @@ class Link:
 
     def close(self) -> None:
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
+
+    def fail(self, error: KvxError) -> None:
+        """End the link because of ``error`` (a backend found the peer dead
+        or hung); everything in flight fails with it."""
+        self._on_break(error)
 
     def conn(self) -> Connection:
         """The connection for the next request (round robin)."""

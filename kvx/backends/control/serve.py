@@ -111,7 +111,7 @@ Handler = Callable[["InboundConnection", int, int, int, int], None]
 # Served by every agent: they guard memory, so no backend may replace them.
 _CORE_HANDLERS: dict[int, Handler] = {}  # filled below, once the handlers are defined
 # kvx's own types that its built-in backends serve; other backends use wire.BACKEND_TYPES.
-_BUILTIN_BACKEND_TYPES = {MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.SEG_TOKEN}
+_BUILTIN_BACKEND_TYPES = {MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.SEG_TOKEN, MsgType.RDMA_CONNECT}
 
 
 def merge_handlers(by_backend: dict[str, dict[int, Handler]]) -> dict[int, Handler]:
@@ -323,6 +323,8 @@ class InboundConnection:
         # threads' messages (SHM_REVOKE) wait in the outbox until it is free.
         self.send_lock = threading.Lock()
         self._outbox: list[bytes] = []
+        # Run once the connection has ended (a backend forgets what it set up for it).
+        self._close_hooks: list[Callable[[], None]] = []
         self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
 
     def start(self) -> None:
@@ -361,6 +363,20 @@ class InboundConnection:
                 self.sock.close()
             finally:
                 self.listener._inbound_done(self)
+                self._run_close_hooks()
+
+    def when_closed(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the connection has ended (from its serving thread:
+        a handler that calls this runs before the end)."""
+        self._close_hooks.append(fn)
+
+    def _run_close_hooks(self) -> None:
+        hooks, self._close_hooks = self._close_hooks, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # the serving thread must end cleanly
+                logger.exception("cleaning up after peer %s failed", self.peer_name)
 
     # Handshake.
 
@@ -635,11 +651,20 @@ def _on_verify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
 def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     ctx = conn.ctx
     ipc = bool(aux & _wire.PIN_IPC)
+    rdma = bool(aux & _wire.PIN_RDMA)
     keep = bool(aux & _wire.PIN_KEEP)
-    aux &= ~(_wire.PIN_IPC | _wire.PIN_KEEP)
-    if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4 or (ipc and keep):
+    aux &= ~(_wire.PIN_IPC | _wire.PIN_KEEP | _wire.PIN_RDMA)
+    if (
+        data_len
+        or aux not in (_wire.PIN_READ, _wire.PIN_WRITE)
+        or payload_len % 4
+        or (ipc and (keep or rdma))
+    ):
         raise Fatal(
-            ProtocolError("SHM_PIN carries region ids, no data, says read or write, and keeps no IPC pin"),
+            ProtocolError(
+                "SHM_PIN carries region ids, no data, says read or write, keeps no IPC pin, "
+                "and asks for IPC handles or rdma keys, not both"
+            ),
             request_id,
         )
     if payload_len // 4 > ctx.limits.max_descs_per_message:
@@ -657,7 +682,7 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
     writing = aux == _wire.PIN_WRITE
     who = "remote write" if writing else "remote read"
     if keep:
-        _lease(conn, request_id, ids, writing, who)
+        _lease(conn, request_id, ids, writing, who, rdma)
         return
     try:
         bases, sizes, token = ctx.regions.pin_regions(ids, REMOTE_WRITE if writing else REMOTE_READ, who)
@@ -665,9 +690,9 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
         conn.send_error(request_id, exc)
         return
     body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
-    if ipc:
+    if ipc or rdma:
         try:
-            body += ctx.regions.ipc_export(ids, who)
+            body += ctx.regions.ipc_export(ids, who) if ipc else ctx.regions.remote_keys(ids, who)
         except AccessError as exc:
             ctx.regions.release(token)
             conn.send_error(request_id, exc)
@@ -679,9 +704,11 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
         raise PeerLostError("connection lost while answering SHM_PIN") from None
 
 
-def _lease(conn: InboundConnection, request_id: int, ids: np.ndarray, writing: bool, who: str) -> None:
+def _lease(
+    conn: InboundConnection, request_id: int, ids: np.ndarray, writing: bool, who: str, rdma: bool
+) -> None:
     """SHM_PIN with PIN_KEEP: lease each region to this connection (once)
-    and answer as for a pin."""
+    and answer as for a pin (with PIN_RDMA: the regions' keys too)."""
     table = conn.ctx.regions
     need = REMOTE_WRITE if writing else REMOTE_READ
     # Under lease_lock: a deregistration that starts meanwhile finds the lease and revokes it.
@@ -693,6 +720,7 @@ def _lease(conn: InboundConnection, request_id: int, ids: np.ndarray, writing: b
             # deregistered is refused, though its lease is not given back yet.
             bases, sizes, token = table.pin_regions(ids, need, who)
             try:
+                keys = table.remote_keys(ids, who) if rdma else b""
                 granted = table.lease(new, need, who)
             finally:
                 table.release(token)
@@ -701,7 +729,7 @@ def _lease(conn: InboundConnection, request_id: int, ids: np.ndarray, writing: b
             return
         for rid, (_, _, lease) in zip(new, granted, strict=True):
             conn.leases[(rid, writing)] = lease
-    body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes()
+    body = np.stack([bases, sizes], axis=1).astype("<u8").tobytes() + keys
     try:
         conn.sock.sendall(_wire.pack(MsgType.SHM_PIN_OK, request_id, payload_len=len(body)) + body)
     except OSError:

@@ -63,6 +63,19 @@ offset inside its CUDA allocation and that allocation's 64-byte
 cudaIpcMemHandle. The initiator opens each handle once, caches the mapping
 for the life of the connection to that epoch, and copies with its own GPU.
 
+The rdma backend (kvx/backends/rdma) pins the same way, leases included,
+with aux bit 16 (PIN_RDMA) added: the answer then carries, after the (base,
+size) pairs, per region the uint64 key of its memory registration with the
+target's rdma endpoint, and the initiator's NIC reads or writes the ranges
+itself (one-sided). Keys travel only over the authenticated connection,
+never in the metadata; the target closes a region's registration when it
+is deregistered, after its pins and leases ended. Its connect exchange is
+RDMA_CONNECT, answered by RDMA_CONNECT_OK: each carries a version byte, a
+flags byte (answer bit 1: the target registers its GPU memory with its
+NIC), a uint16 length and that many bytes (at most 1024) of the endpoint's
+connection info; once per connection, no data. Both are sent only to an
+agent whose metadata offers an rdma endpoint.
+
 Where cross-memory attach is refused, the shm backend maps the target's
 shared segments (kvx/backends/shm/segments.py) instead: SEG_TOKEN (no payload) asks for a
 single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
@@ -114,6 +127,7 @@ NONCE_BYTES = 32
 # Per region: base and size, plus (PIN_IPC) offset and handle.
 PIN_REPLY_BYTES = 16
 PIN_IPC_REPLY_BYTES = 16 + 8 + 64
+PIN_RDMA_REPLY_BYTES = 16 + 8
 MAX_PIN_REPLY_BYTES = PIN_IPC_REPLY_BYTES * 65536
 
 
@@ -139,6 +153,8 @@ class MsgType(enum.IntEnum):
     SHM_RELEASE = 20
     VERIFY = 21
     VERIFY_OK = 22
+    RDMA_CONNECT = 23
+    RDMA_CONNECT_OK = 24
 
 
 # Message types a backend may define for its own control requests (sent with
@@ -150,6 +166,7 @@ PIN_READ = 1
 PIN_WRITE = 2
 PIN_IPC = 4  # or'd with one of the two: answer with CUDA IPC handles too
 PIN_KEEP = 8  # or'd with one of the two: the pins are leases, kept until revoked
+PIN_RDMA = 16  # or'd with one of the two: answer with the regions' rdma keys too
 
 
 class ErrorCode(enum.IntEnum):
