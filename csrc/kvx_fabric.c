@@ -460,6 +460,12 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
             sched_yield();
             continue;
         }
+        if (post_rc == -KVX_EAGAIN) {
+            /* The provider is busy (connecting, out of buffers): let its progress run. */
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+            continue;
+        }
         pthread_mutex_lock(&ep->lock);
         int blocked = b->outstanding > 0 && (posting_done || b->nfree == 0 || ep->inflight >= ep->max_outstanding ||
                                              post_rc == -KVX_EAGAIN);
@@ -703,8 +709,10 @@ static PyObject *Endpoint_register(EndpointObject *self, PyObject *args, PyObjec
         return NULL;
     }
     if (length == 0 || addr == 0 || addr + length < addr) {
-        PyErr_Format(PyExc_ValueError, "cannot register %llu bytes at 0x%llx: empty, null or past the end of memory",
-                     length, addr);
+        char msg[160];
+        snprintf(msg, sizeof(msg), "cannot register %llu bytes at 0x%llx: empty, null or past the end of memory",
+                 length, addr);
+        PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
     struct kvx_ep *ep = self->ep;
@@ -956,8 +964,10 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
     }
     for (size_t i = 0; i < nr; i++) {
         if (ra[i] + rl[i] < ra[i]) {
-            PyErr_Format(PyExc_ValueError, "remote piece %zu (0x%llx + %llu) runs past the end of memory", i,
-                         (unsigned long long)ra[i], (unsigned long long)rl[i]);
+            char msg[160];
+            snprintf(msg, sizeof(msg), "remote piece %zu (0x%llx + %llu) runs past the end of memory", i,
+                     (unsigned long long)ra[i], (unsigned long long)rl[i]);
+            PyErr_SetString(PyExc_ValueError, msg);
             goto out;
         }
     }
@@ -1008,10 +1018,12 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
     pthread_rwlock_unlock(&ep->mr_lock);
     Py_END_ALLOW_THREADS ep_leave(ep);
     if (bad >= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "local piece %zd (0x%llx, %llu bytes) is not inside memory registered on this endpoint "
-                     "(register it with ep.register first)",
-                     bad, (unsigned long long)la[bad], (unsigned long long)ll[bad]);
+        char msg[200];
+        snprintf(msg, sizeof(msg),
+                 "local piece %zd (0x%llx, %llu bytes) is not inside memory registered on this endpoint "
+                 "(register it with ep.register first)",
+                 bad, (unsigned long long)la[bad], (unsigned long long)ll[bad]);
+        PyErr_SetString(PyExc_ValueError, msg);
         goto out;
     }
     if (rc == RUN_NOMEM) {
