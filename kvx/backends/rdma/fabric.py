@@ -249,7 +249,11 @@ class Endpoint:
     def register(
         self, addr: int, length: int, *, remote_read: bool, remote_write: bool, device: int = -1
     ) -> MemoryRegion:
-        """Register ``length`` bytes at ``addr`` (GPU memory of CUDA device ``device`` when >= 0)."""
+        """Register ``length`` bytes at ``addr`` (GPU memory of CUDA device ``device`` when >= 0).
+
+        The region lives as long as the returned object: keep it, and close it (or let it
+        go) only when no transfer may use the range any more.
+        """
         try:
             mr = self._ep.register(
                 addr, length, remote_read=bool(remote_read), remote_write=bool(remote_write), device=device
