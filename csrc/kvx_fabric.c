@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -121,9 +122,7 @@ static void batch_free_locked(struct kvx_ep *ep, struct batch *b)
         ep->batches = b->next;
     if (b->next)
         b->next->prev = b->prev;
-    free(b->free);
-    free(b->ctx);
-    free(b);
+    free(b); /* contexts and slots live in the same block */
 }
 
 /* Hand completions to their batches. Called with ep->lock held. */
@@ -336,32 +335,28 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
     size_t nslots = n_wr_max < ep->max_outstanding ? n_wr_max : ep->max_outstanding;
     if (nslots == 0)
         nslots = 1;
-    struct batch *b = calloc(1, sizeof(*b));
-    if (b == NULL)
+    /* One allocation per batch: the batch, its contexts, its free-slot stack and the
+     * poster's reservation scratch (the last is only the poster's, but lives as long). */
+    size_t ctx_at = (sizeof(struct batch) + 63) & ~(size_t)63;
+    size_t free_at = ctx_at + nslots * sizeof(struct wr_ctx);
+    size_t mine_at = free_at + nslots * sizeof(uint32_t);
+    char *block = malloc(mine_at + nslots * sizeof(uint32_t));
+    if (block == NULL)
         return RUN_NOMEM;
-    b->ctx = calloc(nslots, sizeof(*b->ctx));
-    b->free = malloc(nslots * sizeof(*b->free));
-    if (b->ctx == NULL || b->free == NULL) {
-        free(b->ctx);
-        free(b->free);
-        free(b);
-        return RUN_NOMEM;
-    }
+    struct batch *b = (struct batch *)block;
+    memset(b, 0, sizeof(*b));
+    b->ctx = (struct wr_ctx *)(block + ctx_at);
+    b->free = (uint32_t *)(block + free_at);
+    uint32_t *mine = (uint32_t *)(block + mine_at);
     b->nslots = nslots;
     for (size_t i = 0; i < nslots; i++) {
         b->ctx[i].batch = b;
         b->ctx[i].slot = (uint32_t)i;
+        b->ctx[i].busy = 0;
         b->free[i] = (uint32_t)(nslots - 1 - i);
     }
     b->nfree = nslots;
     b->refs = 1;
-    uint32_t *mine = malloc(nslots * sizeof(*mine));
-    if (mine == NULL) {
-        free(b->ctx);
-        free(b->free);
-        free(b);
-        return RUN_NOMEM;
-    }
 
     pthread_mutex_lock(&ep->lock);
     b->next = ep->batches;
@@ -460,6 +455,12 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
             sched_yield();
             continue;
         }
+        if (post_rc == -KVX_EAGAIN) {
+            /* The provider is busy (connecting, out of buffers): let its progress run. */
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+            continue;
+        }
         pthread_mutex_lock(&ep->lock);
         int blocked = b->outstanding > 0 && (posting_done || b->nfree == 0 || ep->inflight >= ep->max_outstanding ||
                                              post_rc == -KVX_EAGAIN);
@@ -501,7 +502,6 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
     if (--b->refs == 0)
         batch_free_locked(ep, b);
     pthread_mutex_unlock(&ep->lock);
-    free(mine);
     return rc;
 }
 
@@ -703,8 +703,10 @@ static PyObject *Endpoint_register(EndpointObject *self, PyObject *args, PyObjec
         return NULL;
     }
     if (length == 0 || addr == 0 || addr + length < addr) {
-        PyErr_Format(PyExc_ValueError, "cannot register %llu bytes at 0x%llx: empty, null or past the end of memory",
-                     length, addr);
+        char msg[160];
+        snprintf(msg, sizeof(msg), "cannot register %llu bytes at 0x%llx: empty, null or past the end of memory",
+                 length, addr);
+        PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
     struct kvx_ep *ep = self->ep;
@@ -913,15 +915,27 @@ static int sum_u64(const uint64_t *a, size_t n, uint64_t *out)
     return 0;
 }
 
-static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
+/* METH_FASTCALL: the argument tuple and its parsing are a visible share of a short post. */
+static PyObject *Endpoint_post(EndpointObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    int op;
-    unsigned long long peer;
-    PyObject *objs[5];
-    long long timeout_ms;
-    if (!PyArg_ParseTuple(args, "iKOOOOOL", &op, &peer, &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
-                          &timeout_ms))
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError,
+                     "post(op, peer, local_addrs, local_lens, remote_addrs, remote_lens, remote_keys, timeout_ms) "
+                     "takes 8 arguments, not %zd",
+                     nargs);
         return NULL;
+    }
+    long op_long = PyLong_AsLong(args[0]);
+    if (op_long == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long peer = PyLong_AsUnsignedLongLong(args[1]);
+    if (peer == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    long long timeout_ms = PyLong_AsLongLong(args[7]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    int op = op_long < INT_MIN || op_long > INT_MAX ? -1 : (int)op_long;
+    PyObject *const *objs = args + 2;
     static const char *names[5] = {"local_addrs", "local_lens", "remote_addrs", "remote_lens", "remote_keys"};
     Py_buffer v[5];
     int got = 0;
@@ -956,8 +970,10 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
     }
     for (size_t i = 0; i < nr; i++) {
         if (ra[i] + rl[i] < ra[i]) {
-            PyErr_Format(PyExc_ValueError, "remote piece %zu (0x%llx + %llu) runs past the end of memory", i,
-                         (unsigned long long)ra[i], (unsigned long long)rl[i]);
+            char msg[160];
+            snprintf(msg, sizeof(msg), "remote piece %zu (0x%llx + %llu) runs past the end of memory", i,
+                     (unsigned long long)ra[i], (unsigned long long)rl[i]);
+            PyErr_SetString(PyExc_ValueError, msg);
             goto out;
         }
     }
@@ -977,7 +993,8 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "peer %llu is not connected to this endpoint (ep.complete first)", peer);
         goto out;
     }
-    ldesc = malloc((nl ? nl : 1) * sizeof(void *));
+    void *ldesc_small[64];
+    ldesc = nl <= 64 ? ldesc_small : malloc(nl * sizeof(void *));
     if (ldesc == NULL) {
         ep_leave(ep);
         PyErr_NoMemory();
@@ -1008,10 +1025,12 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
     pthread_rwlock_unlock(&ep->mr_lock);
     Py_END_ALLOW_THREADS ep_leave(ep);
     if (bad >= 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "local piece %zd (0x%llx, %llu bytes) is not inside memory registered on this endpoint "
-                     "(register it with ep.register first)",
-                     bad, (unsigned long long)la[bad], (unsigned long long)ll[bad]);
+        char msg[200];
+        snprintf(msg, sizeof(msg),
+                 "local piece %zd (0x%llx, %llu bytes) is not inside memory registered on this endpoint "
+                 "(register it with ep.register first)",
+                 bad, (unsigned long long)la[bad], (unsigned long long)ll[bad]);
+        PyErr_SetString(PyExc_ValueError, msg);
         goto out;
     }
     if (rc == RUN_NOMEM) {
@@ -1034,7 +1053,8 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *args)
     result = Py_None;
     Py_INCREF(result);
 out:
-    free(ldesc);
+    if (ldesc != NULL && nl > 64)
+        free(ldesc);
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&v[i]);
     return result;
@@ -1145,7 +1165,7 @@ static PyMethodDef Endpoint_methods[] = {
     {"prepare", (PyCFunction)Endpoint_prepare, METH_NOARGS, "prepare() -> (half, info)"},
     {"complete", (PyCFunction)Endpoint_complete, METH_VARARGS, "complete(half, remote_info) -> peer"},
     {"disconnect", (PyCFunction)Endpoint_disconnect, METH_VARARGS, "disconnect(peer)"},
-    {"post", (PyCFunction)Endpoint_post, METH_VARARGS,
+    {"post", (PyCFunction)(void (*)(void))Endpoint_post, METH_FASTCALL,
      "post(op, peer, local_addrs, local_lens, remote_addrs, remote_lens, remote_keys, timeout_ms)"},
     {"counters", (PyCFunction)Endpoint_counters, METH_NOARGS, "counters() -> dict"},
     {"close", (PyCFunction)Endpoint_close, METH_NOARGS, "close()"},

@@ -45,6 +45,11 @@ frees it (batches nobody completes are freed when the endpoint closes). The
 bytes of a timed-out READ may still land in the local buffer later: keep it
 registered (or the endpoint open) until the peer is disconnected.
 
+After an error completion, tcp;ofi_rxm's target drops the connection that
+carried the refused request; posts to that peer fail with ``FI_ENOTCONN``
+for the few milliseconds until this side has seen it close, and the next one
+connects anew. The backend re-establishes the peer on next use.
+
 ``MemoryRegion.close`` waits for posts in flight on the endpoint (bounded by
 their timeouts), then deregisters: after it returns no peer can reach the
 range through the key.
@@ -244,7 +249,11 @@ class Endpoint:
     def register(
         self, addr: int, length: int, *, remote_read: bool, remote_write: bool, device: int = -1
     ) -> MemoryRegion:
-        """Register ``length`` bytes at ``addr`` (GPU memory of CUDA device ``device`` when >= 0)."""
+        """Register ``length`` bytes at ``addr`` (GPU memory of CUDA device ``device`` when >= 0).
+
+        The region lives as long as the returned object: keep it, and close it (or let it
+        go) only when no transfer may use the range any more.
+        """
         try:
             mr = self._ep.register(
                 addr, length, remote_read=bool(remote_read), remote_write=bool(remote_write), device=device
