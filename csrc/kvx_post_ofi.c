@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/random.h>
 
+#include <sys/socket.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -311,6 +312,20 @@ static int ofi_complete(void *impl, uint64_t half, const unsigned char *info, si
         snprintf(err, KVX_ERR_LEN, "peer info is %zu bytes, a %s address is %zu: not from a %s endpoint",
                  info_len, o->info->fabric_attr->prov_name, len, o->info->fabric_attr->prov_name);
         return -FI_EINVAL;
+    }
+    /* Socket addresses: the family must be this endpoint's own. tcp;ofi_rxm
+     * takes an address of an unknown family into its AV and then refuses
+     * every later insert, so one bad peer would shut rdma off for all. */
+    uint32_t format = o->info->addr_format;
+    if (format == FI_SOCKADDR || format == FI_SOCKADDR_IN || format == FI_SOCKADDR_IN6) {
+        sa_family_t theirs, ours;
+        memcpy(&theirs, info, sizeof(theirs));
+        memcpy(&ours, mine, sizeof(ours));
+        if (theirs != ours || (ours != AF_INET && ours != AF_INET6)) {
+            snprintf(err, KVX_ERR_LEN, "peer info is a socket address of family %u, this endpoint's is %u",
+                     (unsigned)theirs, (unsigned)ours);
+            return -FI_EINVAL;
+        }
     }
     fi_addr_t addr = FI_ADDR_UNSPEC;
     rc = fi_av_insert(o->av, info, 1, &addr, 0, NULL);

@@ -338,11 +338,6 @@ def test_error_completions_name_the_status_and_the_peer_then_tcp_takes_over(
     assert peer.alive and peer.backend == "rdma"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvx._fabric: after fi_av_insert refuses an address of an unknown family, the "
-    "tcp;ofi_rxm endpoint refuses every later address too; the C layer must check the family first",
-)
 def test_an_address_of_an_unknown_family_does_not_break_the_endpoint_for_others(
     fabric, make_worker, make_agent
 ):
