@@ -32,6 +32,12 @@ if [ "${#packages[@]}" -gt 0 ]; then
     "${as_root[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]' </dev/null
+# The headers are installed above, so the rdma layers must have been built:
+# without them the rdma suites would skip, and a green run would prove nothing.
+python3 -c "import kvx._fabric, kvx._verbs" </dev/null || {
+    echo "scripts/test.sh: kvx._fabric or kvx._verbs did not build (see pip's output above)" >&2
+    exit 1
+}
 echo "== gate: ruff, formatting, mypy"
 ./scripts/lint.sh
 echo "== docs"
