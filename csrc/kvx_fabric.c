@@ -40,6 +40,7 @@ int kvx_ofi_list(const char *node, void (*each)(void *arg, const struct fi_info 
 #define MAX_PIECES ((Py_ssize_t)1 << 24)
 #define MAX_TIMEOUT_MS (24LL * 3600 * 1000)
 #define MAX_PEERS 65536
+#define MAX_PEER_REFS 65536
 #define MAX_MRS 1048576
 #define POLL_BATCH 64
 
@@ -87,6 +88,7 @@ struct kvx_ep {
     int closed;
     struct batch *batches;
     uint64_t *peers; /* sorted */
+    uint32_t *peer_refs; /* per peer: the complete() calls not yet disconnected */
     size_t n_peers;
     uint64_t c_posts, c_wrs, c_sges, c_completions, c_errors, c_eagain, c_timeouts, c_orphans;
 
@@ -685,6 +687,7 @@ static void Endpoint_dealloc(EndpointObject *self)
         pthread_mutex_destroy(&ep->lock);
         free(ep->mrs);
         free(ep->peers);
+        free(ep->peer_refs);
         free(ep);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -836,18 +839,35 @@ static PyObject *Endpoint_complete(EndpointObject *self, PyObject *args)
     if (rc == 0) {
         pthread_mutex_lock(&ep->lock);
         size_t at;
-        if (peer_index(ep, peer, &at) < 0) {
+        ssize_t i = peer_index(ep, peer, &at);
+        /* The provider gives one address one peer number: several users of
+         * it (say, this agent's link to a peer and that peer's link to it)
+         * share it, and it is forgotten only when the last one disconnects. */
+        if (i >= 0) {
+            if (ep->peer_refs[i] < MAX_PEER_REFS)
+                ep->peer_refs[i]++;
+            else
+                rc = -ENOSPC;
+        } else {
             uint64_t *p = realloc(ep->peers, (ep->n_peers + 1) * sizeof(*p));
-            if (p == NULL) {
+            if (p != NULL)
+                ep->peers = p;
+            uint32_t *r = p == NULL ? NULL : realloc(ep->peer_refs, (ep->n_peers + 1) * sizeof(*r));
+            if (r == NULL) {
                 rc = -ENOMEM;
             } else {
-                ep->peers = p;
+                ep->peer_refs = r;
                 memmove(&p[at + 1], &p[at], (ep->n_peers - at) * sizeof(*p));
+                memmove(&r[at + 1], &r[at], (ep->n_peers - at) * sizeof(*r));
                 p[at] = peer;
+                r[at] = 1;
                 ep->n_peers++;
             }
         }
         pthread_mutex_unlock(&ep->lock);
+        if (rc == -ENOSPC)
+            snprintf(err, sizeof(err), "peer %llu was connected %d times without disconnect",
+                     (unsigned long long)peer, MAX_PEER_REFS);
     }
     ep_leave(ep);
     if (rc == -EINVAL) {
@@ -869,13 +889,17 @@ static PyObject *Endpoint_disconnect(EndpointObject *self, PyObject *args)
         return NULL;
     pthread_mutex_lock(&ep->lock);
     ssize_t i = peer_index(ep, peer, NULL);
-    if (i >= 0) {
-        memmove(&ep->peers[i], &ep->peers[i + 1], (ep->n_peers - (size_t)i - 1) * sizeof(uint64_t));
+    int last = 0;
+    if (i >= 0 && --ep->peer_refs[i] == 0) {
+        size_t tail = ep->n_peers - (size_t)i - 1;
+        memmove(&ep->peers[i], &ep->peers[i + 1], tail * sizeof(uint64_t));
+        memmove(&ep->peer_refs[i], &ep->peer_refs[i + 1], tail * sizeof(uint32_t));
         ep->n_peers--;
+        last = 1;
     }
     pthread_mutex_unlock(&ep->lock);
     char err[KVX_ERR_LEN] = "";
-    int rc = i >= 0 ? ep->prov->disconnect(ep->impl, peer, err) : 0;
+    int rc = last ? ep->prov->disconnect(ep->impl, peer, err) : 0;
     ep_leave(ep);
     if (i < 0) {
         PyErr_Format(PyExc_ValueError, "peer %llu is not connected to this endpoint", peer);

@@ -339,3 +339,25 @@ def test_bad_peer_info_is_refused():
         for info in (b"", b"x", b"x" * 4096):
             with pytest.raises(fabric.PeerInfoError):
                 ep.complete(None, info)
+
+
+def test_one_user_of_a_shared_peer_number_disconnecting_leaves_the_others(make_target):
+    """The attack: the provider gives one address one peer number, so a peer that
+    replays another's endpoint info (or an honest pair linked both ways) shares it;
+    when that user disconnects, the other must keep its peer, not fail with
+    "not connected"."""
+    t = make_target(size=4096)
+    local, _mr = _local(t.ep, 4096)
+    again = t.ep.complete(0, t.remote_info)  # a second user of the same address
+    assert again == t.peer
+    t.ep.disconnect(again)
+    _read_small(t, local)  # the first user still reaches the target
+    assert local[:64].tobytes() == _target_bytes(4096, 0, 0, 64)
+    t.ep.disconnect(t.peer)
+    with pytest.raises(ConfigError, match="not connected"):
+        _read_small(t, local)
+
+
+def _target_bytes(size: int, region: int, offset: int, length: int) -> bytes:
+    """What the target's buffer ``region`` of ``size`` bytes holds (see ``_target``)."""
+    return np.random.default_rng(region).bytes(size)[offset : offset + length]
