@@ -305,6 +305,7 @@ class Agent:
                 backend.deregistered(region)
             except Exception:
                 logger.exception("backend %s failed to let go of region %d", backend.name, region.id)
+        self._regions.let_go(region)
 
     def deregister(self, region: Region | int, *, timeout_s: float | None = None) -> None:
         """Remove a region. Waits for transfers that may touch it (up to
@@ -317,6 +318,8 @@ class Agent:
                 backend.deregistered(removed)
             except Exception:  # one backend must not keep the others' registrations open
                 logger.exception("backend %s failed to let go of region %d", backend.name, removed.id)
+        # Only now may the memory go: until the registrations closed, a peer could still reach it.
+        self._regions.let_go(removed)
         if self._directory is not None:
             self._directory.regions_changed()
 

@@ -234,7 +234,9 @@ class RegionTable:
     def remove(self, region: Region | int, timeout_s: float) -> Region:
         """Deregister; waits for accesses that started before, and for the
         leases peers hold on it (revoked through ``on_remove``), up to
-        timeout_s. Returns the region that was removed."""
+        timeout_s. Returns the region that was removed, still holding its
+        memory: the caller lets go of it (``let_go``) once nothing else can
+        reach the memory."""
         rid = region.id if isinstance(region, Region) else int(region)
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -276,9 +278,15 @@ class RegionTable:
             self._size[rid] = 0
             self._device[rid] = -1
             self._cuda -= removed.memory_kind is MemoryKind.CUDA
-        # Let go of the memory: a handle the caller keeps must not pin it.
-        object.__setattr__(removed, "owner", None)
         return removed
+
+    @staticmethod
+    def let_go(region: Region) -> None:
+        """Drop the reference that kept a removed region's memory alive (a
+        handle the caller keeps must not pin it). Only once nothing can reach
+        the memory any more: after the backends closed what let a peer touch
+        it (a NIC's registration)."""
+        object.__setattr__(region, "owner", None)
 
     def set_remote_key(self, region_id: int, key: int) -> None:
         """The key peers name the region by on a NIC (the rdma backend's

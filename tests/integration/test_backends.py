@@ -4,6 +4,7 @@ connect leaves behind."""
 from __future__ import annotations
 
 import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -164,3 +165,36 @@ def test_a_backend_that_fails_to_load_is_left_out_unless_configured(make_worker)
             kvx.Agent("strict", backend="broken")
     finally:
         kvx.backends._REGISTRY.pop("broken")
+
+
+class RegistrationBackend(Backend):
+    """A test backend that stands for a NIC's registration: it records, when
+    told a region is gone, whether the region still held its memory."""
+
+    auto = False
+    seen: ClassVar[list[tuple[int, bool]]] = []
+
+    def deregistered(self, region):
+        RegistrationBackend.seen.append((region.id, region.owner is not None))
+
+    def reach(self, md):
+        return "registration only", ""
+
+    def connect(self, md, link):
+        raise AssertionError("never connects")
+
+
+def test_memory_is_held_until_every_backend_closed_its_registration():
+    """A NIC's registration still reaches the memory until the backend closes
+    it: the agent must not let the memory go (its last reference may be the
+    region's) before every backend was told."""
+    kvx.backends.register("registration", "tests.integration.test_backends:RegistrationBackend")
+    RegistrationBackend.seen.clear()
+    try:
+        with kvx.Agent("registrar") as agent:
+            region = agent.register(np.zeros(4096, np.uint8))  # the region holds the only reference
+            agent.deregister(region)
+            assert RegistrationBackend.seen == [(region.id, True)]
+            assert region.owner is None  # and then let go
+    finally:
+        kvx.backends._REGISTRY.pop("registration")
