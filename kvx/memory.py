@@ -151,7 +151,7 @@ class RegionTable:
         self._waiters = 0
         # Region id -> the key under which a NIC lets peers touch it (the rdma
         # backend sets it once the region is registered with its endpoint).
-        self._remote_keys: dict[int, int] = {}
+        self._remote_keys: dict[int, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -288,15 +288,17 @@ class RegionTable:
         it (a NIC's registration)."""
         object.__setattr__(region, "owner", None)
 
-    def set_remote_key(self, region_id: int, key: int) -> None:
-        """The key peers name the region by on a NIC (the rdma backend's
-        memory registration); handed out only with a pin (``remote_keys``)."""
+    def set_remote_keys(self, region_id: int, keys: list[int]) -> None:
+        """The keys peers name the region by on the NICs, one per rail (the
+        rdma backend's memory registrations); handed out only with a pin
+        (``remote_keys``)."""
+        packed = np.array(keys, "<u8").tobytes()
         with self._lock:
             if region_id in self._regions:
-                self._remote_keys[region_id] = key
+                self._remote_keys[region_id] = packed
 
     def remote_keys(self, ids: np.ndarray, who: str) -> bytes:
-        """Per region its NIC key (uint64). Call with the regions pinned."""
+        """Per region its NIC keys (uint64, one per rail). Call with the regions pinned."""
         with self._lock:
             keys = [self._remote_keys.get(rid) for rid in ids.tolist()]
         if None in keys:
@@ -305,7 +307,7 @@ class RegionTable:
                 f"{who}: region {rid} is not registered with this agent's rdma endpoint (its "
                 "registration failed, see the agent's log, or the agent offers no rdma)"
             )
-        return np.array(keys, "<u8").tobytes()
+        return b"".join(k for k in keys if k is not None)
 
     def resolve(self, descs: np.ndarray, need: int, who: str) -> tuple[Any, Any, int, int]:
         """Check descriptors and pin the table: (addresses, lengths, total bytes, token).

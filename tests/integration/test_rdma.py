@@ -67,6 +67,7 @@ class _FakeFabric:
 
 
 def test_forcing_rdma_without_libfabric_fails_naming_what_is_missing(monkeypatch, caplog):
+    monkeypatch.setattr(rdma, "load_verbs", lambda: (None, "no RDMA device in this test"))
     why = "kvx was built without libfabric (apt-get install libfabric-dev, then reinstall kvx)"
     monkeypatch.setattr(rdma, "load_fabric", lambda: (None, why))
     with pytest.raises(kvx.ConfigError, match=r"backend='rdma' needs libfabric: .*libfabric-dev"):
@@ -78,6 +79,8 @@ def test_forcing_rdma_without_libfabric_fails_naming_what_is_missing(monkeypatch
 
 def test_auto_never_opens_the_tcp_provider_by_itself(monkeypatch):
     monkeypatch.delenv(rdma.PROVIDER_ENV, raising=False)
+    # No ibverbs device here (and loading libibverbs would keep the verbs double out of this process).
+    monkeypatch.setattr(rdma, "load_verbs", lambda: (None, "no RDMA device in this test"))
     fake = _FakeFabric(["tcp;ofi_rxm", "udp;ofi_rxd"])
     monkeypatch.setattr(rdma, "load_fabric", lambda: (fake, None))
     with kvx.Agent("auto") as agent:
@@ -131,12 +134,13 @@ def _raw_rdma_peer(sock, fabric):
     authenticated connection ``sock``: (endpoint, fabric peer)."""
     ep = fabric.Endpoint(provider=RDMA_PROVIDER)
     half, info = ep.prepare()
-    payload = rdma.pack_connect(0, info)
+    payload = rdma.pack_connect(0, 1, [info])
     sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 1, payload_len=len(payload)) + payload)
     (msg_type, _), body = _read_message(sock)
     assert msg_type == MsgType.RDMA_CONNECT_OK, body
-    _, theirs = rdma.parse_connect(body, "target")
-    return ep, ep.complete(half, theirs)
+    answer = rdma.parse_connect(body, "target")
+    assert answer.rails == 1 and len(answer.infos) == 1
+    return ep, ep.complete(half, answer.infos[0])
 
 
 def _pin_key(sock, request_id, region_id, aux):
@@ -232,14 +236,23 @@ def test_a_key_dies_with_its_region(fabric):
 
 def test_malformed_connect_exchanges_drop_the_connection_only(fabric, make_worker, make_agent):
     worker = make_worker()
-    info = rdma.pack_connect(0, b"\x02\x00" + b"\x01" * 14)  # an address libfabric refuses
+    info = rdma.pack_connect(0, 1, [b"\x02\x00" + b"\x01" * 14])  # an address libfabric refuses
     sock, _ = _session(worker)  # oversized: refused before it is read
     sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 1, payload_len=1 << 20))
     assert "at most" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)  # carries data
     sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 1, payload_len=len(info), data_len=1 << 30) + info)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
-    for payload in (b"\x02" + info[1:], info[:-1], info + b"x", b"\x01"):  # version, lengths
+    # Version, lengths, rail counts (none, over the bound, pairs not matching rails), a reserved byte.
+    bad_rails = (info[:2] + b"\x00" + info[3:], info[:2] + b"\x11" + info[3:], info[:2] + b"\x02" + info[3:])
+    for payload in (
+        b"\x01" + info[1:],
+        info[:-1],
+        info + b"x",
+        b"\x02",
+        *bad_rails,
+        info[:5] + b"\x01" + info[6:],
+    ):
         sock, _ = _session(worker)
         sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 1, payload_len=len(payload)) + payload)
         _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
@@ -250,7 +263,7 @@ def test_malformed_connect_exchanges_drop_the_connection_only(fabric, make_worke
     ep, _ = _raw_rdma_peer(sock, fabric)
     try:
         _, again = ep.prepare()
-        payload = rdma.pack_connect(0, again)
+        payload = rdma.pack_connect(0, 1, [again])
         sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 2, payload_len=len(payload)) + payload)
         assert "second RDMA_CONNECT" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     finally:
@@ -342,7 +355,7 @@ def test_an_address_of_an_unknown_family_does_not_break_the_endpoint_for_others(
     fabric, make_worker, make_agent
 ):
     worker = make_worker()
-    info = rdma.pack_connect(0, b"\x01" * 16)
+    info = rdma.pack_connect(0, 1, [b"\x01" * 16])
     sock, _ = _session(worker)
     sock.sendall(_wire.pack(MsgType.RDMA_CONNECT, 1, payload_len=len(info)) + info)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)

@@ -95,7 +95,10 @@ _RESPONSE = {
     MsgType.NOTIFY: MsgType.NOTIFY_ACK,
     MsgType.SHM_PIN: MsgType.SHM_PIN_OK,
     MsgType.VERIFY: MsgType.VERIFY_OK,
+    MsgType.RDMA_CONNECT: MsgType.RDMA_CONNECT_OK,
 }
+# Answers that carry a payload for Link.ask (at most MAX_HANDSHAKE_BYTES).
+_ASKED = frozenset({MsgType.RDMA_CONNECT_OK})
 
 
 def _remote_error(code: int, text: str, peer: str) -> KvxError:
@@ -232,7 +235,19 @@ class Part:
     response, the send and a connection failure come in.
     """
 
-    __slots__ = ("transfer", "op", "addrs", "lens", "nbytes", "holds", "error", "copy", "device", "keep")
+    __slots__ = (
+        "transfer",
+        "op",
+        "addrs",
+        "lens",
+        "nbytes",
+        "holds",
+        "error",
+        "copy",
+        "device",
+        "keep",
+        "answer",
+    )
 
     def __init__(
         self, transfer: Transfer, op: MsgType, addrs: Any, lens: Any, nbytes: int, device: int = -1
@@ -244,6 +259,7 @@ class Part:
         self.nbytes = nbytes
         self.holds = 2 if self.sends_data else 1
         self.error: KvxError | None = None
+        self.answer = b""  # Link.ask: the answer's payload
         # SHM_PIN: fn((base, size) per pinned region) moves the bytes.
         self.copy: Callable[[np.ndarray], None] | None = None
         # The CUDA device of addrs, or -1 (host memory): device bytes go through pinned buffers (_staging).
@@ -507,8 +523,15 @@ class Connection:
                 raise ProtocolError(f"peer {self.peer!r} sent a malformed ERROR")
             text = bytes(recv_exact(self.sock, payload_len)).decode(errors="replace")
             return _remote_error(aux, text, self.peer)
-        if msg_type != _RESPONSE[part.op] or (payload_len and msg_type != MsgType.SHM_PIN_OK):
+        if msg_type != _RESPONSE[part.op] or (
+            payload_len and msg_type != MsgType.SHM_PIN_OK and msg_type not in _ASKED
+        ):
             raise ProtocolError(f"peer {self.peer!r} answered {part.op.name} with message type {msg_type}")
+        if msg_type in _ASKED:
+            if payload_len > _wire.MAX_HANDSHAKE_BYTES or data_len:
+                raise ProtocolError(f"peer {self.peer!r} sent an oversized {MsgType(msg_type).name}")
+            part.answer = bytes(recv_exact(self.sock, payload_len))
+            return None
         if msg_type == MsgType.SHM_PIN_OK:
             return self._copy_pinned(part, request_id, payload_len, data_len)
         if msg_type == MsgType.READ_RESP:
@@ -739,6 +762,25 @@ class Link:
         if len(self.conns) == 1:
             return self.conns[0]
         return self.conns[next(self._next_conn) % len(self.conns)]
+
+    def ask(self, msg_type: MsgType, payload: bytes) -> bytes:
+        """A backend's control request once the link runs (``request`` is for
+        before ``start()``): sent on the first connection, its answer read by
+        that connection's reader. Returns the answer's payload; an ERROR
+        answer raises its kvx error, no answer within ``Timeouts.connect_s``
+        raises TimeoutError. Only types that ``_RESPONSE`` pairs with an
+        answer in ``_ASKED``."""
+        assert msg_type in _RESPONSE and _RESPONSE[msg_type] in _ASKED
+        if len(payload) > _wire.MAX_HANDSHAKE_BYTES:
+            raise LimitError(f"a control request carries at most {_wire.MAX_HANDSHAKE_BYTES} bytes")
+        timeout_s = self.ctx.timeouts.connect_s
+        transfer = Transfer(Op.READ, self.peer, 0, 1, timeout_s)
+        part = Part(transfer, msg_type, None, None, 0)
+        conn = self.conns[0]
+        request_id = next(conn.ids)
+        conn.submit(part, _wire.pack(msg_type, request_id, payload_len=len(payload)) + payload, request_id)
+        transfer.wait(timeout_s)
+        return part.answer
 
     def request(self, msg_type: int, expect: int, payload: bytes = b"") -> bytes:
         """A control request answered before ``start()`` (the reader would

@@ -127,8 +127,8 @@ NONCE_BYTES = 32
 # Per region: base and size, plus (PIN_IPC) offset and handle.
 PIN_REPLY_BYTES = 16
 PIN_IPC_REPLY_BYTES = 16 + 8 + 64
-PIN_RDMA_REPLY_BYTES = 16 + 8
-MAX_PIN_REPLY_BYTES = PIN_IPC_REPLY_BYTES * 65536
+PIN_RDMA_REPLY_BYTES = 16 + 8  # per rail of the target's: 8 more (at most 16 rails)
+MAX_PIN_REPLY_BYTES = max(PIN_IPC_REPLY_BYTES, 16 + 8 * 16) * 65536
 
 
 class MsgType(enum.IntEnum):

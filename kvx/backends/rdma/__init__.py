@@ -22,10 +22,10 @@ control connection ends.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import logging
 import os
-import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -37,48 +37,50 @@ from kvx.backends.control.link import Link
 from kvx.backends.control.serve import Fatal, Handler, InboundConnection
 from kvx.backends.control.sock import recv_exact
 from kvx.backends.control.wire import MsgType
-from kvx.backends.rdma.copy import RdmaCopy, post_error
-from kvx.backends.tcp import TcpChannel
-from kvx.errors import (
-    AccessError,
-    ClosedError,
-    ConfigError,
-    KvxError,
-    PeerLostError,
-    ProtocolError,
-    TimeoutError,
+from kvx.backends.rdma import rails, topology
+from kvx.backends.rdma.channel import (
+    FAILURES_BEFORE_FALLBACK,
+    INLINE_COPY_BYTES,
+    RAIL_RETRY_S,
+    VERBS,
+    RdmaChannel,
 )
+from kvx.backends.rdma.rails import pack_connect, parse_connect
+from kvx.errors import AccessError, ClosedError, ConfigError, PeerLostError, ProtocolError
 from kvx.memory import MemoryKind
-from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
 if TYPE_CHECKING:
     from kvx.memory import Region
 
+__all__ = [
+    "FAILURES_BEFORE_FALLBACK",
+    "INLINE_COPY_BYTES",
+    "RAIL_RETRY_S",
+    "RdmaBackend",
+    "RdmaChannel",
+    "pack_connect",
+    "parse_connect",
+]
+
 logger = logging.getLogger(__name__)
 
-# Which libfabric provider the endpoint opens, e.g. "tcp;ofi_rxm", "efa", "verbs;ofi_rxm".
+# Which provider the endpoints open: "verbs" (kvx._verbs, ibverbs) or a
+# libfabric one, e.g. "tcp;ofi_rxm", "efa", "verbs;ofi_rxm".
 PROVIDER_ENV = "KVX_RDMA_PROVIDER"
-# Under backend="auto" without KVX_RDMA_PROVIDER: only these, best first. The
-# tcp provider is never chosen by itself: kvx's own tcp backend is faster.
-HARDWARE_PROVIDERS = ("efa", "verbs;ofi_rxm")
+# Under backend="auto" without KVX_RDMA_PROVIDER: only these, best first
+# ("verbs" is kvx._verbs, the others libfabric's). The tcp provider is never
+# chosen by itself: kvx's own tcp backend is faster.
+HARDWARE_PROVIDERS = ("efa", VERBS, "verbs;ofi_rxm")
 SOFTWARE_PROVIDER = "tcp;ofi_rxm"
 # Providers whose endpoint is first opened asking for GPU memory registration.
 HMEM_PROVIDERS = ("efa", "verbs")
+# sysfs and procfs are read under this root (tests build trees there).
+SYSFS_ROOT_ENV = "KVX_SYSFS_ROOT"
 
 # The connect exchange (wire.py): kvx's own types, as a built-in backend's.
 RDMA_CONNECT = MsgType.RDMA_CONNECT
 RDMA_CONNECT_OK = MsgType.RDMA_CONNECT_OK
-CONNECT_VERSION = 1
-_CONNECT = struct.Struct("<BBH")  # version, flags, length of the endpoint's info that follows
-MAX_INFO_BYTES = 1024
-FLAG_GPU = 1  # (answer) this agent registers its CUDA memory with the NIC
-
-# Transfers up to this size go through the regions' leases on the posting
-# thread (no pin round trip); larger ones in parts on the connections' threads.
-INLINE_COPY_BYTES = 4 << 20
-# Failed posts in a row after which a peer's transfers go over tcp instead.
-FAILURES_BEFORE_FALLBACK = 3
 
 
 def load_fabric() -> tuple[Any, str | None]:
@@ -91,72 +93,127 @@ def load_fabric() -> tuple[Any, str | None]:
     return (fabric, None) if why is None else (None, why)
 
 
+def load_verbs() -> tuple[Any, str | None]:
+    """(the verbs module, None) when kvx._verbs loads and finds an RDMA
+    device, or (None, why not)."""
+    try:
+        verbs = importlib.import_module("kvx.backends.rdma.verbs")
+    except ImportError as exc:
+        return None, f"kvx was installed without the rdma backend's verbs layer ({exc})"
+    why = verbs.available()
+    return (verbs, None) if why is None else (None, why)
+
+
 def _core(provider: str) -> str:
     return provider.split(";")[0]
 
 
-def open_endpoint(setting: str) -> tuple[Any, str]:
-    """The agent's endpoint and "", or (None, why none); raises ConfigError
-    where the agent is set to rdma and cannot have one."""
-    if setting not in ("auto", "rdma"):
-        return None, f"this agent's backend setting is {setting!r}"
-    forced = setting == "rdma"
-    fab, why = load_fabric()
-    if fab is None:
-        if forced:
-            raise ConfigError(f"backend='rdma' needs libfabric: {why}")
-        return None, why or ""
-    explicit = os.environ.get(PROVIDER_ENV, "").strip()
+def _candidates(forced: bool, explicit: str, fab: Any) -> list[str]:
     if explicit:
-        candidates = [explicit]
-    else:
+        return [explicit]
+    have: set[str] = set()
+    if fab is not None:
         try:
             have = {_core(info.provider) for info in fab.providers()}
-        except Exception as exc:  # a broken libfabric install: say so, use tcp
-            have = set()
+        except Exception as exc:  # a broken libfabric install: say so, use the others
             logger.warning("listing libfabric providers failed: %s", exc)
-        candidates = [p for p in HARDWARE_PROVIDERS if _core(p) in have]
-        if forced and not candidates:
-            candidates = [SOFTWARE_PROVIDER]
-        if not candidates:
-            return None, (
-                f"libfabric finds no RDMA hardware provider ({', '.join(HARDWARE_PROVIDERS)}); "
-                f"set {PROVIDER_ENV} to use another"
-            )
+    verbs, _ = load_verbs()
+    out = [
+        p
+        for p in HARDWARE_PROVIDERS
+        if (p == VERBS and verbs is not None) or (p != VERBS and _core(p) in have)
+    ]
+    if forced and fab is not None:
+        out.append(SOFTWARE_PROVIDER)
+    return out
+
+
+def _open_libfabric(fab: Any, provider: str, choice: rails.Choice, pinned: bool) -> list[Any]:
+    listed = []
+    if choice.devices:
+        try:
+            listed = [info.domain for info in fab.providers() if info.provider == provider]
+        except Exception:  # listing failed above already, with a warning
+            listed = []
+    eps: list[Any] = []
     failures = []
-    for provider in candidates:
+    for domain in rails.libfabric_domains(choice, listed, pinned):
         # GPU memory registration (FI_HMEM) where the NIC may offer it; without, where it does not.
         for hmem in (True, False) if _core(provider) in HMEM_PROVIDERS else (False,):
             try:
-                return fab.Endpoint(provider=provider, hmem=hmem), ""
+                eps.append(fab.Endpoint(provider=provider, domain=domain, hmem=hmem))
+                break
             except Exception as exc:
-                failures.append(f"{provider}{' with GPU memory' if hmem else ''}: {exc}")
+                failures.append(
+                    f"{provider}{' on ' + domain if domain else ''}{' with GPU memory' if hmem else ''}: {exc}"
+                )
+    return _opened(eps, failures, pinned)
+
+
+def _open_verbs(verbs: Any, choice: rails.Choice, pinned: bool) -> list[Any]:
+    eps: list[Any] = []
+    failures = []
+    for device in choice.devices or (None,):
+        name, _, port = (device or "").partition(":")
+        try:
+            eps.append(verbs.Endpoint(name or None, int(port) if port.isdigit() else 1))
+        except Exception as exc:
+            failures.append(f"{VERBS} on {device or 'the first device'}: {exc}")
+    return _opened(eps, failures, pinned)
+
+
+def _opened(eps: list[Any], failures: list[str], pinned: bool) -> list[Any]:
+    if failures and (pinned or not eps):
+        for ep in eps:
+            ep.close()
+        raise ConfigError("; ".join(failures))
+    for failure in failures:
+        logger.warning("an rdma rail could not be opened, it is left out: %s", failure)
+    return eps
+
+
+def open_endpoints(setting: str) -> tuple[list[Any], str]:
+    """The agent's endpoints, one per rail, and ""; or ([], why none).
+    Raises ConfigError where the agent is set to rdma and cannot have one."""
+    if setting not in ("auto", "rdma"):
+        return [], f"this agent's backend setting is {setting!r}"
+    forced = setting == "rdma"
+    explicit = os.environ.get(PROVIDER_ENV, "").strip()
+    fab, why = load_fabric()
+    candidates = _candidates(forced, explicit, fab)
+    if fab is None and (not candidates or (explicit and explicit != VERBS)):
+        if forced or explicit:
+            raise ConfigError(f"backend='rdma' needs libfabric: {why}")
+        return [], why or ""
+    if not candidates:
+        return [], (
+            f"no RDMA hardware provider ({', '.join(HARDWARE_PROVIDERS)}) is found; "
+            f"set {PROVIDER_ENV} to use another"
+        )
+    env = os.environ
+    pinned = bool(env.get(topology.DEVICES_ENV, "").strip())
+    root = env.get(SYSFS_ROOT_ENV) or "/"
+    failures = []
+    for provider in candidates:
+        try:
+            choice = rails.choose(root, env, rails.current_gpu_pci())
+            if provider == VERBS:
+                verbs, why_verbs = load_verbs()
+                if verbs is None:
+                    raise ConfigError(why_verbs or "")
+                eps = _open_verbs(verbs, choice, pinned)
+            else:
+                eps = _open_libfabric(fab, provider, choice, pinned)
+        except ConfigError as exc:
+            failures.append(f"{provider}: {exc}" if not str(exc).startswith(provider) else str(exc))
+            continue
+        logger.info("rdma rails (%s): %s", choice.reason, rails.describe(eps))
+        return eps, ""
     why = f"no rdma endpoint could be opened ({'; '.join(failures)})"
     if forced or explicit:
-        raise ConfigError(f"{why}; check {PROVIDER_ENV} and the provider's devices (kvx doctor)")
+        raise ConfigError(f"{why}; check {PROVIDER_ENV}, {topology.DEVICES_ENV} and the devices (kvx doctor)")
     logger.warning("%s; peers on other hosts will use tcp", why)
-    return None, why
-
-
-def pack_connect(flags: int, info: bytes) -> bytes:
-    if len(info) > MAX_INFO_BYTES:
-        raise ConfigError(f"the endpoint's connection info is {len(info)} bytes; at most {MAX_INFO_BYTES}")
-    return _CONNECT.pack(CONNECT_VERSION, flags, len(info)) + info
-
-
-def parse_connect(payload: bytes, peer: str) -> tuple[int, bytes]:
-    """(flags, the peer endpoint's info) of a connect message; ProtocolError
-    when it is not one."""
-    if len(payload) < _CONNECT.size:
-        raise ProtocolError(f"peer {peer!r} sent a {len(payload)}-byte rdma connect message")
-    version, flags, length = _CONNECT.unpack_from(payload)
-    if version != CONNECT_VERSION:
-        raise ProtocolError(
-            f"peer {peer!r} speaks rdma connect version {version}, this agent {CONNECT_VERSION}"
-        )
-    if flags & ~FLAG_GPU or not 0 < length <= MAX_INFO_BYTES or len(payload) != _CONNECT.size + length:
-        raise ProtocolError(f"peer {peer!r} sent a malformed rdma connect message")
-    return flags, payload[_CONNECT.size :]
+    return [], why
 
 
 class RdmaBackend(Backend):
@@ -166,27 +223,42 @@ class RdmaBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.ep, self.why_not = open_endpoint(ctx.setting)
+        self.eps, self.why_not = open_endpoints(ctx.setting)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._posts = 0  # ep.post calls running: close() waits for them
-        self._mrs: dict[int, Any] = {}
-        self._inbound: dict[InboundConnection, int] = {}  # connections that connected, their fabric peer
+        self._posts = 0  # endpoint calls running: close() waits for them
+        self._mrs: dict[int, list[Any]] = {}  # region id -> its registration on each rail
+        # Connections that connected -> per rail pair (the local rail, its fabric peer).
+        self._inbound: dict[InboundConnection, list[tuple[int, int]]] = {}
         self._gpu_registered = 0
         self._gpu_failed: str | None = None
-        if self.ep is not None:
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if len(self.eps) > 1:  # the slices of a striped transfer run on the rails at once
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2 * len(self.eps), thread_name_prefix=f"kvx-rdma-{ctx.agent_name}"
+            )
+        if self.eps:
             logger.info(
-                "agent %s: rdma endpoint on %s (fabric %s, domain %s)",
+                "agent %s: rdma over %s on %d rail(s): %s",
                 ctx.agent_name,
-                self.ep.provider,
-                self.ep.fabric,
-                self.ep.domain,
+                self.provider,
+                len(self.eps),
+                rails.describe(self.eps),
             )
 
     @property
+    def ep(self) -> Any:
+        """Rail 0's endpoint; None without rdma."""
+        return self.eps[0] if self.eps else None
+
+    @ep.setter
+    def ep(self, ep: Any) -> None:
+        self.eps[0] = ep
+
+    @property
     def provider(self) -> str:
-        return self.ep.provider if self.ep is not None else ""
+        return self.eps[0].provider if self.eps else ""
 
     @property
     def registers_gpu(self) -> bool:
@@ -194,58 +266,69 @@ class RdmaBackend(Backend):
         return self._gpu_registered > 0 and self._gpu_failed is None
 
     def offer(self, md: agent_pb2.AgentMetadata) -> None:
-        if self.ep is not None and not self._closed:
-            # The provider's name only: the endpoint's address goes over the authenticated link.
-            md.endpoints.add(backend=agent_pb2.BACKEND_RDMA, address=self.ep.provider)
+        if self.eps and not self._closed:
+            # The provider's name only: the endpoints' addresses go over the authenticated link.
+            md.endpoints.add(backend=agent_pb2.BACKEND_RDMA, address=self.provider)
 
     # Memory.
 
     def registered(self, region: Region) -> None:
-        ep = self.ep
-        if ep is None:
+        if not self.eps:
             return
         cuda = region.memory_kind is MemoryKind.CUDA
-        try:
-            mr = ep.register(
-                region.address,
-                region.size_bytes,
-                remote_read=region.remote_read,
-                remote_write=region.remote_write,
-                device=region.device if cuda else -1,
-            )
-        except Exception as exc:
-            if cuda:
-                with self._lock:
-                    self._gpu_failed = str(exc)
-                logger.warning(
-                    "agent %s: %s cannot register CUDA region %d (%s); transfers on GPU memory go over "
-                    "tcp, staged through pinned host buffers",
-                    self.ctx.agent_name,
-                    ep.provider,
-                    region.id,
-                    exc,
+        mrs: list[Any] = []
+        for rail, ep in enumerate(self.eps):  # every region on every rail: any rail may carry its slices
+            try:
+                mrs.append(
+                    ep.register(
+                        region.address,
+                        region.size_bytes,
+                        remote_read=region.remote_read,
+                        remote_write=region.remote_write,
+                        device=region.device if cuda else -1,
+                    )
                 )
+            except Exception as exc:
+                for mr in mrs:
+                    mr.close()
+                self._register_failed(region, rail, ep, exc)
                 return
-            raise ConfigError(
-                f"cannot register region {region.id} ({region.size_bytes} bytes) with the rdma endpoint "
-                f"({ep.provider}): {exc}; if the locked-memory limit is low, raise it (ulimit -l "
-                "unlimited; docker: --ulimit memlock=-1)"
-            ) from exc
         with self._lock:
             if self._closed:
-                mr.close()
+                for mr in mrs:
+                    mr.close()
                 return
-            self._mrs[region.id] = mr
+            self._mrs[region.id] = mrs
             self._gpu_registered += cuda
         if region.remote_read or region.remote_write:
-            self.ctx.regions.set_remote_key(region.id, mr.key)
+            self.ctx.regions.set_remote_keys(region.id, [mr.key for mr in mrs])
+
+    def _register_failed(self, region: Region, rail: int, ep: Any, exc: Exception) -> None:
+        where = f"{ep.provider} on {ep.domain} (rail {rail})"
+        if region.memory_kind is MemoryKind.CUDA:
+            with self._lock:
+                self._gpu_failed = str(exc)
+            logger.warning(
+                "agent %s: %s cannot register CUDA region %d (%s); transfers on GPU memory go over "
+                "tcp, staged through pinned host buffers",
+                self.ctx.agent_name,
+                where,
+                region.id,
+                exc,
+            )
+            return
+        raise ConfigError(
+            f"cannot register region {region.id} ({region.size_bytes} bytes) with the rdma endpoint "
+            f"{where}: {exc}; if the locked-memory limit is low, raise it (ulimit -l "
+            "unlimited; docker: --ulimit memlock=-1)"
+        ) from exc
 
     def deregistered(self, region: Region) -> None:
         with self._lock:
-            mr = self._mrs.pop(region.id, None)
-            if mr is not None and region.memory_kind is MemoryKind.CUDA:
+            mrs = self._mrs.pop(region.id, None)
+            if mrs is not None and region.memory_kind is MemoryKind.CUDA:
                 self._gpu_registered -= 1
-        if mr is not None:
+        for mr in mrs or ():
             mr.close()  # from here on no peer reaches the range, whatever key it kept
 
     # The target's side of the connect exchange.
@@ -256,43 +339,71 @@ class RdmaBackend(Backend):
     def _on_connect(
         self, conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int
     ) -> None:
-        if aux or data_len or payload_len > _CONNECT.size + MAX_INFO_BYTES:
+        if aux or data_len or payload_len > rails.MAX_CONNECT_BYTES:
             # Refused before a byte of it is read: the connection ends, the agent serves on.
             raise Fatal(
                 ProtocolError(
-                    f"RDMA_CONNECT carries at most {_CONNECT.size + MAX_INFO_BYTES} bytes of endpoint "
+                    f"RDMA_CONNECT carries at most {rails.MAX_CONNECT_BYTES} bytes of endpoint "
                     f"info and no data, not {payload_len} and {data_len}"
                 ),
                 request_id,
             )
         payload = bytes(recv_exact(conn.sock, payload_len))
-        ep = self.ep
-        if ep is None:
+        if not self.eps:
             conn.send_error(
                 request_id, AccessError(f"agent {self.ctx.agent_name!r} offers no rdma: {self.why_not}")
             )
             return
         try:
-            _, info = parse_connect(payload, conn.peer_name)
+            msg = rails.parse_connect(payload, conn.peer_name)
         except ProtocolError as exc:
             raise Fatal(exc, request_id) from None
+        again = bool(msg.flags & rails.FLAG_RECONNECT)
         with self._lock:
-            if conn in self._inbound:
-                raise Fatal(ProtocolError("a second RDMA_CONNECT on one connection"), request_id)
+            pairs = self._inbound.get(conn)
             if self._closed:
                 raise PeerLostError("the agent is closing")
-        try:
-            half, mine = ep.prepare()
-            fabric_peer = ep.complete(half, info)
-        except ValueError as exc:  # the peer's info: bad, short or oversized
-            raise Fatal(ProtocolError(f"malformed rdma endpoint info: {exc}"), request_id) from None
-        except Exception as exc:  # the fabric failed: the initiator falls back to tcp
-            conn.send_error(request_id, AccessError(f"rdma endpoint ({ep.provider}) failed: {exc}"))
-            return
+            if pairs is not None and not again:
+                raise Fatal(ProtocolError("a second RDMA_CONNECT on one connection"), request_id)
+            if again and (pairs is None or len(msg.infos) != 1 or msg.first >= len(pairs)):
+                raise Fatal(ProtocolError("an rdma reconnect names a rail pair never connected"), request_id)
+            if not again and (msg.first or len(msg.infos) != msg.rails):
+                raise Fatal(ProtocolError("an rdma connect must carry one info per rail"), request_id)
+        if again:
+            assert pairs is not None
+            old_rail, old_peer = pairs[msg.first]
+            self._disconnect(old_rail, old_peer)  # its QP (or address) is gone for good
+        done: list[tuple[int, int]] = []
+        mine: list[bytes] = []
+        for i, info in enumerate(msg.infos):
+            rail = topology.peer_rail(msg.first + i, len(self.eps))
+            ep = self.eps[rail]
+            prepared = False
+            try:
+                half, ours = ep.prepare()
+                prepared = True
+                done.append((rail, ep.complete(half, info)))
+                mine.append(ours)
+            except Exception as exc:
+                self._disconnect_all(done)
+                if prepared and isinstance(exc, ValueError):  # the peer's info: bad, short or oversized
+                    raise Fatal(ProtocolError(f"malformed rdma endpoint info: {exc}"), request_id) from None
+                # The fabric failed: the initiator falls back to tcp (or keeps the rail down).
+                conn.send_error(
+                    request_id,
+                    AccessError(f"rdma endpoint {ep.provider} on {ep.domain} (rail {rail}) failed: {exc}"),
+                )
+                return
         with self._lock:
-            self._inbound[conn] = fabric_peer
-        conn.when_closed(lambda: self._forget(conn))
-        answer = pack_connect(FLAG_GPU if self.registers_gpu else 0, mine)
+            if again:
+                assert pairs is not None
+                pairs[msg.first] = done[0]
+            else:
+                self._inbound[conn] = done
+        if not again:
+            conn.when_closed(lambda: self._forget(conn))
+        flags = rails.FLAG_GPU if self.registers_gpu else 0
+        answer = rails.pack_connect(flags, len(self.eps), mine, msg.first)
         try:
             conn.sock.sendall(_wire.pack(RDMA_CONNECT_OK, request_id, payload_len=len(answer)) + answer)
         except OSError:
@@ -300,27 +411,31 @@ class RdmaBackend(Backend):
 
     def _forget(self, conn: InboundConnection) -> None:
         with self._lock:
-            fabric_peer = self._inbound.pop(conn, None)
-            if fabric_peer is None or self._closed:
+            pairs = self._inbound.pop(conn, None)
+            if pairs is None or self._closed:
                 return
-        self._disconnect(fabric_peer)
+        self._disconnect_all(pairs)
 
-    def _disconnect(self, fabric_peer: int) -> None:
+    def _disconnect_all(self, pairs: list[tuple[int, int]]) -> None:
+        for rail, fabric_peer in pairs:
+            self._disconnect(rail, fabric_peer)
+
+    def _disconnect(self, rail: int, fabric_peer: int) -> None:
         with self._lock:
-            if self._closed or self.ep is None:
+            if self._closed or not self.eps:
                 return  # ep.close() forgets every peer
             self._posts += 1  # the endpoint stays open until it returns
         try:
-            self.ep.disconnect(fabric_peer)
+            self.eps[rail].disconnect(fabric_peer)
         except Exception as exc:
-            logger.warning("forgetting rdma peer %d failed: %s", fabric_peer, exc)
+            logger.warning("forgetting rdma peer %d on rail %d failed: %s", fabric_peer, rail, exc)
         finally:
             self._post_ended()
 
     # The initiator's side.
 
     def reach(self, md: agent_pb2.AgentMetadata) -> tuple[str | None, str]:
-        if self.ep is None:
+        if not self.eps:
             return f"this agent offers no rdma: {self.why_not}", ""
         theirs = [e.address for e in md.endpoints if e.backend == agent_pb2.BACKEND_RDMA]
         if not theirs:
@@ -328,45 +443,73 @@ class RdmaBackend(Backend):
                 f"peer {md.name!r} does not offer rdma (no RDMA provider there, a backend setting other "
                 f"than auto or rdma, or a kvx built without libfabric)"
             ), ""
-        if theirs[0] != self.ep.provider:
+        if theirs[0] != self.provider:
             return (
-                f"peer {md.name!r} offers rdma over {theirs[0]}, this agent over {self.ep.provider}; "
+                f"peer {md.name!r} offers rdma over {theirs[0]}, this agent over {self.provider}; "
                 f"set {PROVIDER_ENV} alike on both"
             ), ""
         where = "this host" if same_host(md) else f"another host ({md.host_name or 'unknown'})"
-        return None, f"peer {md.name!r} on {where} and this agent offer rdma over {self.ep.provider}"
+        return None, f"peer {md.name!r} on {where} and this agent offer rdma over {self.provider}"
 
     def connect(self, md: agent_pb2.AgentMetadata, link: Link) -> tuple[Channel, str]:
-        ep = self.ep
-        assert ep is not None  # reach said so
+        assert self.eps  # reach said so
+        fabric_peers: list[int] = []
         try:
-            half, info = ep.prepare()
-            answer = link.request(RDMA_CONNECT, RDMA_CONNECT_OK, pack_connect(0, info))
-            flags, theirs = parse_connect(answer, md.name)
-            fabric_peer = ep.complete(half, theirs)
+            halves, infos = zip(*(ep.prepare() for ep in self.eps), strict=True)
+            request = rails.pack_connect(0, len(self.eps), infos)
+            answer = rails.parse_connect(link.request(RDMA_CONNECT, RDMA_CONNECT_OK, request), md.name)
+            if answer.first or len(answer.infos) != len(self.eps) or answer.flags & rails.FLAG_RECONNECT:
+                raise ProtocolError(f"peer {md.name!r} answered rdma connect for other rails than asked")
+            for ep, half, info in zip(self.eps, halves, answer.infos, strict=True):
+                fabric_peers.append(ep.complete(half, info))
         except Exception as exc:
+            for rail, fabric_peer in enumerate(fabric_peers):
+                self._disconnect(rail, fabric_peer)
             if not link.alive:
                 raise  # the control connection broke: no backend can use it
             why = f"the rdma connect exchange with peer {md.name!r} failed ({exc})"
             logger.warning("%s; it is not used for this peer", why)
             raise Unreachable(why) from exc
-        link.when_closed(lambda: self._disconnect(fabric_peer))
-        channel = RdmaChannel(link, self, fabric_peer, remote_gpu=bool(flags & FLAG_GPU))
+        channel = RdmaChannel(
+            link,
+            self,
+            fabric_peers,
+            remote_rails=answer.rails,
+            remote_gpu=bool(answer.flags & rails.FLAG_GPU),
+        )
+        link.when_closed(channel.disconnect)
         gpu = (
             ""
-            if flags & FLAG_GPU
+            if answer.flags & rails.FLAG_GPU
             else "; its GPU memory, if any, goes over tcp (not registered with its NIC)"
         )
-        return channel, f"; one-sided READ and WRITE through this agent's endpoint{gpu}"
+        lanes = (
+            f" on {len(self.eps)} rail(s) to its {answer.rails}"
+            if max(len(self.eps), answer.rails) > 1
+            else ""
+        )
+        return channel, f"; one-sided READ and WRITE through this agent's endpoint{lanes}{gpu}"
 
-    def run_post(self, fabric_peer: int, op: int, *arrays: np.ndarray, timeout_ms: int) -> None:
-        """``ep.post``, kept from overlapping ``close``."""
+    def reconnect(self, link: Link, rail: int, old_peer: int) -> int:
+        """Connect rail pair ``rail`` with the peer again (a new RDMA_CONNECT
+        for that pair over the same link); returns the new fabric peer."""
+        self._disconnect(rail, old_peer)
+        ep = self.eps[rail]
+        half, info = ep.prepare()
+        request = rails.pack_connect(rails.FLAG_RECONNECT, len(self.eps), [info], rail)
+        answer = rails.parse_connect(link.ask(RDMA_CONNECT, request), link.peer)
+        if answer.first != rail or len(answer.infos) != 1:
+            raise ProtocolError(f"peer {link.peer!r} answered an rdma reconnect of rail {rail} for another")
+        return int(ep.complete(half, answer.infos[0]))
+
+    def run_post(self, rail: int, fabric_peer: int, op: int, *arrays: np.ndarray, timeout_ms: int) -> None:
+        """``ep.post`` on a rail, kept from overlapping ``close``."""
         with self._lock:
-            if self._closed or self.ep is None:
+            if self._closed or not self.eps:
                 raise ClosedError(f"agent {self.ctx.agent_name!r} was closed")
             self._posts += 1
         try:
-            self.ep.post(op, fabric_peer, *arrays, timeout_ms)
+            self.eps[rail].post(op, fabric_peer, *arrays, timeout_ms)
         finally:
             self._post_ended()
 
@@ -381,16 +524,17 @@ class RdmaBackend(Backend):
             if self._closed:
                 return
             self._closed = True
-            # Posts end by their own timeout at the latest; the endpoint is freed only after them.
+            # Posts end by their own timeout at the latest; the endpoints are freed only after them.
             idle = self._idle.wait_for(lambda: not self._posts, self.ctx.timeouts.close_s)
-            mrs, self._mrs = list(self._mrs.values()), {}
+            mrs, self._mrs = [mr for group in self._mrs.values() for mr in group], {}
             self._inbound.clear()
-        ep = self.ep
-        if ep is None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=idle)
+        if not self.eps:
             return
         if not idle:
             logger.warning(
-                "agent %s: rdma posts still running after %gs; the endpoint is left open",
+                "agent %s: rdma posts still running after %gs; the endpoints are left open",
                 self.ctx.agent_name,
                 self.ctx.timeouts.close_s,
             )
@@ -400,91 +544,5 @@ class RdmaBackend(Backend):
                 mr.close()
             except Exception as exc:
                 logger.warning("closing a memory registration failed: %s", exc)
-        ep.close()
-
-
-class RdmaChannel(Channel):
-    """Host memory (and GPU memory both NICs registered) through the NIC;
-    anything else over tcp on the same link, and everything once the fabric
-    has failed for this peer."""
-
-    def __init__(self, link: Link, backend: RdmaBackend, fabric_peer: int, *, remote_gpu: bool) -> None:
-        super().__init__(link)
-        self.tcp = TcpChannel(link)
-        self.backend = backend
-        self.fabric_peer = fabric_peer
-        self.remote_gpu = remote_gpu
-        assert backend.ep is not None
-        self.virt_addr = bool(backend.ep.virt_addr)
-        self.timeout_ms = backend.ctx.io_ms
-        self._lock = threading.Lock()
-        self._failures = 0
-        self.fallback: str | None = None  # why this peer's transfers go over tcp now
-
-    def post(
-        self,
-        transfer: Transfer,
-        op: Op,
-        local_addrs: Any,
-        local_lens: Any,
-        total: int,
-        remote: np.ndarray,
-        notify: bytes | None,
-        local_device: int = -1,
-        remote_device: int = -1,
-        remote_ipc: bool = False,
-    ) -> None:
-        if (
-            self.fallback is not None
-            or (local_device >= 0 and not self.backend.registers_gpu)
-            or (remote_device >= 0 and not self.remote_gpu)
-        ):
-            self.tcp.post(
-                transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device
-            )
-            return
-        link, peer = self._link, self._link.peer
-        make_copy: Any = lambda *part: RdmaCopy(self, op, peer, *part)  # noqa: E731
-        if total > INLINE_COPY_BYTES:  # posted in parts on the connections' threads
-            link.post_pinned(
-                transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_RDMA, make_copy
-            )
-        elif not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
-            # The first transfer on these regions: the target leases them (and their keys) to us.
-            link.post_pinned(
-                transfer,
-                op,
-                local_addrs,
-                local_lens,
-                total,
-                remote,
-                notify,
-                _wire.PIN_RDMA,
-                make_copy,
-                keep=True,
-            )
-
-    def run(self, op: int, *arrays: np.ndarray) -> None:
-        """Post one part's work requests and wait for them (RdmaCopy.move)."""
-        try:
-            self.backend.run_post(self.fabric_peer, op, *arrays, timeout_ms=self.timeout_ms)
-        except Exception as exc:
-            error = post_error(exc, op, self.link.peer, self.timeout_ms)
-            if isinstance(error, TimeoutError):
-                # The peer hangs, and the bytes of a READ that timed out may still land: the
-                # link ends (as a stalled tcp connection does) and the fabric peer is forgotten.
-                self.link.fail(error)
-            elif not isinstance(error, (ClosedError, PeerLostError)):
-                self._failed(error)
-            raise error from exc
-        if self._failures:
-            with self._lock:
-                self._failures = 0
-
-    def _failed(self, error: KvxError) -> None:
-        with self._lock:
-            self._failures += 1
-            if self._failures < FAILURES_BEFORE_FALLBACK or self.fallback is not None or not self.alive:
-                return
-            self.fallback = f"{self._failures} rdma posts in a row failed, the last with: {error}"
-        logger.warning("peer %s: %s; its transfers go over tcp from now on", self.link.peer, self.fallback)
+        for ep in self.eps:
+            ep.close()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvx.backends.control.pinned import PinnedCopy
-from kvx.errors import ClosedError, KvxError, PeerLostError, TimeoutError, TransferError
+from kvx.errors import ClosedError, ConfigError, KvxError, PeerLostError, TimeoutError, TransferError
 from kvx.transfer import Op
 
 if TYPE_CHECKING:
@@ -39,7 +39,11 @@ class RdmaCopy(PinnedCopy):
     endpoint splits at its message size), the local pieces gathered."""
 
     __slots__ = ("channel",)
-    extra_bytes = 8  # per region: its key
+
+    @property
+    def extra_bytes(self) -> int:  # type: ignore[override]
+        """Per region its key on each of the target's rails (the count its connect answer gave)."""
+        return 8 * self.channel.remote_rails
 
     def __init__(self, channel: RdmaChannel, *args: Any) -> None:
         super().__init__(*args)
@@ -50,14 +54,16 @@ class RdmaCopy(PinnedCopy):
         at = 0 if len(self.regions) == 1 else np.searchsorted(self.regions, self.remote["region"])
         offsets = np.asarray(self.remote["offset"], np.uint64)
         remote_addrs = offsets + bases[at] if channel.virt_addr else offsets
-        remote_keys = np.broadcast_to(np.asarray(extra, np.uint64)[at], offsets.shape)
+        rails = channel.remote_rails
+        # Per remote piece, its region's key on each of the target's rails.
+        keys = np.asarray(extra, np.uint64).reshape(-1, rails)[np.broadcast_to(at, offsets.shape)]
         channel.run(
             OP_WRITE if self.op is Op.WRITE else OP_READ,
             np.ascontiguousarray(self.addrs, np.uint64),
             np.ascontiguousarray(self.lens, np.uint64),
             np.ascontiguousarray(remote_addrs, np.uint64),
             np.ascontiguousarray(self.remote["length"], np.uint64),
-            np.ascontiguousarray(remote_keys, np.uint64),
+            keys,
         )
 
 
@@ -70,7 +76,7 @@ def post_error(exc: BaseException, op: int, peer: str, timeout_ms: int) -> KvxEr
             f"rdma {what} with peer {peer!r} did not complete in {timeout_ms / 1000:g}s "
             f"(Timeouts.io_s): the peer hangs, or its NIC is unreachable"
         )
-    if isinstance(exc, ClosedError):
+    if isinstance(exc, (ClosedError, ConfigError)):
         return exc
     status = getattr(exc, "status", None) or type(exc).__name__
     text = getattr(exc, "text", None) or str(exc)

@@ -1,0 +1,317 @@
+"""The rdma backend's channel: a connected peer over one or more rail pairs.
+
+Large transfers are cut into slices, one per rail that is up (each at least
+``rails.SLICE_MIN_BYTES``), posted on the rails at once; small ones go on one
+rail, taken in turn. A rail whose post fails (an error completion, a lost
+connection on that rail, a broken QP) is marked down with the reason, and
+its slices move to the rails still up. A down rail is connected again (a new
+RDMA_CONNECT for that pair over the same control link) on the next transfer
+once RAIL_RETRY_S passed, or at once when no rail is up. Only when that
+fails for every rail, or FAILURES_BEFORE_FALLBACK transfers in a row failed,
+do the peer's transfers go over tcp.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvx.backends.base import Channel
+from kvx.backends.control import wire as _wire
+from kvx.backends.rdma import rails
+from kvx.backends.rdma.copy import RdmaCopy, post_error
+from kvx.backends.tcp import TcpChannel
+from kvx.errors import ClosedError, ConfigError, KvxError, PeerLostError, TimeoutError, TransferError
+from kvx.transfer import Op, Transfer
+
+if TYPE_CHECKING:
+    from kvx.backends.control.link import Link
+    from kvx.backends.rdma import RdmaBackend
+
+logger = logging.getLogger(__name__)
+
+VERBS = "verbs"  # the provider name of kvx._verbs (ibverbs, RC QPs)
+# Transfers up to this size go through the regions' leases on the posting
+# thread (no pin round trip); larger ones in parts on the connections' threads.
+INLINE_COPY_BYTES = 4 << 20
+# Failed transfers in a row after which a peer's transfers go over tcp instead.
+FAILURES_BEFORE_FALLBACK = 3
+# A rail that failed while others are up is tried again after this long.
+RAIL_RETRY_S = 10.0
+
+
+@dataclasses.dataclass
+class RailPair:
+    """Local rail ``rail`` and the peer's rail ``rail mod n``."""
+
+    rail: int
+    fabric_peer: int
+    down: str | None = None  # why it is down; None: up
+    since: float = 0.0
+    reviving: bool = False
+
+
+class RdmaChannel(Channel):
+    """Host memory (and GPU memory both NICs registered) through the NICs;
+    anything else over tcp on the same link, and everything once every rail
+    has failed for this peer."""
+
+    def __init__(
+        self,
+        link: Link,
+        backend: RdmaBackend,
+        fabric_peers: list[int],
+        *,
+        remote_rails: int,
+        remote_gpu: bool,
+    ) -> None:
+        super().__init__(link)
+        self.tcp = TcpChannel(link)
+        self.backend = backend
+        self.pairs = [RailPair(rail, peer) for rail, peer in enumerate(fabric_peers)]
+        self.remote_rails = remote_rails
+        self.remote_gpu = remote_gpu
+        assert backend.eps
+        self.virt_addr = bool(backend.eps[0].virt_addr)
+        self.timeout_ms = backend.ctx.io_ms
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._down = 0  # rail pairs down (read without the lock as a hint)
+        self._turn = 0
+        self.fallback: str | None = None  # why this peer's transfers go over tcp now
+
+    @property
+    def fabric_peer(self) -> int:
+        return self.pairs[0].fabric_peer
+
+    def disconnect(self) -> None:
+        """The link closed: forget the peer on every rail."""
+        for pair in self.pairs:
+            self.backend._disconnect(pair.rail, pair.fabric_peer)
+
+    def post(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        total: int,
+        remote: np.ndarray,
+        notify: bytes | None,
+        local_device: int = -1,
+        remote_device: int = -1,
+        remote_ipc: bool = False,
+    ) -> None:
+        if self._down and self.fallback is None:
+            self._revive()
+        if (
+            self.fallback is not None
+            or (local_device >= 0 and not self.backend.registers_gpu)
+            or (remote_device >= 0 and not self.remote_gpu)
+        ):
+            self.tcp.post(
+                transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device
+            )
+            return
+        link, peer = self._link, self._link.peer
+        make_copy: Any = lambda *part: RdmaCopy(self, op, peer, *part)  # noqa: E731
+        if total > INLINE_COPY_BYTES:  # posted in parts on the connections' threads
+            link.post_pinned(
+                transfer, op, local_addrs, local_lens, total, remote, notify, _wire.PIN_RDMA, make_copy
+            )
+        elif not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
+            # The first transfer on these regions: the target leases them (and their keys) to us.
+            link.post_pinned(
+                transfer,
+                op,
+                local_addrs,
+                local_lens,
+                total,
+                remote,
+                notify,
+                _wire.PIN_RDMA,
+                make_copy,
+                keep=True,
+            )
+
+    # Rails.
+
+    def _up(self) -> list[RailPair]:
+        with self._lock:
+            return [p for p in self.pairs if p.down is None]
+
+    def _revive(self) -> None:
+        """Connect the down rails that are due again (all of them when none is up)."""
+        now = time.monotonic()
+        with self._lock:
+            none_up = all(p.down is not None for p in self.pairs)
+            due = [
+                p
+                for p in self.pairs
+                if p.down is not None and not p.reviving and (none_up or now - p.since >= RAIL_RETRY_S)
+            ]
+            for p in due:
+                p.reviving = True
+        for pair in due:
+            logger.info(
+                "peer %s: connecting rdma rail %d again (it went down: %s)",
+                self.link.peer,
+                pair.rail,
+                pair.down,
+            )
+            try:
+                fabric_peer = self.backend.reconnect(self._link, pair.rail, pair.fabric_peer)
+            except Exception as exc:
+                with self._lock:
+                    pair.reviving, pair.since = False, time.monotonic()
+                    pair.down = f"{pair.down}; connecting it again failed: {exc}"
+                logger.warning("peer %s: rdma rail %d stays down: %s", self.link.peer, pair.rail, exc)
+                continue
+            with self._lock:
+                pair.fabric_peer, pair.down, pair.reviving = fabric_peer, None, False
+                self._down -= 1
+        with self._lock:
+            if not all(p.down is not None for p in self.pairs) or self.fallback is not None or not due:
+                return
+            reasons = "; ".join(f"rail {p.rail}: {p.down}" for p in self.pairs)
+            self.fallback = f"every rdma rail failed ({reasons})"
+        logger.warning("peer %s: %s; its transfers go over tcp from now on", self.link.peer, self.fallback)
+
+    def _rail_down(self, pair: RailPair, error: KvxError) -> None:
+        with self._lock:
+            if pair.down is not None:
+                return
+            pair.down, pair.since = str(error), time.monotonic()
+            self._down += 1
+            left = [p.rail for p in self.pairs if p.down is None]
+        ep = self.backend.eps[pair.rail]
+        broke = " (its queue pair broke; it is connected again on next use)" if ep.provider == VERBS else ""
+        logger.warning(
+            "peer %s: rdma rail %d (%s on %s) is down%s: %s; %s",
+            self.link.peer,
+            pair.rail,
+            ep.provider,
+            ep.domain,
+            broke,
+            error,
+            f"its slices move to rail(s) {', '.join(map(str, left))}" if left else "no rail is left up",
+        )
+
+    def _next(self, up: list[RailPair]) -> RailPair:
+        self._turn += 1
+        return up[self._turn % len(up)]
+
+    def run(self, op: int, *arrays: np.ndarray) -> None:
+        """Post one part's work requests on the rails and wait for them
+        (RdmaCopy.move). ``arrays``: local addresses and lengths, remote
+        addresses and lengths, and per remote piece its key on each of the
+        peer's rails (shape: pieces × remote rails)."""
+        try:
+            self._run(op, *arrays)
+        except KvxError as error:
+            if isinstance(error, TimeoutError):
+                # The peer hangs, and the bytes of a READ that timed out may still land: the
+                # link ends (as a stalled tcp connection does) and the fabric peers are forgotten.
+                self.link.fail(error)
+            elif not isinstance(error, (ClosedError, PeerLostError, ConfigError)):
+                self._failed(error)
+            raise
+        if self._failures:
+            with self._lock:
+                self._failures = 0
+
+    def _run(
+        self, op: int, la: np.ndarray, ll: np.ndarray, ra: np.ndarray, rl: np.ndarray, keys: Any
+    ) -> None:
+        up = self._up()
+        if not up:
+            raise TransferError(
+                f"every rdma rail to peer {self.link.peer!r} is down: "
+                + "; ".join(f"rail {p.rail}: {p.down}" for p in self.pairs)
+            )
+        total = int(np.sum(ll))
+        jobs: list[tuple[np.ndarray, ...]]
+        if len(up) > 1 and total >= 2 * rails.SLICE_MIN_BYTES:
+            bounds = rails.slice_bounds(total, len(up))
+            local = rails.cut(la, ll, bounds)
+            remote = rails.cut(ra, rl, bounds, keys)
+            jobs = [(*lo, *re) for lo, re in zip(local, remote, strict=True)]
+            assign = up[: len(jobs)]
+        else:
+            jobs, assign = [(la, ll, ra, rl, keys)], [self._next(up)]
+        last: KvxError | None = None
+        for _ in range(len(self.pairs)):
+            failed = []
+            for job, pair, error in self._run_all(op, jobs, assign):
+                if error is None:
+                    continue
+                if isinstance(error, (TimeoutError, ClosedError, ConfigError)):
+                    raise error
+                self._rail_down(pair, error)
+                failed.append(job)
+                last = error
+            if not failed:
+                return
+            up = self._up()
+            if not up:
+                break
+            jobs, assign = failed, [up[i % len(up)] for i in range(len(failed))]
+        assert last is not None
+        raise last
+
+    def _run_all(
+        self, op: int, jobs: list[tuple[np.ndarray, ...]], assign: list[RailPair]
+    ) -> list[tuple[tuple[np.ndarray, ...], RailPair, KvxError | None]]:
+        pool = self.backend.pool
+        futures = []
+        if pool is not None and len(jobs) > 1:
+            futures = [
+                pool.submit(self._post, op, job, pair) for job, pair in zip(jobs[1:], assign[1:], strict=True)
+            ]
+        results = [(jobs[0], assign[0], self._post(op, jobs[0], assign[0]))]
+        wait_s = self.timeout_ms / 1000 + self.backend.ctx.timeouts.close_s
+        for job, pair, future in zip(jobs[1:], assign[1:], futures, strict=True):
+            try:
+                results.append((job, pair, future.result(timeout=wait_s)))
+            except concurrent.futures.TimeoutError:
+                results.append((job, pair, TimeoutError(f"an rdma post on rail {pair.rail} did not return")))
+        if pool is None or len(jobs) == 1:
+            results += [
+                (job, pair, self._post(op, job, pair)) for job, pair in zip(jobs[1:], assign[1:], strict=True)
+            ]
+        return results
+
+    def _post(self, op: int, job: tuple[np.ndarray, ...], pair: RailPair) -> KvxError | None:
+        la, ll, ra, rl, keys = job
+        column = np.ascontiguousarray(keys[:, pair.rail % self.remote_rails], np.uint64)
+        try:
+            self.backend.run_post(
+                pair.rail,
+                pair.fabric_peer,
+                op,
+                np.ascontiguousarray(la, np.uint64),
+                np.ascontiguousarray(ll, np.uint64),
+                np.ascontiguousarray(ra, np.uint64),
+                np.ascontiguousarray(rl, np.uint64),
+                column,
+                timeout_ms=self.timeout_ms,
+            )
+        except Exception as exc:
+            error = post_error(exc, op, self.link.peer, self.timeout_ms)
+            error.__cause__ = exc
+            return error
+        return None
+
+    def _failed(self, error: KvxError) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._failures < FAILURES_BEFORE_FALLBACK or self.fallback is not None or not self.alive:
+                return
+            self.fallback = f"{self._failures} rdma posts in a row failed, the last with: {error}"
+        logger.warning("peer %s: %s; its transfers go over tcp from now on", self.link.peer, self.fallback)
