@@ -184,6 +184,7 @@ class Agent:
             self.timeouts,
             self._deliver,
             lambda inode: self._listener.serves(inode),
+            host,
         )
         self._backends = _load_backends(ctx)
         self._selector = Selector(self._backends)

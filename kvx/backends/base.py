@@ -58,6 +58,9 @@ class BackendContext:
     timeouts: Timeouts
     deliver: Callable[[str, bytes], bool]
     serves: Callable[[int], bool] = lambda inode: False
+    # The host the agent's control port listens on: a backend that opens a
+    # port of its own (libfabric's software providers) binds it there too.
+    listen_host: str = ""
 
     @property
     def io_ms(self) -> int:

@@ -7,7 +7,10 @@ The attacks speak the wire and the fabric directly: a raw authenticated
 control connection, and an endpoint of this process's own.
 """
 
+import contextlib
 import logging
+import os
+import socket
 import types
 
 import numpy as np
@@ -361,3 +364,40 @@ def test_an_address_of_an_unknown_family_does_not_break_the_endpoint_for_others(
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     peer = make_agent(backend="rdma").add_peer(worker.metadata)
     assert peer.backend == "rdma"
+
+
+def _listening_ports() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on, from /proc."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(target[8:-1])
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in mine:  # LISTEN, ours
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # /proc prints the address as 32-bit words in host (little-endian) order.
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def test_an_agent_on_loopback_opens_no_rdma_port_on_the_network(fabric, make_agent):
+    """The attack: an agent without an auth_secret listens on loopback only,
+    but libfabric's tcp provider opened its own port on the first network
+    interface, where any host could connect to it (and hold its file
+    descriptors). The software provider now listens where the agent does."""
+    before = _listening_ports()
+    agent = make_agent("loopback-only", backend="rdma", listen="127.0.0.1:0")
+    opened = _listening_ports() - before
+    assert len(opened) >= 2, opened  # the control port and the endpoint's
+    assert {address for address, _ in opened} == {"127.0.0.1"}, opened
+    assert agent.metadata()

@@ -73,6 +73,8 @@ PROVIDER_ENV = "KVX_RDMA_PROVIDER"
 # chosen by itself: kvx's own tcp backend is faster.
 HARDWARE_PROVIDERS = ("efa", VERBS, "verbs;ofi_rxm")
 SOFTWARE_PROVIDER = "tcp;ofi_rxm"
+# libfabric providers that move bytes through the kernel's sockets, on a port of their own.
+SOFTWARE_CORES = ("tcp", "sockets", "udp")
 # Providers whose endpoint is first opened asking for GPU memory registration.
 HMEM_PROVIDERS = ("efa", "verbs")
 # sysfs and procfs are read under this root (tests build trees there).
@@ -128,7 +130,9 @@ def _candidates(forced: bool, explicit: str, fab: Any) -> list[str]:
     return out
 
 
-def _open_libfabric(fab: Any, provider: str, choice: rails.Choice, pinned: bool) -> list[Any]:
+def _open_libfabric(
+    fab: Any, provider: str, choice: rails.Choice, pinned: bool, node: str | None
+) -> list[Any]:
     listed = []
     if choice.devices:
         try:
@@ -141,7 +145,7 @@ def _open_libfabric(fab: Any, provider: str, choice: rails.Choice, pinned: bool)
         # GPU memory registration (FI_HMEM) where the NIC may offer it; without, where it does not.
         for hmem in (True, False) if _core(provider) in HMEM_PROVIDERS else (False,):
             try:
-                eps.append(fab.Endpoint(provider=provider, domain=domain, hmem=hmem))
+                eps.append(fab.Endpoint(provider=provider, node=node, domain=domain, hmem=hmem))
                 break
             except Exception as exc:
                 failures.append(
@@ -172,7 +176,17 @@ def _opened(eps: list[Any], failures: list[str], pinned: bool) -> list[Any]:
     return eps
 
 
-def open_endpoints(setting: str) -> tuple[list[Any], str]:
+def software_node(provider: str, listen_host: str) -> str | None:
+    """Where a software provider's endpoint listens: on the agent's own
+    control host, so that an agent listening on loopback (say, one without an
+    auth_secret) opens no port on the network. Hardware providers (and an
+    agent listening on every address) take the provider's choice."""
+    if _core(provider) not in SOFTWARE_CORES or listen_host in ("", "0.0.0.0", "::"):
+        return None
+    return listen_host
+
+
+def open_endpoints(setting: str, listen_host: str = "") -> tuple[list[Any], str]:
     """The agent's endpoints, one per rail, and ""; or ([], why none).
     Raises ConfigError where the agent is set to rdma and cannot have one."""
     if setting not in ("auto", "rdma"):
@@ -203,7 +217,7 @@ def open_endpoints(setting: str) -> tuple[list[Any], str]:
                     raise ConfigError(why_verbs or "")
                 eps = _open_verbs(verbs, choice, pinned)
             else:
-                eps = _open_libfabric(fab, provider, choice, pinned)
+                eps = _open_libfabric(fab, provider, choice, pinned, software_node(provider, listen_host))
         except ConfigError as exc:
             failures.append(f"{provider}: {exc}" if not str(exc).startswith(provider) else str(exc))
             continue
@@ -223,7 +237,7 @@ class RdmaBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.eps, self.why_not = open_endpoints(ctx.setting)
+        self.eps, self.why_not = open_endpoints(ctx.setting, ctx.listen_host)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._closed = False
