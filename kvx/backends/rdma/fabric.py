@@ -70,6 +70,7 @@ on a GPU with an HMEM-capable provider.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -378,18 +379,13 @@ class Endpoint:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         except OSError as exc:
-            self._limits_if_open()
+            with contextlib.suppress(ValueError):
+                self._limits()
             if "could not be registered again" in str(exc):
                 raise RegionError(str(exc)) from exc
             raise ConnectError(str(exc)) from exc
         self._limits()
         log.info("endpoint %s reset (%s): new address", self.provider, reason or "no reason given")
-
-    def _limits_if_open(self) -> None:
-        try:
-            self._limits()
-        except ValueError:
-            pass
 
     def close(self) -> None:
         """Wait for posts in flight, stop the progress thread, deregister everything, close."""
