@@ -16,6 +16,16 @@
  * still find their batch, and the last one frees it. Batches nobody will
  * complete are freed when the endpoint closes, after the provider is
  * closed.
+ *
+ * Reset (Endpoint.reset): software providers (tcp;ofi_rxm) keep moving the
+ * bytes of a request they have started after the MR is closed and after the
+ * initiator gave up on it; only closing the provider's endpoint stops them.
+ * A reset fails the posts in flight (status "RESET"), waits until every
+ * caller has left, stops the progress thread, opens a new provider endpoint,
+ * closes the old one (MRs, connections), frees every batch (no completion
+ * can arrive any more) and registers each live region again under its old
+ * key. Peer numbers carry the reset generation in their top bits, so a
+ * number from before a reset never names a peer connected after it.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -43,6 +53,10 @@ int kvx_ofi_list(const char *node, void (*each)(void *arg, const struct fi_info 
 #define MAX_PEER_REFS 65536
 #define MAX_MRS 1048576
 #define POLL_BATCH 64
+/* Peer numbers: the provider's in the low bits, the reset generation above them. */
+#define PEER_GEN_SHIFT 40
+#define PEER_PROV_MASK ((UINT64_C(1) << PEER_GEN_SHIFT) - 1)
+#define RESET_WAIT_NS (30ull * 1000000000ull)
 
 static PyObject *FabricError;
 
@@ -73,6 +87,9 @@ struct mr_entry {
     uint64_t addr, len;
     void *desc;
     void *handle;
+    uint64_t id; /* what the MemoryRegion object names it by (the handle changes on reset) */
+    uint64_t key;
+    int access, device;
 };
 
 struct kvx_ep {
@@ -90,7 +107,15 @@ struct kvx_ep {
     uint64_t *peers; /* sorted */
     uint32_t *peer_refs; /* per peer: the complete() calls not yet disconnected */
     size_t n_peers;
-    uint64_t c_posts, c_wrs, c_sges, c_completions, c_errors, c_eagain, c_timeouts, c_orphans;
+    uint64_t c_posts, c_wrs, c_sges, c_completions, c_errors, c_eagain, c_timeouts, c_orphans, c_resets;
+    int resetting;        /* a reset is under way: posts fail, other calls wait */
+    uint64_t gen;         /* resets so far: the top bits of every peer number */
+    char reset_reason[KVX_ERR_LEN];
+
+    /* What the endpoint was opened with, to open it again on reset. */
+    char *arg_provider, *arg_node, *arg_domain;
+    struct kvx_open_args open_args;
+    size_t want_sge, want_msg, want_outstanding;
 
     pthread_t thread;
     int thread_running;
@@ -100,6 +125,7 @@ struct kvx_ep {
     struct mr_entry *mrs;     /* sorted by addr */
     size_t n_mrs, cap_mrs;
     int mrs_closed;
+    uint64_t next_mr_id;
 };
 
 static uint64_t now_ns(void)
@@ -233,15 +259,19 @@ static int mr_insert_locked(struct kvx_ep *ep, const struct mr_entry *e)
     return 0;
 }
 
-static void mr_remove_locked(struct kvx_ep *ep, void *handle)
+/* Removes the entry and returns its provider handle, or NULL when there is none (a reset
+ * could not register it again). */
+static void *mr_remove_locked(struct kvx_ep *ep, uint64_t id)
 {
     for (size_t i = 0; i < ep->n_mrs; i++) {
-        if (ep->mrs[i].handle == handle) {
+        if (ep->mrs[i].id == id) {
+            void *handle = ep->mrs[i].handle;
             memmove(&ep->mrs[i], &ep->mrs[i + 1], (ep->n_mrs - i - 1) * sizeof(ep->mrs[0]));
             ep->n_mrs--;
-            return;
+            return handle;
         }
     }
+    return NULL;
 }
 
 /* ---- peers (sorted array, under ep->lock) ---- */
@@ -313,7 +343,7 @@ static int next_wr(struct gen *g, size_t max_sge, size_t max_msg, struct iovec *
     return 1;
 }
 
-enum { RUN_OK = 0, RUN_ERROR = 1, RUN_TIMEOUT = 2, RUN_NOMEM = 3 };
+enum { RUN_OK = 0, RUN_ERROR = 1, RUN_TIMEOUT = 2, RUN_NOMEM = 3, RUN_RESET = 4 };
 
 struct run_result {
     int status;
@@ -377,8 +407,8 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
         /* Reserve what the batch and the endpoint's queue allow. */
         size_t k = 0;
         pthread_mutex_lock(&ep->lock);
-        if (b->status != 0)
-            posting_done = 1; /* an error completion: post nothing more, drain */
+        if (b->status != 0 || ep->resetting)
+            posting_done = 1; /* an error completion or a reset: post nothing more */
         if (!posting_done) {
             size_t room = ep->max_outstanding > ep->inflight ? ep->max_outstanding - ep->inflight : 0;
             k = b->nfree < room ? b->nfree : room;
@@ -443,9 +473,16 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
         /* Done? Otherwise wait for completions (or poll them ourselves). */
         pthread_mutex_lock(&ep->lock);
         int finished = posting_done && b->outstanding == 0;
+        int reset = ep->resetting;
         pthread_mutex_unlock(&ep->lock);
         if (finished)
             break;
+        if (reset) {
+            /* What is outstanding stays with the batch; the reset frees it once the
+             * provider is closed. */
+            rc = RUN_RESET;
+            break;
+        }
         uint64_t t = now_ns();
         if (t >= deadline_ns) {
             rc = RUN_TIMEOUT;
@@ -490,11 +527,15 @@ static int run_batch(struct kvx_ep *ep, int op, uint64_t peer, struct gen *g, si
     pthread_mutex_lock(&ep->lock);
     if (rc == RUN_OK && b->status != 0)
         rc = RUN_ERROR;
-    if (rc == RUN_TIMEOUT && b->status != 0)
+    if ((rc == RUN_TIMEOUT || rc == RUN_RESET) && b->status != 0)
         rc = RUN_ERROR; /* an error completion explains the stall better than the clock */
+
     res->status = b->status;
     res->status_name = b->status_name;
-    memcpy(res->text, b->text, KVX_ERR_LEN);
+    if (rc == RUN_RESET)
+        snprintf(res->text, KVX_ERR_LEN, "the endpoint was reset (%.180s)", ep->reset_reason);
+    else
+        memcpy(res->text, b->text, KVX_ERR_LEN);
     ep->c_posts++;
     ep->c_wrs += wrs;
     ep->c_sges += sges;
@@ -516,7 +557,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD EndpointObject *owner;
     uint64_t addr, len, key;
-    void *handle;
+    uint64_t id;
     int closed;
     int device;
     int access;
@@ -525,22 +566,42 @@ typedef struct {
 static PyTypeObject EndpointType;
 static PyTypeObject MRType;
 
-static int ep_enter(struct kvx_ep *ep)
+static PyObject *raise_reset(struct kvx_ep *ep, uint64_t peer);
+
+/* Become a user of the endpoint (it is not closed or reset under a user). While a reset
+ * is under way a post fails with status RESET at once (its peer number dies with the
+ * reset); any other call waits for the reset, a bounded while. GIL held. */
+static int ep_enter_as(struct kvx_ep *ep, int is_post, uint64_t peer)
 {
     if (ep == NULL) {
         PyErr_SetString(PyExc_ValueError, "the endpoint is closed");
         return -1;
     }
-    pthread_mutex_lock(&ep->lock);
-    int closed = ep->closed;
-    if (!closed)
+    int closed, resetting;
+    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&ep->lock);
+    uint64_t deadline = now_ns() + RESET_WAIT_NS;
+    while (!is_post && ep->resetting && !ep->closed && now_ns() < deadline)
+        timed_wait(ep, now_ns() + 100000000ull);
+    closed = ep->closed;
+    resetting = ep->resetting;
+    if (!closed && !resetting)
         ep->users++;
     pthread_mutex_unlock(&ep->lock);
-    if (closed) {
+    Py_END_ALLOW_THREADS if (closed)
+    {
         PyErr_SetString(PyExc_ValueError, "the endpoint is closed");
         return -1;
     }
+    if (resetting) {
+        raise_reset(ep, peer);
+        return -1;
+    }
     return 0;
+}
+
+static int ep_enter(struct kvx_ep *ep)
+{
+    return ep_enter_as(ep, 0, 0);
 }
 
 static void ep_leave(struct kvx_ep *ep)
@@ -556,6 +617,46 @@ static PyObject *raise_provider(int rc, const char *err)
     int e = rc < 0 ? -rc : rc;
     PyErr_Format(PyExc_OSError, "%s", err[0] ? err : strerror(e < 256 ? e : EIO));
     return NULL;
+}
+
+static void raise_fabric(const char *status, const char *text, uint64_t peer)
+{
+    PyObject *exc_args = Py_BuildValue("(ssK)", status, text, (unsigned long long)peer);
+    if (exc_args != NULL) {
+        PyErr_SetObject(FabricError, exc_args);
+        Py_DECREF(exc_args);
+    }
+}
+
+static PyObject *raise_reset(struct kvx_ep *ep, uint64_t peer)
+{
+    char text[KVX_ERR_LEN + 64];
+    pthread_mutex_lock(&ep->lock);
+    snprintf(text, sizeof(text), "the endpoint was reset (%s)", ep->reset_reason);
+    pthread_mutex_unlock(&ep->lock);
+    raise_fabric("RESET", text, peer);
+    return NULL;
+}
+
+static void free_open_args(struct kvx_ep *ep)
+{
+    free(ep->arg_provider);
+    free(ep->arg_node);
+    free(ep->arg_domain);
+}
+
+/* The provider's limits, lowered to what the caller asked for (0: as the provider says). */
+static void apply_limits(struct kvx_ep *ep)
+{
+    ep->max_sge = ep->info.max_sge > KVX_SGE_CAP ? KVX_SGE_CAP : ep->info.max_sge;
+    if (ep->want_sge > 0 && ep->want_sge < ep->max_sge)
+        ep->max_sge = ep->want_sge;
+    ep->max_msg = ep->info.max_msg;
+    if (ep->want_msg > 0 && ep->want_msg < ep->max_msg)
+        ep->max_msg = ep->want_msg;
+    ep->max_outstanding = ep->info.max_outstanding;
+    if (ep->want_outstanding > 0 && ep->want_outstanding < ep->max_outstanding)
+        ep->max_outstanding = ep->want_outstanding;
 }
 
 static int Endpoint_init(EndpointObject *self, PyObject *args, PyObject *kwds)
@@ -585,26 +686,33 @@ static int Endpoint_init(EndpointObject *self, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         return -1;
     }
-    struct kvx_open_args oa = {.provider = provider, .node = node, .domain = domain, .hmem = hmem};
+    /* Kept for a reset, which opens the endpoint again with the same arguments. */
+    ep->arg_provider = provider ? strdup(provider) : NULL;
+    ep->arg_node = node ? strdup(node) : NULL;
+    ep->arg_domain = domain ? strdup(domain) : NULL;
+    if ((provider && !ep->arg_provider) || (node && !ep->arg_node) || (domain && !ep->arg_domain)) {
+        free_open_args(ep);
+        free(ep);
+        PyErr_NoMemory();
+        return -1;
+    }
+    ep->open_args = (struct kvx_open_args){
+        .provider = ep->arg_provider, .node = ep->arg_node, .domain = ep->arg_domain, .hmem = hmem};
+    ep->want_sge = (size_t)max_sge;
+    ep->want_msg = (size_t)max_msg;
+    ep->want_outstanding = (size_t)max_outstanding;
     char err[KVX_ERR_LEN] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = prov->open(&oa, &ep->impl, &ep->info, err);
+    Py_BEGIN_ALLOW_THREADS rc = prov->open(&ep->open_args, &ep->impl, &ep->info, err);
     Py_END_ALLOW_THREADS if (rc != 0)
     {
+        free_open_args(ep);
         free(ep);
         raise_provider(rc, err);
         return -1;
     }
     ep->prov = prov;
-    ep->max_sge = ep->info.max_sge > KVX_SGE_CAP ? KVX_SGE_CAP : ep->info.max_sge;
-    if (max_sge > 0 && (size_t)max_sge < ep->max_sge)
-        ep->max_sge = (size_t)max_sge;
-    ep->max_msg = ep->info.max_msg;
-    if (max_msg > 0 && (size_t)max_msg < ep->max_msg)
-        ep->max_msg = (size_t)max_msg;
-    ep->max_outstanding = ep->info.max_outstanding;
-    if (max_outstanding > 0 && (size_t)max_outstanding < ep->max_outstanding)
-        ep->max_outstanding = (size_t)max_outstanding;
+    apply_limits(ep);
     pthread_mutex_init(&ep->lock, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -620,6 +728,7 @@ static int Endpoint_init(EndpointObject *self, PyObject *args, PyObject *kwds)
     if (ep->info.needs_progress) {
         if (pthread_create(&ep->thread, NULL, progress_main, ep) != 0) {
             prov->close(ep->impl);
+            free_open_args(ep);
             free(ep);
             PyErr_SetString(PyExc_OSError, "could not start the progress thread");
             return -1;
@@ -674,6 +783,171 @@ static PyObject *Endpoint_close(EndpointObject *self, PyObject *Py_UNUSED(ignore
     Py_RETURN_NONE;
 }
 
+/* ---- reset ---- */
+
+/* Become the only user: fail posts in flight, wait (bounded) until every other caller
+ * has left and any other reset is over. Returns 0, or -1 with err set. */
+static int reset_begin(struct kvx_ep *ep, const char *reason, char *err)
+{
+    pthread_mutex_lock(&ep->lock);
+    uint64_t deadline = now_ns() + RESET_WAIT_NS;
+    while (ep->resetting && !ep->closed && now_ns() < deadline)
+        timed_wait(ep, now_ns() + 100000000ull);
+    if (ep->closed || ep->resetting) {
+        snprintf(err, KVX_ERR_LEN, "%s", ep->closed ? "the endpoint is closed" : "another reset did not finish");
+        pthread_mutex_unlock(&ep->lock);
+        return -1;
+    }
+    ep->resetting = 1;
+    ep->users++;
+    snprintf(ep->reset_reason, KVX_ERR_LEN, "%s", reason[0] ? reason : "no reason given");
+    pthread_cond_broadcast(&ep->cond); /* posters waiting for completions look again */
+    /* Posters see `resetting` within 10 ms; register/prepare/complete are short. */
+    while (ep->users > 1 && now_ns() < deadline)
+        timed_wait(ep, now_ns() + 10000000ull);
+    if (ep->users > 1) {
+        snprintf(err, KVX_ERR_LEN, "%zu calls on the endpoint did not return within %llu s", ep->users - 1,
+                 RESET_WAIT_NS / 1000000000ull);
+        ep->resetting = 0;
+        ep->users--;
+        pthread_cond_broadcast(&ep->cond);
+        pthread_mutex_unlock(&ep->lock);
+        return -1;
+    }
+    /* Every peer number dies here; the next ones carry the new generation. */
+    ep->gen = (ep->gen + 1) & (UINT64_MAX >> PEER_GEN_SHIFT);
+    ep->n_peers = 0;
+    pthread_mutex_unlock(&ep->lock);
+    return 0;
+}
+
+static void stop_progress(struct kvx_ep *ep)
+{
+    if (ep->thread_running) {
+        atomic_store(&ep->stop, 1);
+        pthread_join(ep->thread, NULL);
+        ep->thread_running = 0;
+        atomic_store(&ep->stop, 0);
+    }
+}
+
+/* The only user, GIL released. Swaps in a new provider endpoint and closes the old one.
+ * Returns 0 (regions that could not be registered again are dropped and counted in
+ * *lost), or -1 with err set: then the endpoint is closed. */
+static int reset_swap(struct kvx_ep *ep, struct kvx_ep_info *fresh, size_t *lost, char *err)
+{
+    stop_progress(ep);
+    pthread_rwlock_wrlock(&ep->mr_lock);
+    /* The new one opens while the old one still holds its port, so the address differs. */
+    void *impl = NULL;
+    memset(fresh, 0, sizeof(*fresh));
+    int rc = ep->prov->open(&ep->open_args, &impl, fresh, err);
+    char ignored[KVX_ERR_LEN];
+    for (size_t i = 0; i < ep->n_mrs; i++)
+        ep->prov->dereg(ep->impl, ep->mrs[i].handle, ignored);
+    ep->prov->close(ep->impl); /* tears the connections down: no byte moves through them now */
+    ep->impl = NULL;
+    pthread_mutex_lock(&ep->lock);
+    while (ep->batches) /* every poster has left; no completion can arrive */
+        batch_free_locked(ep, ep->batches);
+    ep->inflight = 0;
+    pthread_mutex_unlock(&ep->lock);
+    if (rc == 0 && fresh->prov_key) {
+        ep->prov->close(impl);
+        snprintf(err, KVX_ERR_LEN, "the provider reopened with provider-chosen MR keys");
+        rc = -EINVAL;
+    }
+    if (rc != 0) {
+        ep->n_mrs = 0;
+        ep->mrs_closed = 1;
+        pthread_rwlock_unlock(&ep->mr_lock);
+        pthread_mutex_lock(&ep->lock);
+        ep->closed = 1;
+        pthread_mutex_unlock(&ep->lock);
+        return -1;
+    }
+    ep->impl = impl;
+    /* Each live region again, under the key peers were given for it. */
+    size_t kept = 0;
+    *lost = 0;
+    for (size_t i = 0; i < ep->n_mrs; i++) {
+        struct mr_entry e = ep->mrs[i];
+        uint64_t key = e.key;
+        char why[KVX_ERR_LEN] = "";
+        if (ep->prov->reg(impl, e.addr, e.len, e.access, e.device, 1, &key, &e.desc, &e.handle, why) != 0 ||
+            key != e.key) {
+            if (*lost == 0)
+                snprintf(err, KVX_ERR_LEN, "%s", why[0] ? why : "the provider changed the key");
+            (*lost)++;
+            continue;
+        }
+        ep->mrs[kept++] = e;
+    }
+    ep->n_mrs = kept;
+    pthread_rwlock_unlock(&ep->mr_lock);
+    if (fresh->needs_progress) {
+        if (pthread_create(&ep->thread, NULL, progress_main, ep) != 0) {
+            snprintf(err, KVX_ERR_LEN, "could not start the progress thread");
+            return -2;
+        }
+        ep->thread_running = 1;
+    }
+    return 0;
+}
+
+static PyObject *Endpoint_reset(EndpointObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"reason", NULL};
+    const char *reason = "";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|s", kwlist, &reason))
+        return NULL;
+    struct kvx_ep *ep = self->ep;
+    if (ep == NULL)
+        return PyErr_Format(PyExc_ValueError, "the endpoint is not open");
+    if (ep->info.prov_key)
+        return PyErr_Format(PyExc_ValueError,
+                            "provider %s picks MR keys itself, so a reset could not keep them; closing a region "
+                            "there invalidates it in the NIC, so no reset is needed (see mr_close_is_final)",
+                            ep->info.provider);
+    char err[KVX_ERR_LEN] = "";
+    struct kvx_ep_info fresh;
+    size_t lost = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = reset_begin(ep, reason, err);
+    if (rc == 0)
+        rc = reset_swap(ep, &fresh, &lost, err);
+    Py_END_ALLOW_THREADS if (rc == 0 || rc == -2)
+    {
+        /* With the GIL: the getters read info without the engine's lock. */
+        memcpy(&ep->info, &fresh, sizeof(fresh));
+        apply_limits(ep);
+    }
+    if (rc != -1 || ep->resetting) {
+        pthread_mutex_lock(&ep->lock);
+        if (rc != -1)
+            ep->c_resets++;
+        if (ep->resetting) {
+            ep->resetting = 0;
+            ep->users--;
+        }
+        pthread_cond_broadcast(&ep->cond);
+        pthread_mutex_unlock(&ep->lock);
+    }
+    if (rc == -1) {
+        int closed = ep->closed;
+        return PyErr_Format(PyExc_OSError, "resetting the endpoint failed: %s%s", err,
+                            closed ? " (the endpoint is closed now)" : "");
+    }
+    if (rc == -2)
+        return PyErr_Format(PyExc_OSError, "resetting the endpoint: %s", err);
+    if (lost > 0)
+        return PyErr_Format(PyExc_OSError,
+                            "the endpoint was reset but %zu memory regions could not be registered again (%s); "
+                            "they are unreachable now: register them again",
+                            lost, err);
+    Py_RETURN_NONE;
+}
+
 static void Endpoint_dealloc(EndpointObject *self)
 {
     struct kvx_ep *ep = self->ep;
@@ -688,6 +962,7 @@ static void Endpoint_dealloc(EndpointObject *self)
         free(ep->mrs);
         free(ep->peers);
         free(ep->peer_refs);
+        free_open_args(ep);
         free(ep);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -716,7 +991,7 @@ static PyObject *Endpoint_register(EndpointObject *self, PyObject *args, PyObjec
     if (ep_enter(ep) < 0)
         return NULL;
     int access = (remote_read ? KVX_ACCESS_REMOTE_READ : 0) | (remote_write ? KVX_ACCESS_REMOTE_WRITE : 0);
-    struct mr_entry e = {.addr = addr, .len = length};
+    struct mr_entry e = {.addr = addr, .len = length, .access = access, .device = device};
     uint64_t key = 0;
     char err[KVX_ERR_LEN] = "";
     int rc = 0;
@@ -725,7 +1000,9 @@ static PyObject *Endpoint_register(EndpointObject *self, PyObject *args, PyObjec
         rc = -ENOSPC;
         snprintf(err, sizeof(err), "too many memory regions on one endpoint (%d)", MAX_MRS);
     } else {
-        rc = ep->prov->reg(ep->impl, addr, length, access, device, &key, &e.desc, &e.handle, err);
+        rc = ep->prov->reg(ep->impl, addr, length, access, device, 0, &key, &e.desc, &e.handle, err);
+        e.key = key;
+        e.id = ++ep->next_mr_id;
         if (rc == 0 && mr_insert_locked(ep, &e) != 0) {
             ep->prov->dereg(ep->impl, e.handle, err);
             rc = -ENOMEM;
@@ -744,7 +1021,7 @@ static PyObject *Endpoint_register(EndpointObject *self, PyObject *args, PyObjec
     mr->addr = addr;
     mr->len = length;
     mr->key = key;
-    mr->handle = e.handle;
+    mr->id = e.id;
     mr->closed = 0;
     mr->device = device;
     mr->access = access;
@@ -762,8 +1039,9 @@ static PyObject *MR_close(MRObject *self, PyObject *Py_UNUSED(ignored))
     /* The write lock waits for posts that may use this region's descriptor. */
     Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&ep->mr_lock);
     if (!ep->mrs_closed) {
-        mr_remove_locked(ep, self->handle);
-        rc = ep->prov->dereg(ep->impl, self->handle, err);
+        void *handle = mr_remove_locked(ep, self->id);
+        if (handle != NULL)
+            rc = ep->prov->dereg(ep->impl, handle, err);
     }
     pthread_rwlock_unlock(&ep->mr_lock);
     Py_END_ALLOW_THREADS if (rc != 0) return raise_provider(rc, err);
@@ -834,10 +1112,16 @@ static PyObject *Endpoint_complete(EndpointObject *self, PyObject *args)
         snprintf(err, sizeof(err), "too many peers on one endpoint (%d): disconnect some", MAX_PEERS);
     } else {
         rc = ep->prov->complete(ep->impl, half, info.buf, (size_t)info.len, &peer, err);
+        if (rc == 0 && (peer & ~PEER_PROV_MASK) != 0) {
+            rc = -ERANGE;
+            snprintf(err, sizeof(err), "the provider's peer number %llu is too large for kvx",
+                     (unsigned long long)peer);
+        }
     }
     PyBuffer_Release(&info);
     if (rc == 0) {
         pthread_mutex_lock(&ep->lock);
+        peer |= ep->gen << PEER_GEN_SHIFT; /* users never run during a reset: gen is stable */
         size_t at;
         ssize_t i = peer_index(ep, peer, &at);
         /* The provider gives one address one peer number: several users of
@@ -899,7 +1183,7 @@ static PyObject *Endpoint_disconnect(EndpointObject *self, PyObject *args)
     }
     pthread_mutex_unlock(&ep->lock);
     char err[KVX_ERR_LEN] = "";
-    int rc = last ? ep->prov->disconnect(ep->impl, peer, err) : 0;
+    int rc = last ? ep->prov->disconnect(ep->impl, peer & PEER_PROV_MASK, err) : 0;
     ep_leave(ep);
     if (i < 0) {
         PyErr_Format(PyExc_ValueError, "peer %llu is not connected to this endpoint", peer);
@@ -1007,7 +1291,7 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *const *args, Py_s
         goto out;
     }
     struct kvx_ep *ep = self->ep;
-    if (ep_enter(ep) < 0)
+    if (ep_enter_as(ep, 1, peer) < 0)
         goto out;
     pthread_mutex_lock(&ep->lock);
     int known = peer_index(ep, peer, NULL) >= 0;
@@ -1044,7 +1328,7 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *const *args, Py_s
     }
     if (bad < 0) {
         struct gen g = {.la = la, .ll = ll, .ldesc = ldesc, .nl = nl, .ra = ra, .rl = rl, .rk = rk, .nr = nr};
-        rc = run_batch(ep, op, peer, &g, n_wr_max, deadline, &res);
+        rc = run_batch(ep, op, peer & PEER_PROV_MASK, &g, n_wr_max, deadline, &res);
     }
     pthread_rwlock_unlock(&ep->mr_lock);
     Py_END_ALLOW_THREADS ep_leave(ep);
@@ -1066,12 +1350,12 @@ static PyObject *Endpoint_post(EndpointObject *self, PyObject *const *args, Py_s
                      op == KVX_READ ? "READ" : "WRITE", (unsigned long long)total_l, peer, timeout_ms);
         goto out;
     }
+    if (rc == RUN_RESET) {
+        raise_fabric("RESET", res.text, peer);
+        goto out;
+    }
     if (rc == RUN_ERROR) {
-        PyObject *exc_args = Py_BuildValue("(ssK)", res.status_name ? res.status_name : "?", res.text, peer);
-        if (exc_args != NULL) {
-            PyErr_SetObject(FabricError, exc_args);
-            Py_DECREF(exc_args);
-        }
+        raise_fabric(res.status_name ? res.status_name : "?", res.text, peer);
         goto out;
     }
     result = Py_None;
@@ -1091,9 +1375,9 @@ static PyObject *Endpoint_counters(EndpointObject *self, PyObject *Py_UNUSED(ign
         return PyErr_Format(PyExc_ValueError, "the endpoint is not open");
     pthread_mutex_lock(&ep->lock);
     PyObject *d = Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsnsnsn}", "posts", ep->c_posts, "work_requests", ep->c_wrs, "sges", ep->c_sges,
+        "{sKsKsKsKsKsKsKsKsKsnsnsn}", "posts", ep->c_posts, "work_requests", ep->c_wrs, "sges", ep->c_sges,
         "completions", ep->c_completions, "errors", ep->c_errors, "eagain", ep->c_eagain, "timeouts",
-        ep->c_timeouts, "orphans", ep->c_orphans, "inflight", (Py_ssize_t)ep->inflight, "peers",
+        ep->c_timeouts, "orphans", ep->c_orphans, "resets", ep->c_resets, "inflight", (Py_ssize_t)ep->inflight, "peers",
         (Py_ssize_t)ep->n_peers, "regions", (Py_ssize_t)ep->n_mrs);
     pthread_mutex_unlock(&ep->lock);
     return d;
@@ -1160,6 +1444,13 @@ static PyObject *Endpoint_get_mr_mode(EndpointObject *self, void *c)
         return PyErr_Format(PyExc_ValueError, "the endpoint is not open");
     return PyLong_FromUnsignedLongLong(self->ep->info.mr_mode);
 }
+static PyObject *Endpoint_get_mr_close_is_final(EndpointObject *self, void *c)
+{
+    (void)c;
+    if (self->ep == NULL)
+        return PyErr_Format(PyExc_ValueError, "the endpoint is not open");
+    return PyBool_FromLong(self->ep->info.mr_close_final);
+}
 static PyObject *Endpoint_get_key_size(EndpointObject *self, void *c)
 {
     (void)c;
@@ -1180,6 +1471,8 @@ static PyGetSetDef Endpoint_getset[] = {
     {"max_outstanding", (getter)Endpoint_get_max_outstanding, NULL, "work requests in flight", NULL},
     {"mr_mode", (getter)Endpoint_get_mr_mode, NULL, "libfabric FI_MR_* bits granted", NULL},
     {"key_size", (getter)Endpoint_get_key_size, NULL, "bytes of an MR key", NULL},
+    {"mr_close_is_final", (getter)Endpoint_get_mr_close_is_final, NULL,
+     "closing a region is known to stop remote access already in flight (else: reset)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1192,6 +1485,8 @@ static PyMethodDef Endpoint_methods[] = {
     {"post", (PyCFunction)(void (*)(void))Endpoint_post, METH_FASTCALL,
      "post(op, peer, local_addrs, local_lens, remote_addrs, remote_lens, remote_keys, timeout_ms)"},
     {"counters", (PyCFunction)Endpoint_counters, METH_NOARGS, "counters() -> dict"},
+    {"reset", (PyCFunction)(void (*)(void))Endpoint_reset, METH_VARARGS | METH_KEYWORDS,
+     "reset(reason=''): close and reopen the provider endpoint; posts in flight fail with RESET"},
     {"close", (PyCFunction)Endpoint_close, METH_NOARGS, "close()"},
     {NULL, NULL, 0, NULL},
 };

@@ -64,6 +64,7 @@ struct kvx_ep_info {
     size_t max_msg;
     size_t max_outstanding;
     int needs_progress;     /* run a progress thread (the target must progress too) */
+    int mr_close_final;     /* closing an MR is known to stop remote access already in flight */
 };
 
 struct kvx_wr {
@@ -89,9 +90,11 @@ struct kvx_provider {
     int (*open)(const struct kvx_open_args *args, void **impl, struct kvx_ep_info *info, char *err);
     /* Called once, with no poster or progress thread running. */
     void (*close)(void *impl);
-    /* access: KVX_ACCESS_* bits. device >= 0: GPU memory of that CUDA device. */
-    int (*reg)(void *impl, uint64_t addr, uint64_t len, int access, int device, uint64_t *key, void **desc,
-               void **handle, char *err);
+    /* access: KVX_ACCESS_* bits. device >= 0: GPU memory of that CUDA device. keep_key: *key
+     * holds the key to register under (only where the user chooses keys: !prov_key); else
+     * the provider, or a fresh random draw, picks it. */
+    int (*reg)(void *impl, uint64_t addr, uint64_t len, int access, int device, int keep_key, uint64_t *key,
+               void **desc, void **handle, char *err);
     /* After this returns no peer can reach the range through the key. */
     int (*dereg)(void *impl, void *handle, char *err);
     /* Connecting: prepare writes this side's info; complete takes the other side's. */

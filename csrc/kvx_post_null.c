@@ -59,11 +59,11 @@ static void null_close(void *impl)
     free(ep);
 }
 
-static int null_reg(void *impl, uint64_t addr, uint64_t len, int access, int device, uint64_t *key,
-                    void **desc, void **handle, char *err)
+static int null_reg(void *impl, uint64_t addr, uint64_t len, int access, int device, int keep_key,
+                    uint64_t *key, void **desc, void **handle, char *err)
 {
     (void)impl, (void)addr, (void)len, (void)access, (void)device;
-    if (getrandom(key, sizeof(*key), 0) != sizeof(*key)) {
+    if (!keep_key && getrandom(key, sizeof(*key), 0) != sizeof(*key)) {
         snprintf(err, KVX_ERR_LEN, "getrandom failed");
         return -EIO;
     }

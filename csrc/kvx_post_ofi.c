@@ -99,6 +99,21 @@ static int get_info(const struct kvx_open_args *args, struct fi_info **out, char
     return rc;
 }
 
+/* Providers whose MRs live in a NIC: closing one invalidates it there, so a remote
+ * access already in flight fails. Software providers (tcp, sockets, udp, shm) keep
+ * moving bytes of a request they have started after fi_close(mr). */
+static int hardware_core(const char *prov_name)
+{
+    static const char *const hardware[] = {"efa", "verbs", "psm2", "psm3", "opx", "cxi"};
+    if (prov_name == NULL)
+        return 0;
+    size_t len = strcspn(prov_name, ";");
+    for (size_t i = 0; i < sizeof(hardware) / sizeof(hardware[0]); i++)
+        if (strlen(hardware[i]) == len && strncmp(prov_name, hardware[i], len) == 0)
+            return 1;
+    return 0;
+}
+
 static void ofi_close(void *impl)
 {
     struct ofi_ep *o = impl;
@@ -198,6 +213,7 @@ static int ofi_open(const struct kvx_open_args *args, void **impl, struct kvx_ep
     info->max_msg = fi->ep_attr->max_msg_size ? fi->ep_attr->max_msg_size : ((size_t)1 << 30);
     info->max_outstanding = fi->tx_attr->size ? fi->tx_attr->size : 64;
     info->needs_progress = 1;
+    info->mr_close_final = info->prov_key && hardware_core(fi->fabric_attr->prov_name);
     snprintf(info->provider, KVX_NAME_LEN, "%s", fi->fabric_attr->prov_name);
     snprintf(info->fabric, KVX_NAME_LEN, "%s", fi->fabric_attr->name);
     snprintf(info->domain, KVX_NAME_LEN, "%s", fi->domain_attr->name);
@@ -208,10 +224,14 @@ fail:
     return rc < 0 ? rc : -rc;
 }
 
-static int ofi_reg(void *impl, uint64_t addr, uint64_t len, int access, int device, uint64_t *key, void **desc,
-                   void **handle, char *err)
+static int ofi_reg(void *impl, uint64_t addr, uint64_t len, int access, int device, int keep_key, uint64_t *key,
+                   void **desc, void **handle, char *err)
 {
     struct ofi_ep *o = impl;
+    if (keep_key && o->prov_key) {
+        snprintf(err, KVX_ERR_LEN, "this provider picks MR keys itself: a key cannot be kept");
+        return -FI_EINVAL;
+    }
     uint64_t acc = FI_READ | FI_WRITE;
     if (access & KVX_ACCESS_REMOTE_READ)
         acc |= FI_REMOTE_READ;
@@ -236,9 +256,9 @@ static int ofi_reg(void *impl, uint64_t addr, uint64_t len, int access, int devi
     struct fid_mr *mr = NULL;
     int rc = -FI_ENOKEY;
     /* A random key can collide with one already in use: draw again, a few times. */
-    for (int attempt = 0; attempt < 4 && rc == -FI_ENOKEY; attempt++) {
-        uint64_t want = 0;
-        if (!o->prov_key) {
+    for (int attempt = 0; attempt < (keep_key ? 1 : 4) && rc == -FI_ENOKEY; attempt++) {
+        uint64_t want = keep_key ? *key : 0;
+        if (!o->prov_key && !keep_key) {
             if (getrandom(&want, sizeof(want), 0) != sizeof(want)) {
                 snprintf(err, KVX_ERR_LEN, "getrandom failed: %s", strerror(errno));
                 return -FI_EIO;

@@ -61,6 +61,13 @@ def _target(conn: Any, size: int, regions: list[tuple[bool, bool]]) -> None:
         elif cmd == "close_mr":
             mrs[arg].close()
             conn.send("closed")
+        elif cmd == "connect":  # the exchange again, after a reset on either side
+            half, info = ep.prepare()
+            ep.complete(half, arg)
+            conn.send(info)
+        elif cmd == "reset":
+            ep.reset("asked by the test")
+            conn.send((ep.address, [m.key for m in mrs]))
         elif cmd == "stop":
             break
     ep.close()
@@ -361,3 +368,155 @@ def test_one_user_of_a_shared_peer_number_disconnecting_leaves_the_others(make_t
 def _target_bytes(size: int, region: int, offset: int, length: int) -> bytes:
     """What the target's buffer ``region`` of ``size`` bytes holds (see ``_target``)."""
     return np.random.default_rng(region).bytes(size)[offset : offset + length]
+
+
+# ---- Endpoint.reset: what closing an MR does not stop, closing the endpoint does ----
+
+
+def _writer(conn: Any, target_info: bytes, key: int, size: int) -> None:
+    """A peer that holds a key and WRITEs ``size`` bytes of 0xAA into the region."""
+    ep = fabric.Endpoint(PROVIDER, NODE)
+    src = np.full(size, 0xAA, dtype=np.uint8)
+    _mr = ep.register(src.ctypes.data, size, remote_read=False, remote_write=False)
+    peer = ep.complete(None, target_info)
+    conn.send("posting")
+    try:
+        ep.post(fabric.WRITE, peer, _u64(src.ctypes.data), _u64(size), _u64(0), _u64(size), _u64(key), 15_000)
+        conn.send("completed")
+    except (fabric.FabricError, KvxTimeoutError) as exc:
+        conn.send(f"failed: {exc}")
+    ep.close()
+
+
+def test_a_write_in_flight_stops_landing_once_reset_returns():
+    """The attack: a peer starts a 256 MiB WRITE; the target deregisters the region (with
+    tcp;ofi_rxm the bytes keep landing after fi_close(mr)) and resets its endpoint. After
+    reset() returns no byte lands any more, and the writer's post fails."""
+    size = 256 << 20
+    ep = fabric.Endpoint(PROVIDER, NODE)
+    assert not ep.mr_close_is_final
+    buf = np.zeros(size, dtype=np.uint8)
+    mr = ep.register(buf.ctypes.data, size, remote_read=True, remote_write=True)
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_writer, args=(theirs, ep.address, mr.key, size), daemon=True)
+    proc.start()
+    try:
+        assert mine.poll(PIPE_TIMEOUT_S) and mine.recv() == "posting"
+        deadline = time.monotonic() + 10
+        while not buf[: 1 << 20].any() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert buf[: 1 << 20].any(), "the WRITE did not start"
+        mr.close()
+        ep.reset("the region was deregistered")
+        landed = int(np.count_nonzero(buf))
+        assert landed < size, "the WRITE finished before the reset; the test proves nothing"
+        time.sleep(2)
+        assert int(np.count_nonzero(buf)) == landed
+        assert mine.poll(PIPE_TIMEOUT_S)
+        assert mine.recv().startswith("failed")
+        assert ep.counters()["resets"] == 1
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        ep.close()
+
+
+def test_a_timed_out_read_stops_landing_once_reset_returns(make_target):
+    """The attack: the target stalls until the initiator's READ times out, then resumes;
+    with tcp;ofi_rxm its bytes would land in the initiator's buffer after the timeout
+    (and after disconnect and closing the MR). After reset() none do."""
+    t = make_target()
+    size = PIECE * PIECES
+    local, _mr = _local(t.ep, size)
+    _read_small(t, local)  # the connection is up
+    os.kill(t.proc.pid, signal.SIGSTOP)
+    try:
+        _wait_stopped(t.proc.pid)
+        with pytest.raises(KvxTimeoutError):
+            t.ep.post(fabric.READ, t.peer, _u64(local.ctypes.data), _u64(size), _u64(t.base[0]), _u64(size),
+                      _u64(t.keys[0]), 1_000)  # fmt: skip
+        t.ep.reset("a READ timed out")
+        local[:] = 0x11  # the memory is someone else's now
+    finally:
+        os.kill(t.proc.pid, signal.SIGCONT)
+    time.sleep(2)
+    assert int(np.count_nonzero(local != 0x11)) == 0
+    c = t.ep.counters()
+    assert c["resets"] == 1 and c["inflight"] == 0 and c["timeouts"] == 1
+
+
+def test_after_a_reset_peers_connect_again_and_old_keys_still_serve(make_target):
+    t = make_target(size=4096, regions=[(True, True), (True, True)])
+    local, mr = _local(t.ep, 4096)
+    old_address, old_key = t.ep.address, mr.key
+    t.ep.reset("test")
+    assert t.ep.address != old_address and t.ep.prepare()[1] == t.ep.address
+    assert mr.key == old_key and not mr.closed
+    with pytest.raises(ConfigError, match="not connected"):
+        _read_small(t, local)
+    old_peer = t.peer
+    half, info = t.ep.prepare()
+    t.peer = t.ep.complete(half, t.ask("connect", info))
+    _read_small(t, local, region=1, offset=64)
+    assert local[:64].tobytes() == _target_bytes(4096, 1, 64, 64)
+    with pytest.raises(ConfigError, match="not connected"):  # the old number names no new peer
+        t.ep.post(fabric.READ, old_peer, _u64(local.ctypes.data), _u64(64), _u64(t.base[1]), _u64(64),
+                  _u64(t.keys[1]), 5_000)  # fmt: skip
+
+    # The target resets too: one region closed before stays closed, the other keeps its key.
+    assert t.ask("close_mr", 1) == "closed"
+    address, keys = t.ask("reset")
+    assert address != t.remote_info and keys == t.keys
+    t.ep.disconnect(t.peer)  # the target's old address is gone: connect to the new one
+    half, info = t.ep.prepare()
+    t.ask("connect", info)
+    t.peer = t.ep.complete(half, address)
+    _read_small(t, local, region=0, offset=128)
+    assert local[:64].tobytes() == _target_bytes(4096, 0, 128, 64)
+    with pytest.raises(fabric.FabricError):
+        _read_small(t, local, region=1)
+    mr.close()  # closes the registration the reset made
+    assert t.ep.counters()["regions"] == 0
+
+
+def test_a_reset_while_threads_post_fails_their_posts_cleanly(make_target):
+    t = make_target()
+    local, _mr = _local(t.ep, 4 << 20)
+    results: list[list[str]] = [[] for _ in range(4)]
+
+    def loop(i: int) -> None:
+        dst = local.ctypes.data + i * (1 << 20)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                t.ep.post(fabric.READ, t.peer, _u64(dst), _u64(1 << 20), _u64(t.base[0] + i * (1 << 20)),
+                          _u64(1 << 20), _u64(t.keys[0]), 10_000)  # fmt: skip
+                results[i].append("ok")
+            except fabric.FabricError as exc:
+                results[i].append(exc.status)
+                return
+            except ConfigError as exc:
+                results[i].append("not connected" if "not connected" in str(exc) else str(exc))
+                return
+
+    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(4)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 10
+    while not all(results) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(results), "the posts did not get going"
+    started = time.monotonic()
+    t.ep.reset("test")
+    assert time.monotonic() - started < 10
+    for w in workers:
+        w.join(15)
+    assert not any(w.is_alive() for w in workers), "a post hung across the reset"
+    ends = {r[-1] for r in results}
+    assert ends <= {fabric.RESET, "not connected"} and fabric.RESET in ends
+    assert all(set(r[:-1]) == {"ok"} for r in results)
+    c = t.ep.counters()
+    assert c["resets"] == 1 and c["inflight"] == 0

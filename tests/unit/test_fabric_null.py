@@ -138,3 +138,27 @@ def test_a_closed_endpoint_refuses_work():
     mr.close()
     with pytest.raises(ConfigError, match="closed"):
         ep.register(buf.ctypes.data, buf.nbytes, remote_read=True, remote_write=True)
+
+
+def test_reset_forgets_peers_and_keeps_keys(null):
+    ep, buf, mr, peer = null
+    key, address = mr.key, ep.address
+    assert not ep.mr_close_is_final
+    closed = ep.register(buf.ctypes.data, 4096, remote_read=True, remote_write=False)
+    closed.close()
+    ep.reset("test")
+    assert mr.key == key and not mr.closed and ep.address != address
+    assert ep.counters()["resets"] == 1 and ep.counters()["regions"] == 1
+    args = (_u64([buf.ctypes.data]), _u64([64]), _u64([0]), _u64([64]), _u64([key]), 1000)
+    with pytest.raises(ConfigError, match="not connected"):
+        ep.post(fabric.READ, peer, *args)
+    half, info = ep.prepare()
+    again = ep.complete(half, info)
+    assert again != peer
+    ep.post(fabric.READ, again, *args)
+    with pytest.raises(ConfigError, match="not connected"):
+        ep.post(fabric.READ, peer, *args)  # not even after a new peer was connected
+    mr.close()
+    assert ep.counters()["regions"] == 0
+    with pytest.raises(ConfigError):
+        ep.post(fabric.READ, again, *args)  # the local range is no longer registered

@@ -51,8 +51,15 @@ for the few milliseconds until this side has seen it close, and the next one
 connects anew. The backend re-establishes the peer on next use.
 
 ``MemoryRegion.close`` waits for posts in flight on the endpoint (bounded by
-their timeouts), then deregisters: after it returns no peer can reach the
-range through the key.
+their timeouts), then deregisters: after it returns no peer can *start* an
+access to the range through the key. On software providers (``tcp;ofi_rxm``)
+an access already started keeps moving bytes after ``fi_close(mr)``: a peer's
+WRITE lands in the range, and a READ this side gave up on lands in the local
+buffer, for seconds. Only closing the provider's endpoint stops them, which
+is what :meth:`Endpoint.reset` does in place. :attr:`Endpoint.mr_close_is_final`
+says whether a reset is needed: True where the provider picks keys and the
+region lives in a NIC (``efa``, ``verbs;ofi_rxm``: closing it invalidates it
+there), False for software providers and for ``null``.
 
 GPU memory (``device >= 0``) is registered with ``fi_mr_regattr`` with iface
 ``FI_HMEM_CUDA`` and the device id, on an endpoint opened with
@@ -63,6 +70,7 @@ on a GPU with an HMEM-capable provider.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -74,6 +82,7 @@ from kvx.errors import TimeoutError as KvxTimeoutError
 
 __all__ = [
     "READ",
+    "RESET",
     "WRITE",
     "Endpoint",
     "FabricError",
@@ -92,8 +101,15 @@ WRITE = 1
 _MISSING = "kvx was built without libfabric (apt-get install libfabric-dev, then reinstall kvx)"
 
 
+RESET = "RESET"
+
+
 class FabricError(TransferError):
-    """An error completion: ``status`` is the provider's name for it (``FI_EACCES``...)."""
+    """An error completion: ``status`` is the provider's name for it (``FI_EACCES``...).
+
+    ``status == "RESET"``: the post was in flight (or started) while :meth:`Endpoint.reset`
+    ran; nothing more of it moves. Connect again and retry.
+    """
 
     def __init__(self, status: str, text: str, peer: int) -> None:
         super().__init__(f"{status} from peer {peer}: {text}")
@@ -237,14 +253,22 @@ class Endpoint:
         self.provider: str = self._ep.provider
         self.fabric: str = self._ep.fabric
         self.domain: str = self._ep.domain
-        self.address: bytes = self._ep.address
+        self.address: bytes = b""
+        self.max_sge: int = 0
+        self.max_msg: int = 0
+        self.max_outstanding: int = 0
         self.virt_addr: bool = self._ep.virt_addr
         self.prov_key: bool = self._ep.prov_key
         self.mr_mode: int = self._ep.mr_mode
         self.key_size: int = self._ep.key_size
-        self.max_sge: int = self._ep.max_sge
-        self.max_msg: int = self._ep.max_msg
-        self.max_outstanding: int = self._ep.max_outstanding
+        self.mr_close_is_final: bool = self._ep.mr_close_is_final
+        self._limits()
+
+    def _limits(self) -> None:
+        self.address = self._ep.address
+        self.max_sge = self._ep.max_sge
+        self.max_msg = self._ep.max_msg
+        self.max_outstanding = self._ep.max_outstanding
 
     def register(
         self, addr: int, length: int, *, remote_read: bool, remote_write: bool, device: int = -1
@@ -328,8 +352,40 @@ class Endpoint:
             raise ConfigError(str(exc)) from None
 
     def counters(self) -> dict[str, int]:
-        """What the engine did: posts, work_requests, sges, completions, errors, eagain, timeouts..."""
+        """What the engine did: posts, work_requests, sges, completions, errors, eagain, timeouts,
+        orphans, resets..."""
         return dict(self._ep.counters())
+
+    def reset(self, reason: str = "") -> None:
+        """Close the provider's endpoint and open a new one in its place.
+
+        When this returns no byte moves through the old connections: a peer's WRITE into a
+        region closed before, a READ that timed out. Posts in flight fail with
+        :class:`FabricError` status ``"RESET"`` (``reason`` is in its text), and so do posts
+        started while the reset runs; other calls wait for it. The endpoint gets a new
+        :attr:`address` (a new port): every peer number is forgotten (a post to one raises
+        ``ConfigError`` "not connected") and each peer must be connected again with
+        :meth:`prepare`/:meth:`complete`. Every region still open is registered again under
+        the key it had, so keys handed out stay valid; regions closed before stay closed.
+
+        Raises ``ConfigError`` where the provider picks MR keys (``prov_key``): a reset
+        could not keep them, and there closing a region is final (:attr:`mr_close_is_final`).
+        Raises ``ConnectError`` when the provider could not be opened again (the endpoint
+        is closed then) and ``RegionError`` when a region could not be registered again
+        (that region is unreachable).
+        """
+        try:
+            self._ep.reset(reason)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        except OSError as exc:
+            with contextlib.suppress(ValueError):
+                self._limits()
+            if "could not be registered again" in str(exc):
+                raise RegionError(str(exc)) from exc
+            raise ConnectError(str(exc)) from exc
+        self._limits()
+        log.info("endpoint %s reset (%s): new address", self.provider, reason or "no reason given")
 
     def close(self) -> None:
         """Wait for posts in flight, stop the progress thread, deregister everything, close."""
