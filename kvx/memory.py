@@ -152,6 +152,8 @@ class RegionTable:
         # Region id -> the key under which a NIC lets peers touch it (the rdma
         # backend sets it once the region is registered with its endpoint).
         self._remote_keys: dict[int, bytes] = {}
+        # Regions whose keys went out in a pin's answer (a peer may hold them).
+        self._keys_out: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -296,11 +298,22 @@ class RegionTable:
         with self._lock:
             if region_id in self._regions:
                 self._remote_keys[region_id] = packed
+                self._keys_out.discard(region_id)
+
+    def take_keys_out(self, region_id: int) -> bool:
+        """Whether the region's keys ever went out in a pin's answer (so a peer
+        may still hold them); forgets it. The rdma backend asks on deregister."""
+        with self._lock:
+            if region_id in self._keys_out:
+                self._keys_out.discard(region_id)
+                return True
+            return False
 
     def remote_keys(self, ids: np.ndarray, who: str) -> bytes:
         """Per region its NIC keys (uint64, one per rail). Call with the regions pinned."""
         with self._lock:
             keys = [self._remote_keys.get(rid) for rid in ids.tolist()]
+            self._keys_out.update(rid for rid, k in zip(ids.tolist(), keys, strict=True) if k is not None)
         if None in keys:
             rid = ids.tolist()[keys.index(None)]
             raise AccessError(

@@ -401,3 +401,124 @@ def test_an_agent_on_loopback_opens_no_rdma_port_on_the_network(fabric, make_age
     assert len(opened) >= 2, opened  # the control port and the endpoint's
     assert {address for address, _ in opened} == {"127.0.0.1"}, opened
     assert agent.metadata()
+
+
+# Software providers: closing a registration does not stop an access already moving.
+
+
+def _resets(agent):
+    return agent._backends["rdma"].ep.counters()["resets"]
+
+
+def test_a_write_in_flight_stops_landing_once_deregister_returns(fabric, make_agent):
+    """The attack: pin a region for writing, keep its key, unpin, and start a
+    256 MiB WRITE; the target deregisters the region meanwhile. With
+    tcp;ofi_rxm the WRITE would keep landing after the registration closed;
+    the target resets its endpoint before deregister returns. An honest peer
+    connected to it goes on over rdma, byte-exact."""
+    import threading
+    import time
+
+    size = 256 << 20
+    with kvx.Agent("target", backend="rdma") as target:
+        assert not target._backends["rdma"].ep.mr_close_is_final
+        victim = np.zeros(size, np.uint8)
+        region = target.register(victim)
+        served = np.arange(4 * BLOCK, dtype=np.uint8)
+        target.register(served)
+        honest = make_agent("honest", backend="rdma")
+        peer = honest.add_peer(target.metadata())
+        assert peer.backend == "rdma"
+        local = np.zeros(4 * BLOCK, np.uint8)
+        mine = honest.register(local)
+        peer.read(mine.descs(0, 4 * BLOCK), peer.regions[1].descs(0, 4 * BLOCK)).wait(10)
+        assert local.tobytes() == served.tobytes()
+
+        sock, _ = _session(types.SimpleNamespace(metadata=target.metadata()))
+        ep, fabric_peer = _raw_rdma_peer(sock, fabric)
+        source = np.full(size, 0xAB, np.uint8)
+        mr = ep.register(source.ctypes.data, size, remote_read=False, remote_write=False)
+        outcome: list[BaseException | None] = []
+        writer = None
+        try:
+            base, _, key = _pin_key(sock, 2, region.id, _wire.PIN_WRITE)
+            sock.sendall(_wire.pack(MsgType.SHM_UNPIN, 2))
+            at = base if ep.virt_addr else 0
+
+            def write():
+                try:
+                    _post(ep, fabric_peer, 1, source, at, key, timeout_ms=15_000)
+                    outcome.append(None)
+                except BaseException as exc:  # noqa: BLE001 - the test reads it
+                    outcome.append(exc)
+
+            writer = threading.Thread(target=write, daemon=True)
+            writer.start()
+            assert wait_until(lambda: victim[: 1 << 20].any(), 10), "the WRITE did not start"
+            target.deregister(region, timeout_s=10)
+            landed = int(np.count_nonzero(victim))
+            assert landed < size, "the WRITE finished before the deregister; the test proves nothing"
+            time.sleep(2)
+            assert int(np.count_nonzero(victim)) == landed, "bytes landed after deregister returned"
+            writer.join(20)
+            assert outcome and outcome[0] is not None, "the WRITE should have failed"
+            assert _resets(target) == 1
+        finally:
+            if writer is not None:
+                writer.join(20)
+            mr.close()
+            ep.close()
+            sock.close()
+
+        # The honest peer heard of the reset and connects again: still rdma, byte-exact.
+        channel = peer._channel
+        assert wait_until(lambda: channel.pairs[0].stale, 10)
+        for round_ in range(3):
+            local[:] = 0
+            peer.read(mine.descs(0, 4 * BLOCK), peer.regions[1].descs(0, 4 * BLOCK)).wait(10)
+            assert local.tobytes() == served.tobytes(), round_
+        assert peer.backend == "rdma" and channel.fallback is None and not channel._failures
+        assert not channel.pairs[0].stale and channel.pairs[0].down is None
+
+
+def test_a_region_never_pinned_for_rdma_is_deregistered_without_a_reset(fabric, make_agent):
+    with kvx.Agent("target", backend="rdma") as target:
+        region = target.register(np.zeros(4 * BLOCK, np.uint8))
+        kept = target.register(np.arange(4 * BLOCK, dtype=np.uint8))
+        honest = make_agent("honest", backend="rdma")
+        peer = honest.add_peer(target.metadata())
+        local = np.zeros(4 * BLOCK, np.uint8)
+        peer.read(honest.register(local).descs(0, 4 * BLOCK), peer.regions[1].descs(0, 4 * BLOCK)).wait(10)
+        target.deregister(region, timeout_s=10)
+        assert _resets(target) == 0
+        target.deregister(kept, timeout_s=10)  # its key went out in a lease
+        assert _resets(target) == 1
+
+
+def test_a_timed_out_read_does_not_land_after_the_error(fabric, make_worker, make_agent):
+    """The attack: the target stalls (SIGSTOP) during a READ until it times
+    out, then resumes; with tcp;ofi_rxm its bytes would land in the buffer
+    the initiator reuses after the error. The initiator resets its endpoint
+    before the error reaches the caller."""
+    import time
+
+    worker = make_worker(pool_bytes=1 << 20)
+    agent = make_agent("initiator", backend="rdma", timeouts=kvx.Timeouts(io_s=1))
+    local = np.zeros(1 << 20, np.uint8)
+    region = agent.register(local)
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "rdma"
+    peer.read(region.descs(0, 1 << 20), peer.regions[0].descs(0, 1 << 20)).wait(10)  # leased now
+    assert local.tobytes() == worker.expected(0, 1 << 20).tobytes()
+    local[:] = 0
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, 1 << 20), peer.regions[0].descs(0, 1 << 20))
+        with pytest.raises(kvx.TimeoutError):
+            t.wait(10)
+        local[:] = 0x11  # the memory is reused
+    finally:
+        worker.thaw()
+    time.sleep(2)
+    assert int(np.count_nonzero(local != 0x11)) == 0, "a READ that timed out landed later"
+    assert _resets(agent) == 1

@@ -327,6 +327,8 @@ class Connection:
         self.sender: threading.Thread | None = None
         self.on_break: Callable[[KvxError], None] | None = None  # set by the link
         self.on_closed: Callable[[Connection], None] | None = None  # set by the link: after the reader ended
+        # Set by a backend (Link.hook_peer_reset): RDMA_RESET's rail pair, from the reader; must not block.
+        self.on_peer_reset: Callable[[int], None] | None = None
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
@@ -461,6 +463,9 @@ class Connection:
                 msg_type, request_id, payload_len, aux, data_len = check_header(header)
                 if msg_type == MsgType.SHM_REVOKE:
                     self._revoke(request_id, payload_len, aux, data_len)
+                    continue
+                if msg_type == MsgType.RDMA_RESET:
+                    self._peer_reset(request_id, payload_len, aux, data_len)
                     continue
                 with self.lock:
                     if self.error is not None:
@@ -639,6 +644,14 @@ class Connection:
             self.copy_waiters -= 1
         self.send_oneway(_wire.pack(MsgType.SHM_RELEASE, region_id))
 
+    def _peer_reset(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
+        """RDMA_RESET: the target's rdma endpoint on rail pair ``aux`` was reset;
+        the link's hook (the rdma channel) marks that pair for a reconnect."""
+        hook = self.on_peer_reset
+        if request_id or payload_len or data_len or hook is None:
+            raise ProtocolError(f"peer {self.peer!r} sent a malformed or unexpected RDMA_RESET")
+        hook(aux)
+
     def send_oneway(self, prefix: bytes) -> None:
         """Send a message that gets no answer: now if the socket is free, else queued."""
         with self.lock:
@@ -751,6 +764,17 @@ class Link:
 
     def close(self) -> None:
         self._on_break(ClosedError(f"channel to peer {self.peer!r} was closed"))
+
+    def hook_peer_reset(self, fn: Callable[[int], None]) -> None:
+        """Hand the target's RDMA_RESET notices (the rail pair in aux) to ``fn``,
+        run on a reader thread: it must only take note (raise ProtocolError on a
+        bad pair, which ends the connection), never block."""
+        for conn in self.conns:
+            conn.on_peer_reset = fn
+
+    def asking_would_block(self) -> bool:
+        """The calling thread is the reader that ``ask`` needs for its answer."""
+        return threading.current_thread() is self.conns[0].reader
 
     def fail(self, error: KvxError) -> None:
         """End the link because of ``error`` (a backend found the peer dead

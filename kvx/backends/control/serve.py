@@ -488,6 +488,13 @@ class InboundConnection:
             self._outbox.append(_wire.pack(MsgType.SHM_REVOKE, region_id))
         self._flush()
 
+    def send_oneway(self, message: bytes) -> None:
+        """Send a message that gets no answer (a backend's notice, say
+        RDMA_RESET) from any thread: now, or after the request being served."""
+        with self.lease_lock:
+            self._outbox.append(message)
+        self._flush()
+
     def _flush(self) -> None:
         """Send what waits in the outbox, unless the serving thread is
         sending (it flushes after its request)."""

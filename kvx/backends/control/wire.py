@@ -76,6 +76,16 @@ NIC), a uint16 length and that many bytes (at most 1024) of the endpoint's
 connection info; once per connection, no data. Both are sent only to an
 agent whose metadata offers an rdma endpoint.
 
+On software providers closing a registration does not stop an access a
+peer already started, so the target resets that rail's endpoint when it
+deregisters a region whose key it handed out (and an initiator resets its
+own after a post timed out): the endpoint gets a new address and every
+fabric connection to it is gone. The target then sends RDMA_RESET (request
+id 0, aux: the index of the initiator's rail pair, no payload, no data) on
+each connection that completed RDMA_CONNECT; the initiator answers nothing
+and connects that pair again (RDMA_CONNECT with the reconnect flag) before
+its next post on it. A malformed RDMA_RESET ends the connection.
+
 Where cross-memory attach is refused, the shm backend maps the target's
 shared segments (kvx/backends/shm/segments.py) instead: SEG_TOKEN (no payload) asks for a
 single-use token, SEG_TOKEN_OK carries it (32 bytes), and the initiator
@@ -155,6 +165,7 @@ class MsgType(enum.IntEnum):
     VERIFY_OK = 22
     RDMA_CONNECT = 23
     RDMA_CONNECT_OK = 24
+    RDMA_RESET = 25
 
 
 # Message types a backend may define for its own control requests (sent with

@@ -12,7 +12,14 @@ Every region is registered with the agent's endpoint (local access always,
 remote read and write as the region allows). ``deregister`` waits for the
 pins and leases on a region like it does for shm, then closes its
 registration before it returns: from then on no peer can touch the range,
-whatever key it kept.
+whatever key it kept. On software providers (``tcp;ofi_rxm``, where
+``ep.mr_close_is_final`` is False) a READ or WRITE a peer already started
+keeps moving bytes after the registration is closed, so when the region's
+keys ever went out in a pin's answer the rails' endpoints are reset as well
+(``Endpoint.reset``: every connection to them ends) before ``deregister``
+returns, and each connected initiator is told (RDMA_RESET) so that it
+connects that rail again. An initiator whose post timed out resets its own
+endpoint the same way, so that no byte of the READ it gave up on lands later.
 
 Connecting is one exchange on the control link (RDMA_CONNECT): the
 initiator sends its endpoint's connection info, the target completes its
@@ -83,6 +90,7 @@ SYSFS_ROOT_ENV = "KVX_SYSFS_ROOT"
 # The connect exchange (wire.py): kvx's own types, as a built-in backend's.
 RDMA_CONNECT = MsgType.RDMA_CONNECT
 RDMA_CONNECT_OK = MsgType.RDMA_CONNECT_OK
+RDMA_RESET = MsgType.RDMA_RESET
 
 
 def load_fabric() -> tuple[Any, str | None]:
@@ -244,7 +252,10 @@ class RdmaBackend(Backend):
         self._posts = 0  # endpoint calls running: close() waits for them
         self._mrs: dict[int, list[Any]] = {}  # region id -> its registration on each rail
         # Connections that connected -> per rail pair (the local rail, its fabric peer).
+        # A fabric peer of -1: the endpoint was reset since, the initiator connects again.
         self._inbound: dict[InboundConnection, list[tuple[int, int]]] = {}
+        # Per rail its resets so far: fabric peers from an older one are gone.
+        self.generations = [0] * len(self.eps)
         self._gpu_registered = 0
         self._gpu_failed: str | None = None
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -343,7 +354,40 @@ class RdmaBackend(Backend):
             if mrs is not None and region.memory_kind is MemoryKind.CUDA:
                 self._gpu_registered -= 1
         for mr in mrs or ():
-            mr.close()  # from here on no peer reaches the range, whatever key it kept
+            mr.close()  # from here on no peer can start an access to the range, whatever key it kept
+        if mrs is not None and self.ctx.regions.take_keys_out(region.id):
+            # An access a peer started before keeps moving bytes on software providers: end them all.
+            for rail in range(len(self.eps)):
+                self.reset_rail(rail, f"region {region.id} was deregistered")
+
+    def reset_rail(self, rail: int, reason: str) -> None:
+        """Reset rail ``rail``'s endpoint where closing a registration (or giving
+        up on a post) does not stop the bytes already moving; tell the initiators
+        connected to it. Returns once no byte moves through its old connections."""
+        ep = self.eps[rail]
+        if getattr(ep, "mr_close_is_final", True):
+            return  # the NIC stops them itself
+        with self._lock:
+            if self._closed:
+                return  # ep.close() stops them
+            self._posts += 1  # the endpoint stays open until the reset returns
+            self.generations[rail] += 1
+        try:
+            ep.reset(reason)
+        except Exception as exc:
+            # A failed reset leaves the endpoint closed (ConnectError): nothing moves through it.
+            logger.error("agent %s: resetting rdma rail %d failed: %s", self.ctx.agent_name, rail, exc)
+        finally:
+            self._post_ended()
+        notices: list[tuple[InboundConnection, int]] = []
+        with self._lock:
+            for conn, pairs in self._inbound.items():
+                for index, (local, _) in enumerate(pairs):
+                    if local == rail:
+                        pairs[index] = (rail, -1)  # its number died with the old endpoint
+                        notices.append((conn, index))
+        for conn, index in notices:
+            conn.send_oneway(_wire.pack(RDMA_RESET, 0, aux=index))
 
     # The target's side of the connect exchange.
 
@@ -436,7 +480,7 @@ class RdmaBackend(Backend):
 
     def _disconnect(self, rail: int, fabric_peer: int) -> None:
         with self._lock:
-            if self._closed or not self.eps:
+            if self._closed or not self.eps or fabric_peer < 0:
                 return  # ep.close() forgets every peer
             self._posts += 1  # the endpoint stays open until it returns
         try:
@@ -492,6 +536,7 @@ class RdmaBackend(Backend):
             remote_gpu=bool(answer.flags & rails.FLAG_GPU),
         )
         link.when_closed(channel.disconnect)
+        link.hook_peer_reset(channel.peer_reset)
         gpu = (
             ""
             if answer.flags & rails.FLAG_GPU
@@ -506,7 +551,8 @@ class RdmaBackend(Backend):
 
     def reconnect(self, link: Link, rail: int, old_peer: int) -> int:
         """Connect rail pair ``rail`` with the peer again (a new RDMA_CONNECT
-        for that pair over the same link); returns the new fabric peer."""
+        for that pair over the same link); returns the new fabric peer.
+        ``old_peer`` -1: the old one died with a reset of this endpoint."""
         self._disconnect(rail, old_peer)
         ep = self.eps[rail]
         half, info = ep.prepare()

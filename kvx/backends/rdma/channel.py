@@ -9,6 +9,13 @@ RDMA_CONNECT for that pair over the same control link) on the next transfer
 once RAIL_RETRY_S passed, or at once when no rail is up. Only when that
 fails for every rail, or FAILURES_BEFORE_FALLBACK transfers in a row failed,
 do the peer's transfers go over tcp.
+
+An endpoint reset (software providers: ``RdmaBackend.reset_rail``, after a
+deregister or a timed-out post, on either side) is no failure: the pair is
+marked stale (this agent's endpoint changed generation, or the peer sent
+RDMA_RESET) and connected again before its next post; a post that the reset
+failed in flight (status RESET, or a peer number it made unknown) is
+retried once after connecting again. None of it counts toward the fallback.
 """
 
 from __future__ import annotations
@@ -27,7 +34,15 @@ from kvx.backends.control import wire as _wire
 from kvx.backends.rdma import rails
 from kvx.backends.rdma.copy import RdmaCopy, post_error
 from kvx.backends.tcp import TcpChannel
-from kvx.errors import ClosedError, ConfigError, KvxError, PeerLostError, TimeoutError, TransferError
+from kvx.errors import (
+    ClosedError,
+    ConfigError,
+    KvxError,
+    PeerLostError,
+    ProtocolError,
+    TimeoutError,
+    TransferError,
+)
 from kvx.transfer import Op, Transfer
 
 if TYPE_CHECKING:
@@ -55,6 +70,8 @@ class RailPair:
     down: str | None = None  # why it is down; None: up
     since: float = 0.0
     reviving: bool = False
+    generation: int = 0  # of this agent's endpoint on the rail when the pair was connected
+    stale: bool = False  # the peer reset its endpoint (RDMA_RESET): connect again before posting
 
 
 class RdmaChannel(Channel):
@@ -74,7 +91,10 @@ class RdmaChannel(Channel):
         super().__init__(link)
         self.tcp = TcpChannel(link)
         self.backend = backend
-        self.pairs = [RailPair(rail, peer) for rail, peer in enumerate(fabric_peers)]
+        self.pairs = [
+            RailPair(rail, peer, generation=backend.generations[rail])
+            for rail, peer in enumerate(fabric_peers)
+        ]
         self.remote_rails = remote_rails
         self.remote_gpu = remote_gpu
         assert backend.eps
@@ -93,7 +113,59 @@ class RdmaChannel(Channel):
     def disconnect(self) -> None:
         """The link closed: forget the peer on every rail."""
         for pair in self.pairs:
-            self.backend._disconnect(pair.rail, pair.fabric_peer)
+            self.backend._disconnect(pair.rail, self._live_peer(pair))
+
+    def _live_peer(self, pair: RailPair) -> int:
+        """The pair's fabric peer, or -1 when a reset of this agent's endpoint ended it."""
+        return pair.fabric_peer if pair.generation == self.backend.generations[pair.rail] else -1
+
+    def peer_reset(self, index: int) -> None:
+        """RDMA_RESET from the peer (on a reader thread): its endpoint on pair
+        ``index`` has a new address; connect the pair again before its next post."""
+        if not 0 <= index < len(self.pairs):
+            raise ProtocolError(
+                f"peer {self.link.peer!r} sent RDMA_RESET for rail pair {index}; it has {len(self.pairs)}"
+            )
+        with self._lock:
+            self.pairs[index].stale = True
+
+    def _refresh(self) -> None:
+        """Connect again the pairs an endpoint reset (here or at the peer) ended."""
+        generations = self.backend.generations
+        with self._lock:
+            due = [
+                p
+                for p in self.pairs
+                if (p.stale or p.generation != generations[p.rail]) and p.down is None and not p.reviving
+            ]
+            for p in due:
+                p.reviving = True
+        for pair in due:
+            try:
+                self._reconnect(pair)
+            except KvxError as exc:
+                self._rail_down(pair, exc)
+
+    def _reconnect(self, pair: RailPair) -> None:
+        """One pair's connect exchange again (its ``reviving`` set by the caller)."""
+        generation = self.backend.generations[pair.rail]
+        try:
+            fabric_peer = self.backend.reconnect(self._link, pair.rail, self._live_peer(pair))
+        except KvxError:
+            with self._lock:
+                pair.reviving = False
+            raise
+        except Exception as exc:
+            with self._lock:
+                pair.reviving = False
+            raise TransferError(f"connecting rdma rail {pair.rail} again failed: {exc}") from exc
+        with self._lock:
+            pair.fabric_peer, pair.generation, pair.stale, pair.reviving = (
+                fabric_peer,
+                generation,
+                False,
+                False,
+            )
 
     def post(
         self,
@@ -110,6 +182,8 @@ class RdmaChannel(Channel):
     ) -> None:
         if self._down and self.fallback is None:
             self._revive()
+        if self.fallback is None:
+            self._refresh()
         if (
             self.fallback is not None
             or (local_device >= 0 and not self.backend.registers_gpu)
@@ -166,7 +240,8 @@ class RdmaChannel(Channel):
                 pair.down,
             )
             try:
-                fabric_peer = self.backend.reconnect(self._link, pair.rail, pair.fabric_peer)
+                generation = self.backend.generations[pair.rail]
+                fabric_peer = self.backend.reconnect(self._link, pair.rail, self._live_peer(pair))
             except Exception as exc:
                 with self._lock:
                     pair.reviving, pair.since = False, time.monotonic()
@@ -175,6 +250,7 @@ class RdmaChannel(Channel):
                 continue
             with self._lock:
                 pair.fabric_peer, pair.down, pair.reviving = fabric_peer, None, False
+                pair.generation, pair.stale = generation, False
                 self._down -= 1
         with self._lock:
             if not all(p.down is not None for p in self.pairs) or self.fallback is not None or not due:
@@ -251,7 +327,13 @@ class RdmaChannel(Channel):
             for job, pair, error in self._run_all(op, jobs, assign):
                 if error is None:
                     continue
-                if isinstance(error, (TimeoutError, ClosedError, ConfigError)):
+                if isinstance(error, TimeoutError):
+                    # Bytes of the post given up on may still land: stop them before the caller
+                    # hears of it (and may reuse the memory). The peers connected to this
+                    # endpoint are told to connect again.
+                    self.backend.reset_rail(pair.rail, f"an rdma post to peer {self.link.peer!r} timed out")
+                    raise error
+                if isinstance(error, (ClosedError, ConfigError)):
                     raise error
                 self._rail_down(pair, error)
                 failed.append(job)
@@ -290,22 +372,47 @@ class RdmaChannel(Channel):
     def _post(self, op: int, job: tuple[np.ndarray, ...], pair: RailPair) -> KvxError | None:
         la, ll, ra, rl, keys = job
         column = np.ascontiguousarray(keys[:, pair.rail % self.remote_rails], np.uint64)
-        try:
-            self.backend.run_post(
-                pair.rail,
-                pair.fabric_peer,
-                op,
-                np.ascontiguousarray(la, np.uint64),
-                np.ascontiguousarray(ll, np.uint64),
-                np.ascontiguousarray(ra, np.uint64),
-                np.ascontiguousarray(rl, np.uint64),
-                column,
-                timeout_ms=self.timeout_ms,
+        arrays = [np.ascontiguousarray(a, np.uint64) for a in (la, ll, ra, rl)]
+        for attempt in range(2):
+            try:
+                self.backend.run_post(
+                    pair.rail, pair.fabric_peer, op, *arrays, column, timeout_ms=self.timeout_ms
+                )
+            except Exception as exc:
+                if attempt == 0 and _ended_by_reset(exc):
+                    # A reset of this endpoint (another thread's deregister or timeout) ended it:
+                    # the pinned ranges are still held, READ and WRITE are idempotent; again once.
+                    again = self._after_reset(pair)
+                    if again is None:
+                        continue
+                    again.__cause__ = exc
+                    return again
+                error = post_error(exc, op, self.link.peer, self.timeout_ms)
+                error.__cause__ = exc
+                return error
+            return None
+        raise AssertionError("unreachable")
+
+    def _after_reset(self, pair: RailPair) -> KvxError | None:
+        """Connect ``pair`` again after a reset ended its post: None to retry, else why not."""
+        with self._lock:
+            if pair.reviving:
+                busy = True
+            else:
+                busy, pair.reviving = False, True
+        if busy or self.link.asking_would_block():
+            # Another thread connects it, or this is the reader that would take the answer:
+            # the next transfer's post connects it first.
+            with self._lock:
+                pair.stale = True
+            return TransferError(
+                f"rdma rail {pair.rail} to peer {self.link.peer!r} was reset during the post; "
+                "it is connected again on next use"
             )
-        except Exception as exc:
-            error = post_error(exc, op, self.link.peer, self.timeout_ms)
-            error.__cause__ = exc
-            return error
+        try:
+            self._reconnect(pair)
+        except KvxError as exc:
+            return exc
         return None
 
     def _failed(self, error: KvxError) -> None:
@@ -315,3 +422,11 @@ class RdmaChannel(Channel):
                 return
             self.fallback = f"{self._failures} rdma posts in a row failed, the last with: {error}"
         logger.warning("peer %s: %s; its transfers go over tcp from now on", self.link.peer, self.fallback)
+
+
+def _ended_by_reset(exc: BaseException) -> bool:
+    """A post failed because this agent's endpoint was reset under it (status
+    RESET), or named a fabric peer that a reset ended."""
+    return getattr(exc, "status", None) == "RESET" or (
+        isinstance(exc, ConfigError) and "not connected" in str(exc)
+    )
