@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the verbs provider's hardware tests (tests/rdma/) and, when present,
+# Runs the verbs provider's hardware tests (tests/rdma/) and
 # the rdma benchmarks, on a host with an RDMA device.
 #
 #   scripts/rdma_check.sh [DEVICE]     (default: the first device ibv_devices lists)
