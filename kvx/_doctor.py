@@ -314,6 +314,19 @@ def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
     return box.get("value")
 
 
+def describe_providers(providers: list[Any]) -> str:
+    """"tcp;ofi_rxm on lo, eth0; ..." from fabric.Info rows (one per
+    domain and address family, so names repeat)."""
+    domains: dict[str, list[str]] = {}
+    for info in providers:
+        name = str(getattr(info, "provider", info))
+        domain = str(getattr(info, "domain", "") or "")
+        seen = domains.setdefault(name, [])
+        if domain and domain not in seen:
+            seen.append(domain)
+    return "; ".join(f"{name} on {', '.join(d)}" if d else name for name, d in domains.items())
+
+
 def check_libfabric(timeout_s: float = 10.0) -> Section:
     section = Section("libfabric")
     try:
@@ -337,7 +350,7 @@ def check_libfabric(timeout_s: float = 10.0) -> Section:
         )
         return section
     if providers:
-        section.add(OK, f"libfabric RMA providers: {', '.join(str(p) for p in providers)}")
+        section.add(OK, f"libfabric RMA providers: {describe_providers(providers)}")
     else:
         section.add(WARN, "libfabric sees no RMA provider", "check FI_PROVIDER and `fi_info -c FI_RMA`")
     return section

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the verbs provider's hardware tests (tests/rdma/) and, when present,
-# the posting-rate benchmark, on a host with an RDMA device.
+# Runs the verbs provider's hardware tests (tests/rdma/) and
+# the rdma benchmarks, on a host with an RDMA device.
 #
 #   scripts/rdma_check.sh [DEVICE]     (default: the first device ibv_devices lists)
 #
@@ -23,9 +23,7 @@ python3 -c 'import kvx._verbs' || {
     exit 2
 }
 python3 -m pytest tests/rdma -v -rs -p no:randomly
-if [ -f benchmarks/rdma_post_rate.py ]; then
-    echo "== benchmarks/rdma_post_rate.py"
-    python3 benchmarks/rdma_post_rate.py
-else
-    echo "== benchmarks/rdma_post_rate.py not present: skipped"
-fi
+echo "== benchmarks/rdma_post_rate.py (the posting layer, no NIC)"
+python3 benchmarks/rdma_post_rate.py --no-tcp
+echo "== benchmarks/rdma_hw.py (registration per GiB, the curve against line rate, striping)"
+python3 benchmarks/rdma_hw.py --provider verbs

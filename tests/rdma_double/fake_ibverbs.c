@@ -74,6 +74,7 @@ struct fake_qp {
     uint32_t dest_qpn, rq_psn, sq_psn, max_wr, max_sge, sq_used, unsignalled;
     uint8_t dgid[16];
     char log[128];
+    unsigned long long moved; /* bytes its WRs moved */
 };
 
 static struct fake_qp *qps[QPS_MAX];
@@ -134,6 +135,17 @@ void fake_stats(unsigned long long *out)
     memcpy(out, v, sizeof v);
     stat_posts = stat_wrs = stat_signalled = stat_max_chain = stat_max_sge = stat_max_sq = 0;
     pthread_mutex_unlock(&mu);
+}
+
+static struct fake_qp *qp_by_num(uint32_t qpn);
+/* Bytes QP ``qpn`` moved by its WRs (READ and WRITE), or -1 when no such QP. */
+long long fake_qp_bytes(unsigned qpn)
+{
+    pthread_mutex_lock(&mu);
+    struct fake_qp *q = qp_by_num(qpn);
+    long long n = q ? (long long)q->moved : -1;
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 static struct fake_qp *qp_by_num(uint32_t qpn)
@@ -549,6 +561,7 @@ static enum ibv_wc_status execute(struct fake_qp *q, struct ibv_send_wr *wr)
             memcpy(remote, local, s->length);
         raddr += s->length;
     }
+    q->moved += total;
     return IBV_WC_SUCCESS;
 }
 

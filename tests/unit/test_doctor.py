@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -237,3 +238,13 @@ def test_the_admin_api_version_is_compared_with_this_kvx():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_libfabric_providers_are_named_once_with_their_domains():
+    rows = [
+        types.SimpleNamespace(provider="tcp;ofi_rxm", domain="eth0"),
+        types.SimpleNamespace(provider="tcp;ofi_rxm", domain="eth0"),  # another address family
+        types.SimpleNamespace(provider="tcp;ofi_rxm", domain="lo"),
+        types.SimpleNamespace(provider="efa", domain="rdmap16s27-rdm"),
+    ]
+    assert _doctor.describe_providers(rows) == "tcp;ofi_rxm on eth0, lo; efa on rdmap16s27-rdm"

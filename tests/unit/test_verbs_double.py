@@ -30,18 +30,11 @@ RTR_MASK = (1 << 0) | (1 << 7) | (1 << 8) | (1 << 20) | (1 << 12) | (1 << 17) | 
 
 
 @pytest.fixture(scope="module")
-def double(tmp_path_factory):
-    verbs = pytest.importorskip("kvx._verbs", reason="kvx was built without rdma-core's headers")
-    built = rdma_double.build(tmp_path_factory.mktemp("verbs_double"))
-    if isinstance(built, str):
-        pytest.skip(built)
-    os.environ["KVX_CUDA_LIB"] = str(built)  # read once, at the first GPU registration
+def double():
     try:
-        verbs.load(str(built))
-    except verbs.Error as error:
-        pytest.skip(f"another libibverbs is loaded in this process: {error.args[1]}")
-    lib = ctypes.CDLL(str(built))
-    lib.fake_check_transition.restype = ctypes.c_char_p
+        verbs, lib, _ = rdma_double.load()  # one build per process, shared with test_rdma_verbs.py
+    except rdma_double.Unavailable as why:
+        pytest.skip(str(why))
     yield verbs, lib
     lib.fake_set_dead(0, 0)
 

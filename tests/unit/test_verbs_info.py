@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvx.backends.rdma import verbs_info
+import pytest
+
+from kvx.backends.rdma import verbs, verbs_info
+from kvx.errors import ConfigError
+from tests.unit import sysfs_trees
 
 LINK_LOCAL = "fe80:0000:0000:0000:0211:22ff:fe33:4455"
 V4 = "0000:0000:0000:0000:0000:ffff:0a00:0001"
@@ -31,16 +35,22 @@ def test_roce_v2_ipv4_gid_is_picked(tmp_path):
         "Ethernet",
         [(LINK_LOCAL, "IB/RoCE v1"), (LINK_LOCAL, "RoCE v2"), (V4, "IB/RoCE v1"), (V4, "RoCE v2")],
     )
-    assert verbs_info.pick_gid_index("mlx5_0", 1, root=tmp_path) == 3
-    assert verbs_info.pick_gid_index("mlx5_1", 1, root=tmp_path) is None
     (port,) = verbs_info.ports(root=tmp_path)
     assert (port.device, port.port, port.state, port.link_layer) == ("mlx5_0", 1, "ACTIVE", "Ethernet")
     assert [g.index for g in port.gids] == [0, 1, 2, 3] and port.gids[3].kind == "RoCE v2"
 
 
-def test_infiniband_leaves_the_choice_to_the_provider(tmp_path):
-    make_port(tmp_path, "mlx5_0", 1, "InfiniBand", [(LINK_LOCAL, "IB/RoCE v1")])
-    assert verbs_info.pick_gid_index("mlx5_0", 1, root=tmp_path) is None
+def test_the_verbs_provider_takes_the_gid_topology_picks(tmp_path, monkeypatch):
+    """One choice of GID for the endpoint and for kvx doctor: the topology's,
+    with KVX_RDMA_GID_INDEX honoured; a device sysfs does not list is left
+    to kvx._verbs."""
+    sysfs_trees.roce_host(tmp_path)
+    monkeypatch.delenv("KVX_RDMA_GID_INDEX", raising=False)
+    assert verbs.gid_for("mlx5_0", 1, str(tmp_path)) == 3
+    assert verbs.gid_for("mlx5_0", 1, str(tmp_path), env={"KVX_RDMA_GID_INDEX": "1"}) == 1
+    with pytest.raises(ConfigError, match="in use"):
+        verbs.gid_for("mlx5_0", 1, str(tmp_path), env={"KVX_RDMA_GID_INDEX": "9"})
+    assert verbs.gid_for("fake_roce0", 1, str(tmp_path)) is None
 
 
 def test_no_devices(tmp_path):

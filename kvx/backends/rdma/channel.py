@@ -8,7 +8,10 @@ its slices move to the rails still up. A down rail is connected again (a new
 RDMA_CONNECT for that pair over the same control link) on the next transfer
 once RAIL_RETRY_S passed, or at once when no rail is up. Only when that
 fails for every rail, or FAILURES_BEFORE_FALLBACK transfers in a row failed,
-do the peer's transfers go over tcp.
+do the peer's transfers go over tcp. A transfer's failure counts toward that
+only when it took a rail down: the transfers that were on a queue pair when
+it broke fail with it, but they are one failure, which the reconnect on next
+use may heal (a transfer that succeeds sets the count back to zero).
 
 An endpoint reset (software providers: ``RdmaBackend.reset_rail``, after a
 deregister or a timed-out post, on either side) is no failure: the pair is
@@ -259,10 +262,11 @@ class RdmaChannel(Channel):
             self.fallback = f"every rdma rail failed ({reasons})"
         logger.warning("peer %s: %s; its transfers go over tcp from now on", self.link.peer, self.fallback)
 
-    def _rail_down(self, pair: RailPair, error: KvxError) -> None:
+    def _rail_down(self, pair: RailPair, error: KvxError) -> bool:
+        """Mark the rail down; False where another transfer's failure already did."""
         with self._lock:
             if pair.down is not None:
-                return
+                return False
             pair.down, pair.since = str(error), time.monotonic()
             self._down += 1
             left = [p.rail for p in self.pairs if p.down is None]
@@ -278,6 +282,7 @@ class RdmaChannel(Channel):
             error,
             f"its slices move to rail(s) {', '.join(map(str, left))}" if left else "no rail is left up",
         )
+        return True
 
     def _next(self, up: list[RailPair]) -> RailPair:
         self._turn += 1
@@ -295,8 +300,6 @@ class RdmaChannel(Channel):
                 # The peer hangs, and the bytes of a READ that timed out may still land: the
                 # link ends (as a stalled tcp connection does) and the fabric peers are forgotten.
                 self.link.fail(error)
-            elif not isinstance(error, (ClosedError, PeerLostError, ConfigError)):
-                self._failed(error)
             raise
         if self._failures:
             with self._lock:
@@ -322,6 +325,7 @@ class RdmaChannel(Channel):
         else:
             jobs, assign = [(la, ll, ra, rl, keys)], [self._next(up)]
         last: KvxError | None = None
+        broke = False  # whether this transfer took a rail down (not only met one going down)
         for _ in range(len(self.pairs)):
             failed = []
             for job, pair, error in self._run_all(op, jobs, assign):
@@ -335,7 +339,7 @@ class RdmaChannel(Channel):
                     raise error
                 if isinstance(error, (ClosedError, ConfigError)):
                     raise error
-                self._rail_down(pair, error)
+                broke = self._rail_down(pair, error) or broke
                 failed.append(job)
                 last = error
             if not failed:
@@ -345,6 +349,8 @@ class RdmaChannel(Channel):
                 break
             jobs, assign = failed, [up[i % len(up)] for i in range(len(failed))]
         assert last is not None
+        if broke and not isinstance(last, PeerLostError):
+            self._failed(last)
         raise last
 
     def _run_all(

@@ -13,10 +13,13 @@ and connected again.
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from kvx.backends.rdma import topology
 from kvx.errors import ConfigError, ProtocolError, RegionError, TransferError
 from kvx.errors import TimeoutError as KvxTimeoutError
 
@@ -63,6 +66,21 @@ def _u64(values: Any, name: str) -> np.ndarray:
     return array
 
 
+def gid_for(
+    device: str, port: int, root: str | None = None, env: Mapping[str, str] | None = None
+) -> int | None:
+    """The GID index a queue pair on ``device``'s ``port`` uses: the one
+    topology.pick_gid finds (``KVX_RDMA_GID_INDEX`` overrides it); None when
+    sysfs does not list the device (kvx._verbs then picks). Raises
+    ConfigError with the fix when the port has no usable GID."""
+    root = root or os.environ.get("KVX_SYSFS_ROOT") or "/"
+    for found in topology.rdma_devices(root):
+        if found.name == device:
+            gid, _ = topology.pick_gid(topology.find_port(found, port), root, env)
+            return gid.index
+    return None
+
+
 class Endpoint:
     """One port of one RDMA device: its PD, one CQ, and an RC QP per peer."""
 
@@ -72,9 +90,7 @@ class Endpoint:
         verbs = _native()
         self._error = verbs.Error
         if gid_index is None and device is not None:
-            from kvx.backends.rdma import verbs_info
-
-            gid_index = verbs_info.pick_gid_index(device, port)
+            gid_index = gid_for(device, port)
         try:
             self._ep = verbs.Endpoint(device, port, gid_index)
         except verbs.Error as error:

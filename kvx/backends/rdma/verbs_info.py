@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 SYSFS = Path("/sys/class/infiniband")
 GIDS_MAX = 256
-_V4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
 
 
 @dataclass(frozen=True)
@@ -137,19 +136,3 @@ def ports(root: Path = SYSFS) -> list[Port]:
         )
         for p in found
     ]
-
-
-def pick_gid_index(device: str, port: int, root: Path = SYSFS) -> int | None:
-    """The GID index for RoCE: a RoCE v2 IPv4-mapped GID, then any RoCE v2, then None.
-
-    None (InfiniBand, or nothing known) lets kvx._verbs choose: GID 0 on
-    InfiniBand, the last IPv4-mapped GID on RoCE.
-    """
-    for p in _sysfs_ports(root):
-        if p.device != device or p.port != port or p.link_layer != "Ethernet":
-            continue
-        v2 = [g for g in p.gids if g.kind == "RoCE v2"]
-        v4 = [g for g in v2 if g.gid.startswith(_V4_MAPPED)]
-        if v4 or v2:
-            return (v4 or v2)[0].index
-    return None
