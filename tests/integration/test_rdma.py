@@ -24,9 +24,11 @@ from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
 from kvx.v1 import agent_pb2
 from tests import conftest
-from tests.conftest import RDMA_PROVIDER, wait_until
+from tests.conftest import RDMA_PROVIDER, native_pass_only, wait_until
 from tests.integration.test_faults import _expect_error_then_close, _read_message, _session
 
+# kvx._fabric moves the bytes whatever KVX_NATIVE says: one pass is enough.
+pytestmark = native_pass_only
 BLOCK = 4096
 
 
@@ -522,3 +524,32 @@ def test_a_timed_out_read_does_not_land_after_the_error(fabric, make_worker, mak
     time.sleep(2)
     assert int(np.count_nonzero(local != 0x11)) == 0, "a READ that timed out landed later"
     assert _resets(agent) == 1
+
+
+@pytest.mark.parametrize(
+    "request_id, payload, aux",
+    [(7, b"", 0), (0, b"x" * 16, 0), (0, b"", 99)],
+    ids=["request-id", "payload", "rail-out-of-range"],
+)
+def test_a_malformed_rdma_reset_ends_that_link_only(fabric, request_id, payload, aux):
+    """The attack, from a hostile target: RDMA_RESET (a target's notice that
+    its endpoint was reset) with a request id, a payload, or a rail pair the
+    link does not have. The initiator drops that link with a ProtocolError
+    rather than acting on it, and connects to the target again afterwards."""
+    with kvx.Agent("target", backend="rdma") as target, kvx.Agent("initiator", backend="rdma") as initiator:
+        pool = np.arange(4 * BLOCK, dtype=np.uint32).view(np.uint8)[: 4 * BLOCK].copy()
+        target.register(pool)
+        local = np.zeros(BLOCK, np.uint8)
+        region = initiator.register(local)
+        peer = initiator.add_peer(target.metadata())
+        assert peer.backend == "rdma"
+        (conn,) = list(target._backends["rdma"]._inbound)
+        message = _wire.pack(MsgType.RDMA_RESET, request_id, payload_len=len(payload), aux=aux) + payload
+        conn.send_oneway(message)
+        assert wait_until(lambda: not peer.alive, 10)
+        with pytest.raises(kvx.PeerLostError, match="RDMA_RESET|rail pair"):
+            peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        again = initiator.add_peer(target.metadata())
+        again.read(region.descs(0, BLOCK), again.regions[0].descs(BLOCK, BLOCK)).wait(10)
+        assert local.tobytes() == pool[BLOCK : 2 * BLOCK].tobytes()
+        assert again.backend == "rdma"
