@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import types
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvx.agent import parse_metadata
 from kvx.backends import rdma
 from kvx.backends import shm as shm_backend
 from kvx.backends.control import wire as _wire
+from kvx.backends.control.serve import Fatal
 from kvx.backends.control.wire import MsgType
 from kvx.v1 import agent_pb2
 from tests import conftest
@@ -553,3 +555,123 @@ def test_a_malformed_rdma_reset_ends_that_link_only(fabric, request_id, payload,
         again.read(region.descs(0, BLOCK), again.regions[0].descs(BLOCK, BLOCK)).wait(10)
         assert local.tobytes() == pool[BLOCK : 2 * BLOCK].tobytes()
         assert again.backend == "rdma"
+
+
+# One address, one peer number: a reconnect that fails must not disconnect it
+# for the other users of that address (see test_fabric's shared peer test).
+
+
+def _bare_backend(ep) -> rdma.RdmaBackend:
+    """An RdmaBackend on one given endpoint, without an agent around it."""
+    be = rdma.RdmaBackend.__new__(rdma.RdmaBackend)
+    be.eps = [ep]
+    be._lock = threading.Lock()
+    be._idle = threading.Condition(be._lock)
+    be._closed = False
+    be._posts = 0
+    be.generations = [0]
+    be._inbound = {}
+    be._gpu_registered = 0
+    be._gpu_failed = None
+    be.ctx = types.SimpleNamespace(agent_name="A", io_ms=5000, timeouts=types.SimpleNamespace(close_s=1))
+    return be
+
+
+class _SharedAddress:
+    """Endpoint A with a peer number for endpoint B that a test shares."""
+
+    def __init__(self, fab) -> None:
+        self.a = fab.Endpoint(RDMA_PROVIDER, "127.0.0.1")
+        self.b = fab.Endpoint(RDMA_PROVIDER, "127.0.0.1")
+        self.pool = np.arange(BLOCK, dtype=np.uint8)
+        self.local = np.zeros(BLOCK, np.uint8)
+        self.mr_b = self.b.register(self.pool.ctypes.data, BLOCK, remote_read=True, remote_write=False)
+        self.mr_a = self.a.register(self.local.ctypes.data, BLOCK, remote_read=False, remote_write=False)
+        _, self.b_info = self.b.prepare()
+
+    def read(self, peer: int) -> None:
+        u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+        remote = self.pool.ctypes.data if self.b.virt_addr else 0
+        self.a.post(0, peer, u(self.local.ctypes.data), u(64), u(remote), u(64), u(self.mr_b.key), 5000)
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def test_a_failed_reconnect_from_a_peer_leaves_another_users_address(fabric):
+    """The attack: peer C connects to agent A presenting honest peer B's
+    endpoint info (B sent it to C when B connected to C), so C's connection
+    shares A's peer number for B with A's own channel to B; then C asks to
+    reconnect with info A refuses. A must still reach B."""
+    shared = _SharedAddress(fabric)
+    try:
+        a_to_b = shared.a.complete(None, shared.b_info)  # A's own channel to B
+        backend = _bare_backend(shared.a)
+        ours, theirs = socket.socketpair()
+        closed: list = []
+
+        class Conn:  # the inbound connection's part the handler uses
+            sock = theirs
+            peer_name = "C"
+
+            def send_error(self, *args) -> None:
+                pass
+
+            def when_closed(self, fn) -> None:
+                closed.append(fn)
+
+            def send_oneway(self, message: bytes) -> None:
+                pass
+
+        conn = Conn()
+
+        def exchange(payload: bytes) -> None:
+            ours.sendall(payload)
+            backend._on_connect(conn, 1, len(payload), 0, 0)
+
+        exchange(rdma.rails.pack_connect(0, 1, [shared.b_info]))
+        ours.recv(4096)
+        foreign = bytes([0xFF, 0xFF]) + shared.b_info[2:]  # an address family A refuses
+        with pytest.raises(Fatal):
+            exchange(rdma.rails.pack_connect(rdma.rails.FLAG_RECONNECT, 1, [foreign], 0))
+        for hook in closed:  # C's connection ends
+            hook()
+        shared.read(a_to_b)
+        assert shared.local[:64].tobytes() == shared.pool[:64].tobytes()
+        ours.close()
+        theirs.close()
+    finally:
+        shared.close()
+
+
+def test_a_failed_rail_reconnect_leaves_another_users_address(fabric):
+    """A rail whose reconnect fails (the peer is slow to answer) keeps its old
+    peer number and disconnects it once, with its channel; an inbound user of
+    the same address keeps reaching it."""
+    from kvx.backends.rdma.channel import RdmaChannel
+
+    shared = _SharedAddress(fabric)
+    try:
+        inbound = shared.a.complete(None, shared.b_info)
+        outbound = shared.a.complete(None, shared.b_info)
+        assert inbound == outbound
+
+        class SlowLink:
+            peer = "B"
+            alive = True
+
+            def ask(self, msg_type, payload):
+                raise kvx.TimeoutError("RDMA_CONNECT answer did not come")
+
+        channel = RdmaChannel(
+            SlowLink(), _bare_backend(shared.a), [outbound], remote_rails=1, remote_gpu=False
+        )
+        channel._rail_down(channel.pairs[0], kvx.TransferError("error completion"))
+        for _ in range(2):
+            channel._revive()
+        channel.disconnect()
+        shared.read(inbound)
+        assert shared.local[:64].tobytes() == shared.pool[:64].tobytes()
+    finally:
+        shared.close()

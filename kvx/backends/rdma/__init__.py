@@ -427,10 +427,6 @@ class RdmaBackend(Backend):
                 raise Fatal(ProtocolError("an rdma reconnect names a rail pair never connected"), request_id)
             if not again and (msg.first or len(msg.infos) != msg.rails):
                 raise Fatal(ProtocolError("an rdma connect must carry one info per rail"), request_id)
-        if again:
-            assert pairs is not None
-            old_rail, old_peer = pairs[msg.first]
-            self._disconnect(old_rail, old_peer)  # its QP (or address) is gone for good
         done: list[tuple[int, int]] = []
         mine: list[bytes] = []
         for i, info in enumerate(msg.infos):
@@ -452,13 +448,19 @@ class RdmaBackend(Backend):
                     AccessError(f"rdma endpoint {ep.provider} on {ep.domain} (rail {rail}) failed: {exc}"),
                 )
                 return
+        replaced = (0, -1)
         with self._lock:
             if again:
                 assert pairs is not None
-                pairs[msg.first] = done[0]
+                replaced, pairs[msg.first] = pairs[msg.first], done[0]
             else:
                 self._inbound[conn] = done
-        if not again:
+        if again:
+            # Only now, and once: a reconnect that failed above left the old
+            # number in place, to be disconnected with its connection. (Its
+            # number may be shared with another user of the same address.)
+            self._disconnect(*replaced)
+        else:
             conn.when_closed(lambda: self._forget(conn))
         flags = rails.FLAG_GPU if self.registers_gpu else 0
         answer = rails.pack_connect(flags, len(self.eps), mine, msg.first)
@@ -552,15 +554,19 @@ class RdmaBackend(Backend):
     def reconnect(self, link: Link, rail: int, old_peer: int) -> int:
         """Connect rail pair ``rail`` with the peer again (a new RDMA_CONNECT
         for that pair over the same link); returns the new fabric peer.
-        ``old_peer`` -1: the old one died with a reset of this endpoint."""
-        self._disconnect(rail, old_peer)
+        ``old_peer`` -1: the old one died with a reset of this endpoint. The
+        old one is disconnected only once the new one is connected: when
+        connecting fails the caller keeps it, and disconnects it once, with
+        its channel (another user of the same address keeps its own)."""
         ep = self.eps[rail]
         half, info = ep.prepare()
         request = rails.pack_connect(rails.FLAG_RECONNECT, len(self.eps), [info], rail)
         answer = rails.parse_connect(link.ask(RDMA_CONNECT, request), link.peer)
         if answer.first != rail or len(answer.infos) != 1:
             raise ProtocolError(f"peer {link.peer!r} answered an rdma reconnect of rail {rail} for another")
-        return int(ep.complete(half, answer.infos[0]))
+        new_peer = int(ep.complete(half, answer.infos[0]))
+        self._disconnect(rail, old_peer)  # its QP (or address) is gone for good
+        return new_peer
 
     def run_post(self, rail: int, fabric_peer: int, op: int, *arrays: np.ndarray, timeout_ms: int) -> None:
         """``ep.post`` on a rail, kept from overlapping ``close``."""
