@@ -675,3 +675,24 @@ def test_a_failed_rail_reconnect_leaves_another_users_address(fabric):
         assert shared.local[:64].tobytes() == shared.pool[:64].tobytes()
     finally:
         shared.close()
+
+
+def test_a_failed_reset_closes_the_rail_rather_than_leave_it_open(fabric, monkeypatch, caplog):
+    """deregister relies on the reset to stop bytes a peer started: when the
+    reset fails, the endpoint is closed instead, so that nothing moves
+    through it once deregister returns."""
+    with kvx.Agent("target", backend="rdma") as target:
+        region = target.register(np.zeros(BLOCK, np.uint8))
+        backend = target._backends["rdma"]
+        ep = backend.eps[0]
+        monkeypatch.setattr(target._regions, "take_keys_out", lambda rid: True)  # as if pinned for rdma
+
+        def failing_reset(reason: str = "") -> None:
+            raise kvx.ConnectError("the provider did not open again")
+
+        monkeypatch.setattr(ep, "reset", failing_reset)
+        with caplog.at_level(logging.ERROR, logger="kvx.backends.rdma"):
+            target.deregister(region)
+        assert "the rail is closed" in caplog.text
+        with pytest.raises(Exception, match="closed"):
+            ep.prepare()

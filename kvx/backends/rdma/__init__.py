@@ -30,6 +30,7 @@ control connection ends.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import logging
 import os
@@ -375,8 +376,17 @@ class RdmaBackend(Backend):
         try:
             ep.reset(reason)
         except Exception as exc:
-            # A failed reset leaves the endpoint closed (ConnectError): nothing moves through it.
-            logger.error("agent %s: resetting rdma rail %d failed: %s", self.ctx.agent_name, rail, exc)
+            # Fail safe: whatever went wrong (the provider did not open again,
+            # callers did not leave in time), close the endpoint, so nothing
+            # moves through it any more; the rail's peers go down and fall back.
+            logger.error(
+                "agent %s: resetting rdma rail %d failed (%s); the rail is closed",
+                self.ctx.agent_name,
+                rail,
+                exc,
+            )
+            with contextlib.suppress(Exception):
+                ep.close()
         finally:
             self._post_ended()
         notices: list[tuple[InboundConnection, int]] = []
