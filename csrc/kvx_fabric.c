@@ -578,17 +578,32 @@ static int ep_enter_as(struct kvx_ep *ep, int is_post, uint64_t peer)
         return -1;
     }
     int closed, resetting;
-    Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&ep->lock);
-    uint64_t deadline = now_ns() + RESET_WAIT_NS;
-    while (!is_post && ep->resetting && !ep->closed && now_ns() < deadline)
-        timed_wait(ep, now_ns() + 100000000ull);
-    closed = ep->closed;
-    resetting = ep->resetting;
-    if (!closed && !resetting)
-        ep->users++;
-    pthread_mutex_unlock(&ep->lock);
-    Py_END_ALLOW_THREADS if (closed)
-    {
+    /* The fast path (every post): the lock is free and there is nothing to wait
+     * for, so the GIL is kept and no clock is read. */
+    int decided = 0;
+    if (pthread_mutex_trylock(&ep->lock) == 0) {
+        if (is_post || !ep->resetting) {
+            closed = ep->closed;
+            resetting = ep->resetting;
+            if (!closed && !resetting)
+                ep->users++;
+            decided = 1;
+        }
+        pthread_mutex_unlock(&ep->lock);
+    }
+    if (!decided) {
+        Py_BEGIN_ALLOW_THREADS pthread_mutex_lock(&ep->lock);
+        uint64_t deadline = now_ns() + RESET_WAIT_NS;
+        while (!is_post && ep->resetting && !ep->closed && now_ns() < deadline)
+            timed_wait(ep, now_ns() + 100000000ull);
+        closed = ep->closed;
+        resetting = ep->resetting;
+        if (!closed && !resetting)
+            ep->users++;
+        pthread_mutex_unlock(&ep->lock);
+        Py_END_ALLOW_THREADS
+    }
+    if (closed) {
         PyErr_SetString(PyExc_ValueError, "the endpoint is closed");
         return -1;
     }
