@@ -315,8 +315,8 @@ def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
 
 
 def describe_providers(providers: list[Any]) -> str:
-    """"tcp;ofi_rxm on lo, eth0; ..." from fabric.Info rows (one per
-    domain and address family, so names repeat)."""
+    """Each provider once, with its domains (``tcp;ofi_rxm on lo, eth0; ...``),
+    from fabric.Info rows (one per domain and address family, so names repeat)."""
     domains: dict[str, list[str]] = {}
     for info in providers:
         name = str(getattr(info, "provider", info))
