@@ -6,6 +6,7 @@ two endpoints on domain "lo"), with real one-sided READ and WRITE.
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -74,12 +75,12 @@ class _FailingRail:
         return getattr(self._ep, name)
 
 
-def _pair(make_agent):
+def _pair(make_agent, **kwargs):
     """A target and an initiator agent, two rails each, and a connected peer."""
     target = make_agent("target", backend="rdma")
     data = np.frombuffer(np.random.default_rng(5).bytes(16 * MIB), np.uint8).copy()
     target.register(data)
-    agent = make_agent("initiator", backend="rdma")
+    agent = make_agent("initiator", backend="rdma", **kwargs)
     peer = agent.add_peer(target.metadata())
     pool = np.zeros(16 * MIB, np.uint8)
     region = agent.register(pool)
@@ -166,3 +167,61 @@ def test_slices_cover_every_byte_once():
 
 def rails_retry_is_bounded() -> bool:
     return 0 < rdma_channel.RAIL_RETRY_S <= 60
+
+
+class _TimingOutRail:
+    """A rail whose post gives up: the peer did not answer in time."""
+
+    def __init__(self, ep):
+        self._ep = ep
+
+    def post(self, op, peer, *args):
+        raise kvx.TimeoutError("the peer did not answer in time (test)")
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+class _HungRail:
+    """A rail whose post hangs until its endpoint is reset, then ends with
+    status RESET, as a real post does; it counts its posts and those still
+    running."""
+
+    def __init__(self, ep):
+        self._ep = ep
+        self.released = threading.Event()
+        self.posts = 0
+        self.running = 0
+
+    def post(self, op, peer, *args):
+        from kvx.backends.rdma import fabric
+
+        self.posts += 1
+        self.running += 1
+        try:
+            self.released.wait(30)
+            raise fabric.FabricError(fabric.RESET, "the endpoint was reset (test)", peer)
+        finally:
+            self.running -= 1
+
+    def reset(self, reason="", drop=()):
+        self.released.set()
+        return self._ep.reset(reason, drop)
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+def test_a_timeout_ends_every_slice_before_the_caller_hears_of_it(two_rails, make_agent):
+    """A striped READ whose slice on one rail times out while the other
+    rail's slice still hangs: the error must not reach the caller (who may
+    reuse the buffer) while a slice is still posting, and no slice may be
+    posted again after it. Every rail the transfer used is reset first."""
+    target, data, agent, peer, pool, region = _pair(make_agent, timeouts=kvx.Timeouts(io_s=1, close_s=1))
+    backend = agent._backends["rdma"]
+    backend.eps[0] = _TimingOutRail(backend.eps[0])
+    hung = backend.eps[1] = _HungRail(backend.eps[1])
+    with pytest.raises(kvx.TimeoutError):
+        peer.read(region.descs(0, 16 * MIB), peer.regions[0].descs(0, 16 * MIB)).wait(60)
+    assert hung.released.is_set()  # its rail was reset too
+    assert hung.running == 0 and hung.posts == 1

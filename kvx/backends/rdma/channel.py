@@ -326,17 +326,24 @@ class RdmaChannel(Channel):
             jobs, assign = [(la, ll, ra, rl, keys)], [self._next(up)]
         last: KvxError | None = None
         broke = False  # whether this transfer took a rail down (not only met one going down)
+        gave_up = threading.Event()  # set once the caller is to hear of a timeout: no retry after it
         for _ in range(len(self.pairs)):
             failed = []
-            for job, pair, error in self._run_all(op, jobs, assign):
+            results, pending = self._run_all(op, jobs, assign, gave_up)
+            timed_out = next((e for _, _, e in results if isinstance(e, TimeoutError)), None)
+            if timed_out is not None:
+                # Bytes of a post given up on may still land: stop them on every rail this round
+                # used before the caller hears of it (and may reuse the memory), and wait for the
+                # slices still posting, which the reset ends, so none outlives the error. The
+                # peers connected to those endpoints are told to connect again.
+                gave_up.set()
+                for rail in sorted({pair.rail for pair in assign}):
+                    self.backend.reset_rail(rail, f"an rdma post to peer {self.link.peer!r} timed out")
+                concurrent.futures.wait(pending, timeout=self.timeout_ms / 1000)
+                raise timed_out
+            for job, pair, error in results:
                 if error is None:
                     continue
-                if isinstance(error, TimeoutError):
-                    # Bytes of the post given up on may still land: stop them before the caller
-                    # hears of it (and may reuse the memory). The peers connected to this
-                    # endpoint are told to connect again.
-                    self.backend.reset_rail(pair.rail, f"an rdma post to peer {self.link.peer!r} timed out")
-                    raise error
                 if isinstance(error, (ClosedError, ConfigError)):
                     raise error
                 broke = self._rail_down(pair, error) or broke
@@ -354,28 +361,35 @@ class RdmaChannel(Channel):
         raise last
 
     def _run_all(
-        self, op: int, jobs: list[tuple[np.ndarray, ...]], assign: list[RailPair]
-    ) -> list[tuple[tuple[np.ndarray, ...], RailPair, KvxError | None]]:
+        self, op: int, jobs: list[tuple[np.ndarray, ...]], assign: list[RailPair], gave_up: threading.Event
+    ) -> tuple[list[tuple[tuple[np.ndarray, ...], RailPair, KvxError | None]], list[Any]]:
+        """Each job's result, and the futures of slices still posting (past the wait)."""
         pool = self.backend.pool
         futures = []
         if pool is not None and len(jobs) > 1:
             futures = [
-                pool.submit(self._post, op, job, pair) for job, pair in zip(jobs[1:], assign[1:], strict=True)
+                pool.submit(self._post, op, job, pair, gave_up)
+                for job, pair in zip(jobs[1:], assign[1:], strict=True)
             ]
-        results = [(jobs[0], assign[0], self._post(op, jobs[0], assign[0]))]
+        results = [(jobs[0], assign[0], self._post(op, jobs[0], assign[0], gave_up))]
         wait_s = self.timeout_ms / 1000 + self.backend.ctx.timeouts.close_s
+        pending = []
         for job, pair, future in zip(jobs[1:], assign[1:], futures, strict=True):
             try:
                 results.append((job, pair, future.result(timeout=wait_s)))
             except concurrent.futures.TimeoutError:
+                pending.append(future)
                 results.append((job, pair, TimeoutError(f"an rdma post on rail {pair.rail} did not return")))
         if pool is None or len(jobs) == 1:
             results += [
-                (job, pair, self._post(op, job, pair)) for job, pair in zip(jobs[1:], assign[1:], strict=True)
+                (job, pair, self._post(op, job, pair, gave_up))
+                for job, pair in zip(jobs[1:], assign[1:], strict=True)
             ]
-        return results
+        return results, pending
 
-    def _post(self, op: int, job: tuple[np.ndarray, ...], pair: RailPair) -> KvxError | None:
+    def _post(
+        self, op: int, job: tuple[np.ndarray, ...], pair: RailPair, gave_up: threading.Event
+    ) -> KvxError | None:
         la, ll, ra, rl, keys = job
         column = np.ascontiguousarray(keys[:, pair.rail % self.remote_rails], np.uint64)
         arrays = [np.ascontiguousarray(a, np.uint64) for a in (la, ll, ra, rl)]
@@ -385,7 +399,7 @@ class RdmaChannel(Channel):
                     pair.rail, pair.fabric_peer, op, *arrays, column, timeout_ms=self.timeout_ms
                 )
             except Exception as exc:
-                if attempt == 0 and _ended_by_reset(exc):
+                if attempt == 0 and _ended_by_reset(exc) and not gave_up.is_set():
                     # A reset of this endpoint (another thread's deregister or timeout) ended it:
                     # the pinned ranges are still held, READ and WRITE are idempotent; again once.
                     again = self._after_reset(pair)
