@@ -51,6 +51,7 @@ int kvx_ofi_list(const char *node, void (*each)(void *arg, const struct fi_info 
 #define MAX_TIMEOUT_MS (24LL * 3600 * 1000)
 #define MAX_PEERS 65536
 #define MAX_PEER_REFS 65536
+#define MAX_DROP 64 /* regions closed with one reset (a region's registration per call, say) */
 #define MAX_MRS 1048576
 #define POLL_BATCH 64
 /* Peer numbers: the provider's in the low bits, the reset generation above them. */
@@ -769,6 +770,8 @@ static void ep_destroy(struct kvx_ep *ep)
     }
     char err[KVX_ERR_LEN];
     pthread_rwlock_wrlock(&ep->mr_lock);
+    if (ep->prov->quiesce != NULL)
+        ep->prov->quiesce(ep->impl); /* the connections before the registrations */
     for (size_t i = 0; i < ep->n_mrs; i++)
         ep->prov->dereg(ep->impl, ep->mrs[i].handle, err);
     ep->n_mrs = 0;
@@ -849,7 +852,8 @@ static void stop_progress(struct kvx_ep *ep)
 /* The only user, GIL released. Swaps in a new provider endpoint and closes the old one.
  * Returns 0 (regions that could not be registered again are dropped and counted in
  * *lost), or -1 with err set: then the endpoint is closed. */
-static int reset_swap(struct kvx_ep *ep, struct kvx_ep_info *fresh, size_t *lost, char *err)
+static int reset_swap(struct kvx_ep *ep, const uint64_t *drop, size_t n_drop, struct kvx_ep_info *fresh,
+                      size_t *lost, char *err)
 {
     stop_progress(ep);
     pthread_rwlock_wrlock(&ep->mr_lock);
@@ -857,7 +861,16 @@ static int reset_swap(struct kvx_ep *ep, struct kvx_ep_info *fresh, size_t *lost
     void *impl = NULL;
     memset(fresh, 0, sizeof(*fresh));
     int rc = ep->prov->open(&ep->open_args, &impl, fresh, err);
+    /* The connections go first, then the registrations: the regions dropped with this
+     * reset, and every other one (registered again below). */
+    if (ep->prov->quiesce != NULL)
+        ep->prov->quiesce(ep->impl);
     char ignored[KVX_ERR_LEN];
+    for (size_t i = 0; i < n_drop; i++) {
+        void *handle = mr_remove_locked(ep, drop[i]);
+        if (handle != NULL)
+            ep->prov->dereg(ep->impl, handle, ignored);
+    }
     for (size_t i = 0; i < ep->n_mrs; i++)
         ep->prov->dereg(ep->impl, ep->mrs[i].handle, ignored);
     ep->prov->close(ep->impl); /* tears the connections down: no byte moves through them now */
@@ -912,13 +925,43 @@ static int reset_swap(struct kvx_ep *ep, struct kvx_ep_info *fresh, size_t *lost
 
 static PyObject *Endpoint_reset(EndpointObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"reason", NULL};
+    static char *kwlist[] = {"reason", "drop", NULL};
     const char *reason = "";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|s", kwlist, &reason))
+    PyObject *drop_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|sO", kwlist, &reason, &drop_obj))
         return NULL;
     struct kvx_ep *ep = self->ep;
     if (ep == NULL)
         return PyErr_Format(PyExc_ValueError, "the endpoint is not open");
+    /* Regions to close with the reset, after the connections: a peer's transfer into one
+     * must not meet its registration closed while the connection still carries it. */
+    uint64_t drop[MAX_DROP];
+    size_t n_drop = 0;
+    if (drop_obj != NULL && drop_obj != Py_None) {
+        PyObject *seq = PySequence_Fast(drop_obj, "drop must be a sequence of MemoryRegion");
+        if (seq == NULL)
+            return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > MAX_DROP) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "at most %d regions dropped with one reset", MAX_DROP);
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+            if (!PyObject_TypeCheck(item, &MRType) || ((MRObject *)item)->owner != self) {
+                Py_DECREF(seq);
+                return PyErr_Format(PyExc_ValueError, "drop: item %zd is not a region of this endpoint", i);
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            MRObject *mr = (MRObject *)PySequence_Fast_GET_ITEM(seq, i);
+            if (!mr->closed) {
+                mr->closed = 1;
+                drop[n_drop++] = mr->id;
+            }
+        }
+        Py_DECREF(seq);
+    }
     if (ep->info.prov_key)
         return PyErr_Format(PyExc_ValueError,
                             "provider %s picks MR keys itself, so a reset could not keep them; closing a region "
@@ -929,8 +972,19 @@ static PyObject *Endpoint_reset(EndpointObject *self, PyObject *args, PyObject *
     size_t lost = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = reset_begin(ep, reason, err);
-    if (rc == 0)
-        rc = reset_swap(ep, &fresh, &lost, err);
+    if (rc == 0) {
+        rc = reset_swap(ep, drop, n_drop, &fresh, &lost, err);
+    } else if (n_drop > 0) {
+        /* No reset: the dropped regions are closed as MemoryRegion.close would. */
+        char ignored[KVX_ERR_LEN];
+        pthread_rwlock_wrlock(&ep->mr_lock);
+        for (size_t i = 0; i < n_drop && !ep->mrs_closed; i++) {
+            void *handle = mr_remove_locked(ep, drop[i]);
+            if (handle != NULL)
+                ep->prov->dereg(ep->impl, handle, ignored);
+        }
+        pthread_rwlock_unlock(&ep->mr_lock);
+    }
     Py_END_ALLOW_THREADS if (rc == 0 || rc == -2)
     {
         /* With the GIL: the getters read info without the engine's lock. */

@@ -90,6 +90,10 @@ struct kvx_provider {
     int (*open)(const struct kvx_open_args *args, void **impl, struct kvx_ep_info *info, char *err);
     /* Called once, with no poster or progress thread running. */
     void (*close)(void *impl);
+    /* Tear the connections down (no byte moves through them after it returns) but keep
+     * the memory registrations, which the caller closes next, then close(). Called with no
+     * poster or progress thread running. May be NULL. */
+    void (*quiesce)(void *impl);
     /* access: KVX_ACCESS_* bits. device >= 0: GPU memory of that CUDA device. keep_key: *key
      * holds the key to register under (only where the user chooses keys: !prov_key); else
      * the provider, or a fresh random draw, picks it. */

@@ -132,6 +132,18 @@ static void ofi_close(void *impl)
     free(o);
 }
 
+/* Close the endpoint first: a transfer a peer started must not meet its memory
+ * registration closed under it (closing the registrations while the connections
+ * still carried one crashed libfabric 1.17's tcp provider in fi_close(ep)). */
+static void ofi_quiesce(void *impl)
+{
+    struct ofi_ep *o = impl;
+    if (o->ep) {
+        fi_close(&o->ep->fid);
+        o->ep = NULL;
+    }
+}
+
 static int ofi_open(const struct kvx_open_args *args, void **impl, struct kvx_ep_info *info, char *err)
 {
     struct ofi_ep *o = calloc(1, sizeof(*o));
@@ -495,6 +507,7 @@ const struct kvx_provider kvx_provider_ofi = {
     .name = "ofi",
     .open = ofi_open,
     .close = ofi_close,
+    .quiesce = ofi_quiesce,
     .reg = ofi_reg,
     .dereg = ofi_dereg,
     .prepare = ofi_prepare,

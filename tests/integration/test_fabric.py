@@ -395,8 +395,9 @@ def _writer(conn: Any, target_info: bytes, key: int, size: int) -> None:
 
 def test_a_write_in_flight_stops_landing_once_reset_returns():
     """The attack: a peer starts a 256 MiB WRITE; the target deregisters the region (with
-    tcp;ofi_rxm the bytes keep landing after fi_close(mr)) and resets its endpoint. After
-    reset() returns no byte lands any more, and the writer's post fails."""
+    tcp;ofi_rxm the bytes keep landing after fi_close(mr)) by resetting its endpoint with
+    the region dropped. After reset() returns no byte lands any more, and the writer's
+    post fails."""
     size = 256 << 20
     ep = fabric.Endpoint(PROVIDER, NODE)
     assert not ep.mr_close_is_final
@@ -412,8 +413,10 @@ def test_a_write_in_flight_stops_landing_once_reset_returns():
         while not buf[: 1 << 20].any() and time.monotonic() < deadline:
             time.sleep(0.005)
         assert buf[: 1 << 20].any(), "the WRITE did not start"
-        mr.close()
-        ep.reset("the region was deregistered")
+        # The registration closes with the reset, after the connections: closing it first,
+        # under the live WRITE, is what crashed libfabric's tcp provider in fi_close(ep).
+        ep.reset("the region was deregistered", drop=[mr])
+        assert mr.closed
         landed = int(np.count_nonzero(buf))
         assert landed < size, "the WRITE finished before the reset; the test proves nothing"
         time.sleep(2)

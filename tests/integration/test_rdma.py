@@ -687,7 +687,7 @@ def test_a_failed_reset_closes_the_rail_rather_than_leave_it_open(fabric, monkey
         ep = backend.eps[0]
         monkeypatch.setattr(target._regions, "take_keys_out", lambda rid: True)  # as if pinned for rdma
 
-        def failing_reset(reason: str = "") -> None:
+        def failing_reset(reason: str = "", drop=()) -> None:
             raise kvx.ConnectError("the provider did not open again")
 
         monkeypatch.setattr(ep, "reset", failing_reset)

@@ -35,6 +35,7 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -354,27 +355,39 @@ class RdmaBackend(Backend):
             mrs = self._mrs.pop(region.id, None)
             if mrs is not None and region.memory_kind is MemoryKind.CUDA:
                 self._gpu_registered -= 1
-        for mr in mrs or ():
-            mr.close()  # from here on no peer can start an access to the range, whatever key it kept
-        if mrs is not None and self.ctx.regions.take_keys_out(region.id):
-            # An access a peer started before keeps moving bytes on software providers: end them all.
-            for rail in range(len(self.eps)):
-                self.reset_rail(rail, f"region {region.id} was deregistered")
+        keys_out = mrs is not None and self.ctx.regions.take_keys_out(region.id)
+        for rail, mr in enumerate(mrs or ()):
+            if keys_out and not getattr(self.eps[rail], "mr_close_is_final", True):
+                # An access a peer started keeps moving bytes on software providers, also
+                # after the registration closed: the reset ends the connections, then
+                # closes the registration (in that order: the provider must not meet a
+                # registration closed under a live transfer).
+                self.reset_rail(rail, f"region {region.id} was deregistered", drop=[mr])
+            else:
+                mr.close()  # from here on no peer can start an access to the range, whatever key it kept
 
-    def reset_rail(self, rail: int, reason: str) -> None:
+    def reset_rail(self, rail: int, reason: str, drop: Sequence[Any] = ()) -> None:
         """Reset rail ``rail``'s endpoint where closing a registration (or giving
         up on a post) does not stop the bytes already moving; tell the initiators
-        connected to it. Returns once no byte moves through its old connections."""
+        connected to it. Returns once no byte moves through its old connections.
+        ``drop``: registrations of that rail to close with the reset."""
         ep = self.eps[rail]
         if getattr(ep, "mr_close_is_final", True):
+            for mr in drop:
+                mr.close()
             return  # the NIC stops them itself
         with self._lock:
-            if self._closed:
-                return  # ep.close() stops them
-            self._posts += 1  # the endpoint stays open until the reset returns
-            self.generations[rail] += 1
+            closed = self._closed
+            if not closed:
+                self._posts += 1  # the endpoint stays open until the reset returns
+                self.generations[rail] += 1
+        if closed:
+            for mr in drop:
+                with contextlib.suppress(Exception):
+                    mr.close()
+            return  # ep.close() stops them
         try:
-            ep.reset(reason)
+            ep.reset(reason, drop)
         except Exception as exc:
             # Fail safe: whatever went wrong (the provider did not open again,
             # callers did not leave in time), close the endpoint, so nothing

@@ -356,7 +356,7 @@ class Endpoint:
         orphans, resets..."""
         return dict(self._ep.counters())
 
-    def reset(self, reason: str = "") -> None:
+    def reset(self, reason: str = "", drop: Sequence[MemoryRegion] = ()) -> None:
         """Close the provider's endpoint and open a new one in its place.
 
         When this returns no byte moves through the old connections: a peer's WRITE into a
@@ -373,9 +373,13 @@ class Endpoint:
         Raises ``ConnectError`` when the provider could not be opened again (the endpoint
         is closed then) and ``RegionError`` when a region could not be registered again
         (that region is unreachable).
+
+        ``drop``: regions of this endpoint to close with the reset, after its connections
+        (closing one first, while a peer's transfer into it still runs, is what a reset
+        is for; the provider must not meet a registration closed under a live transfer).
         """
         try:
-            self._ep.reset(reason)
+            self._ep.reset(reason, [mr._mr for mr in drop])
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         except OSError as exc:
