@@ -51,6 +51,7 @@ int kvx_ofi_list(const char *node, void (*each)(void *arg, const struct fi_info 
 #define MAX_TIMEOUT_MS (24LL * 3600 * 1000)
 #define MAX_PEERS 65536
 #define MAX_PEER_REFS 65536
+#define DRAIN_NS 1000000000ull /* what is still posted gets this long to finish before a close */
 #define MAX_DROP 64 /* regions closed with one reset (a region's registration per call, say) */
 #define MAX_MRS 1048576
 #define POLL_BATCH 64
@@ -755,6 +756,8 @@ static int Endpoint_init(EndpointObject *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+static void drain(struct kvx_ep *ep);
+
 static void ep_destroy(struct kvx_ep *ep)
 {
     /* Wait for posts in flight (each bounded by its timeout), then stop everything. */
@@ -769,6 +772,7 @@ static void ep_destroy(struct kvx_ep *ep)
         ep->thread_running = 0;
     }
     char err[KVX_ERR_LEN];
+    drain(ep);
     pthread_rwlock_wrlock(&ep->mr_lock);
     if (ep->prov->quiesce != NULL)
         ep->prov->quiesce(ep->impl); /* the connections before the registrations */
@@ -839,6 +843,38 @@ static int reset_begin(struct kvx_ep *ep, const char *reason, char *err)
     return 0;
 }
 
+/* Before the provider's endpoint closes: cancel what is still posted and let it
+ * complete, for at most DRAIN_NS. Closing a tcp;ofi_rxm endpoint with requests still
+ * outstanding crashed libfabric 1.17 in fi_close(ep) (four threads posting while the
+ * endpoint was reset, under load). Called with no poster and no progress thread. */
+static void drain(struct kvx_ep *ep)
+{
+    if (ep->impl == NULL)
+        return;
+    pthread_mutex_lock(&ep->lock);
+    if (ep->prov->cancel != NULL)
+        for (struct batch *b = ep->batches; b != NULL; b = b->next)
+            for (size_t i = 0; i < b->nslots; i++)
+                if (b->ctx[i].busy)
+                    ep->prov->cancel(ep->impl, &b->ctx[i]);
+    pthread_mutex_unlock(&ep->lock);
+    uint64_t until = now_ns() + DRAIN_NS;
+    for (;;) {
+        pthread_mutex_lock(&ep->lock);
+        size_t left = ep->inflight;
+        pthread_mutex_unlock(&ep->lock);
+        if (left == 0 || now_ns() >= until)
+            return;
+        struct kvx_cqe c[POLL_BATCH];
+        int n = ep->prov->poll(ep->impl, c, POLL_BATCH, 10);
+        if (n > 0) {
+            pthread_mutex_lock(&ep->lock);
+            dispatch_locked(ep, c, n);
+            pthread_mutex_unlock(&ep->lock);
+        }
+    }
+}
+
 static void stop_progress(struct kvx_ep *ep)
 {
     if (ep->thread_running) {
@@ -863,6 +899,7 @@ static int reset_swap(struct kvx_ep *ep, const uint64_t *drop, size_t n_drop, st
     int rc = ep->prov->open(&ep->open_args, &impl, fresh, err);
     /* The connections go first, then the registrations: the regions dropped with this
      * reset, and every other one (registered again below). */
+    drain(ep);
     if (ep->prov->quiesce != NULL)
         ep->prov->quiesce(ep->impl);
     char ignored[KVX_ERR_LEN];
