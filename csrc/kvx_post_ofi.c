@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,7 +74,35 @@ static struct fi_info *hints_for(const struct kvx_open_args *args, uint64_t mr_m
     return h;
 }
 
-static int get_info(const struct kvx_open_args *args, struct fi_info **out, char *err)
+/* libfabric loads its providers once, on first use, and some of their libraries
+ * (PSM2's, say) install signal handlers of their own: a SIGTERM then killed the
+ * process with status 1 instead of running the application's handler (a daemon's
+ * drain). Around the calls that may load them, every signal's disposition is put
+ * back as it was. */
+static pthread_mutex_t signals_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction signals_saved[NSIG];
+
+static void keep_signals(void)
+{
+    pthread_mutex_lock(&signals_lock);
+    for (int sig = 1; sig < NSIG; sig++)
+        if (sigaction(sig, NULL, &signals_saved[sig]) != 0)
+            signals_saved[sig].sa_handler = SIG_ERR; /* not a signal this process may handle */
+}
+
+static void put_signals_back(void)
+{
+    for (int sig = 1; sig < NSIG; sig++) {
+        if (sig == SIGKILL || sig == SIGSTOP || signals_saved[sig].sa_handler == SIG_ERR)
+            continue;
+        struct sigaction now;
+        if (sigaction(sig, NULL, &now) == 0 && now.sa_handler != signals_saved[sig].sa_handler)
+            sigaction(sig, &signals_saved[sig], NULL);
+    }
+    pthread_mutex_unlock(&signals_lock);
+}
+
+static int get_info_unguarded(const struct kvx_open_args *args, struct fi_info **out, char *err)
 {
     uint64_t base = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_ENDPOINT;
     if (args->hmem)
@@ -96,6 +125,14 @@ static int get_info(const struct kvx_open_args *args, struct fi_info **out, char
              "(list them with: fi_info -c FI_RMA -t FI_EP_RDM)",
              args->provider ? "'" : "", args->provider ? args->provider : "", args->provider ? "'" : "",
              args->node ? " on " : "", args->node ? args->node : "", fi_strerror(-rc));
+    return rc;
+}
+
+static int get_info(const struct kvx_open_args *args, struct fi_info **out, char *err)
+{
+    keep_signals();
+    int rc = get_info_unguarded(args, out, err);
+    put_signals_back();
     return rc;
 }
 

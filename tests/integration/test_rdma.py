@@ -11,6 +11,8 @@ import contextlib
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import types
 
@@ -696,3 +698,49 @@ def test_a_failed_reset_closes_the_rail_rather_than_leave_it_open(fabric, monkey
         assert "the rail is closed" in caplog.text
         with pytest.raises(Exception, match="closed"):
             ep.prepare()
+
+
+_SIGTERM_SCRIPT = """
+import ctypes, os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+import faulthandler
+faulthandler.enable()
+libc = ctypes.CDLL(None)
+libc.sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+def handlers():
+    out = {}
+    for sig in range(1, signal.NSIG):
+        buf = ctypes.create_string_buffer(256)
+        if libc.sigaction(sig, None, buf) == 0:
+            out[sig] = buf.raw[: ctypes.sizeof(ctypes.c_void_p)]  # the handler: the first member
+    return out
+before = handlers()
+import kvx
+from kvx.backends.rdma import fabric
+with kvx.Agent("sigterm", backend="auto"):
+    pass
+fabric.providers()
+after = handlers()
+changed = sorted(s for s in before if before[s] != after.get(s))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("handled" if got else "lost", changed)
+"""
+
+
+def test_loading_libfabric_leaves_the_applications_signal_handlers(fabric):
+    """Libraries libfabric links (Debian's libinfinipath, under its PSM
+    provider) install signal handlers when they load: a daemon's SIGTERM then
+    ended the process with status 1 instead of draining it, and Python's
+    faulthandler lost SIGSEGV. Every disposition is as the application set it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "handled []", done.stdout + done.stderr

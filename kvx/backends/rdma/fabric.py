@@ -71,7 +71,10 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
 import logging
+import signal
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -136,11 +139,55 @@ class Info(NamedTuple):
 
 
 def _native() -> Any:
+    mod = sys.modules.get("kvx._fabric")
+    if mod is not None:
+        return mod
+    saved = _signal_dispositions()
     try:
         from kvx import _fabric  # type: ignore[attr-defined]
     except ImportError as exc:
         raise ConfigError(f"{_MISSING} ({exc})") from exc
+    finally:
+        _restore_signal_dispositions(saved)
     return _fabric
+
+
+# libfabric links libraries whose constructors install signal handlers when they
+# are loaded (Debian's libinfinipath, under its PSM provider: SIGTERM, SIGSEGV and
+# more, writing "*.btr" backtrace files and exiting with status 1). They would take
+# SIGTERM from the application (a daemon's drain) and faulthandler's SIGSEGV from
+# Python. Every disposition is saved before the import and put back after it.
+_SIGACTION_BYTES = 256  # at least sizeof(struct sigaction) on every Linux libc
+_HANDLER_BYTES = ctypes.sizeof(ctypes.c_void_p)
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return libc
+
+
+def _signal_dispositions() -> dict[int, bytes]:
+    libc = _libc()
+    saved = {}
+    for sig in range(1, signal.NSIG):
+        buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        if libc.sigaction(sig, None, buf) == 0:
+            saved[sig] = buf.raw
+    return saved
+
+
+def _restore_signal_dispositions(saved: dict[int, bytes]) -> None:
+    libc = _libc()
+    for sig, before in saved.items():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        now = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        # The handler is the struct's first member; the rest holds padding that varies.
+        if libc.sigaction(sig, None, now) == 0 and now.raw[:_HANDLER_BYTES] != before[:_HANDLER_BYTES]:
+            back = ctypes.create_string_buffer(before, _SIGACTION_BYTES)
+            if libc.sigaction(sig, back, None) == 0:
+                log.debug("kvx._fabric: signal %d's handler put back after loading libfabric", sig)
 
 
 def available() -> str | None:
