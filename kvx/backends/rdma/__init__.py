@@ -129,7 +129,11 @@ def _candidates(forced: bool, explicit: str, fab: Any) -> list[str]:
             have = {_core(info.provider) for info in fab.providers()}
         except Exception as exc:  # a broken libfabric install: say so, use the others
             logger.warning("listing libfabric providers failed: %s", exc)
-    verbs, _ = load_verbs()
+    verbs = None
+    # libibverbs is loaded only where sysfs lists an RDMA device (or a library is named):
+    # a host without one (most) need not load it, nor its providers, into every agent.
+    if os.environ.get("KVX_IBVERBS_LIB") or topology.rdma_devices(os.environ.get(SYSFS_ROOT_ENV) or "/"):
+        verbs, _ = load_verbs()
     out = [
         p
         for p in HARDWARE_PROVIDERS
