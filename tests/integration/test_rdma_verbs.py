@@ -58,6 +58,7 @@ def double(loaded, request, monkeypatch):
         pytest.skip(f"{outcome} in a process of its own (another libibverbs was loaded here first)")
     monkeypatch.setenv(rdma.PROVIDER_ENV, rdma_channel.VERBS)
     monkeypatch.delenv(topology.DEVICES_ENV, raising=False)
+    rdma_double.use_double(monkeypatch, rdma_double.built_path())
     loaded.fake_set_dead(0, 0)
     yield loaded
     loaded.fake_set_dead(0, 0)

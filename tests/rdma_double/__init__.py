@@ -55,6 +55,19 @@ class Unavailable(Exception):
         self.loaded_other = loaded_other
 
 
+def built_path() -> Path:
+    """The double's path, once load() built it."""
+    assert isinstance(_built, Path), "rdma_double.load() first"
+    return _built
+
+
+def use_double(monkeypatch: Any, path: Path) -> None:
+    """For one test: agents (and their workers) load the double, and kvx._verbs's
+    libcuda calls go to it."""
+    monkeypatch.setenv("KVX_IBVERBS_LIB", str(path))
+    monkeypatch.setenv("KVX_CUDA_LIB", str(path))
+
+
 def load() -> tuple[Any, ctypes.CDLL, Path]:
     """Build the double once per process and make kvx._verbs (and its libcuda
     calls) use it: (kvx._verbs, the double as a CDLL, its path)."""
@@ -67,8 +80,8 @@ def load() -> tuple[Any, ctypes.CDLL, Path]:
         _built = build(Path(tempfile.mkdtemp(prefix="kvx-verbs-double-")))
     if isinstance(_built, str):
         raise Unavailable(_built)
-    os.environ["KVX_CUDA_LIB"] = str(_built)  # read once, at the first GPU registration
-    os.environ["KVX_IBVERBS_LIB"] = str(_built)  # what agents (and their workers) load
+    # Not put in os.environ for good: later tests (and their subprocesses) would load the
+    # double too. A test that needs them sets KVX_IBVERBS_LIB/KVX_CUDA_LIB (use_double).
     try:
         verbs.load(str(_built))
     except verbs.Error as error:

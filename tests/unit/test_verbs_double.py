@@ -30,13 +30,19 @@ RTR_MASK = (1 << 0) | (1 << 7) | (1 << 8) | (1 << 20) | (1 << 12) | (1 << 17) | 
 
 
 @pytest.fixture(scope="module")
-def double():
+def loaded():
     try:
         verbs, lib, _ = rdma_double.load()  # one build per process, shared with test_rdma_verbs.py
     except rdma_double.Unavailable as why:
         pytest.skip(str(why))
     yield verbs, lib
     lib.fake_set_dead(0, 0)
+
+
+@pytest.fixture
+def double(loaded, monkeypatch):
+    rdma_double.use_double(monkeypatch, rdma_double.built_path())
+    return loaded
 
 
 def violations(lib) -> str:
