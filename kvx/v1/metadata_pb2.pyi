@@ -78,18 +78,22 @@ class RegisterAgentResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "lease_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_s")
+    __slots__ = ("lease_id", "ttl_s", "ttls_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TTLS_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_s: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ...) -> None: ...
+    ttls_s: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ..., ttls_s: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UnregisterAgentRequest(_message.Message):
     __slots__ = ("name", "epoch", "lease_id")
@@ -147,7 +151,7 @@ class ListAgentsResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[AgentRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchAgentsRequest(_message.Message):
-    __slots__ = ("role", "labels")
+    __slots__ = ("role", "labels", "names")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,9 +161,11 @@ class WatchAgentsRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchAgentsResponse(_message.Message):
     __slots__ = ("type", "record", "revision")

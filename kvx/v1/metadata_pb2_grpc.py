@@ -78,7 +78,8 @@ class MetadataServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request_iterator, context):
-        """Renews leases: one request per renewal, one response each, on one stream.
+        """Renews leases: one response per request, on one stream. A request may
+        renew several leases at once (a process holding several agents' leases).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
