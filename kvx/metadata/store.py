@@ -22,7 +22,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from kvx.errors import KvxError
 from kvx.v1 import metadata_pb2
@@ -82,6 +82,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def keep_alive(self, lease_id: int) -> int:
         """Renew a lease; its remaining ttl in seconds, 0 if it is gone."""
+
+    async def keep_alive_many(self, lease_ids: Sequence[int]) -> list[int]:
+        """Renew several leases: their remaining ttls, in order (0: gone). Stores
+        override it where renewing several together is cheaper than one by one."""
+        return [await self.keep_alive(lease_id) for lease_id in lease_ids]
 
     @abc.abstractmethod
     async def revoke_lease(self, lease_id: int) -> None:
