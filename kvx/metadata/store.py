@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import dataclasses
 import enum
+import heapq
 import logging
 import math
 import secrets
@@ -162,11 +163,18 @@ class MemoryStore(Store):
         self._records: dict[str, AgentRecord] = {}
         self._names: list[str] = []  # the keys of _records, sorted: pages without sorting
         self._leases: dict[int, _Lease] = {}
+        # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
+        # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
+        # whose lease was renewed meanwhile. So a pass looks only at entries that fell due,
+        # not at every lease. Revoked leases leave entries behind until they fall due or the
+        # heap is rebuilt (_compact_expiry_heap).
+        self._expiry_heap: list[tuple[float, int]] = []
         self._revision = 0
         self._watchers: set[asyncio.Queue] = set()
         self._expiry_interval_s = expiry_interval_s
         self._expiry_task: asyncio.Task | None = None
         self.expired_leases = 0  # for metrics
+        self.expiry_checks = 0  # heap entries the expiry loop looked at: its work, for tests
 
     async def start(self) -> None:
         self._expiry_task = asyncio.create_task(self._expire_loop(), name="kvx-lease-expiry")
@@ -187,14 +195,28 @@ class MemoryStore(Store):
         lease_id = secrets.randbits(62) | 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(62) | 1
-        self._leases[lease_id] = _Lease(ttl_s, time.monotonic() + ttl_s)
+        deadline = time.monotonic() + ttl_s
+        self._leases[lease_id] = _Lease(ttl_s, deadline)
+        heapq.heappush(self._expiry_heap, (deadline, lease_id))
+        if len(self._expiry_heap) > 2 * len(self._leases) + 1024:
+            self._compact_expiry_heap()
         return lease_id
 
     async def keep_alive(self, lease_id: int) -> int:
+        return self._renew(lease_id, time.monotonic())
+
+    async def keep_alive_many(self, lease_ids: Sequence[int]) -> list[int]:
+        # No await per lease: a batch is one step of the event loop.
+        now = time.monotonic()
+        return [self._renew(lease_id, now) for lease_id in lease_ids]
+
+    def _renew(self, lease_id: int, now: float) -> int:
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or lease.deadline <= now:
+            # Past its deadline it is over, though the expiry loop has not deleted it yet:
+            # lease_ttl says 0 already, and register() counts the name as free.
             return 0
-        lease.deadline = time.monotonic() + lease.ttl_s
+        lease.deadline = now + lease.ttl_s
         return lease.ttl_s
 
     async def revoke_lease(self, lease_id: int) -> None:
@@ -311,11 +333,30 @@ class MemoryStore(Store):
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self._expiry_interval_s)
-            now = time.monotonic()
-            for lease_id in [i for i, lease in self._leases.items() if lease.deadline <= now]:
-                logger.info("lease %#x expired", lease_id)
-                self.expired_leases += 1
-                await self.revoke_lease(lease_id)
+            await self._expire_due(time.monotonic())
+
+    async def _expire_due(self, now: float) -> None:
+        """Revoke the leases whose deadline is past ``now``. Looks only at the heap
+        entries that fell due: O((due + renewed since pushed) * log n), never every lease."""
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            self.expiry_checks += 1
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue  # revoked already
+            if lease.deadline > now:
+                heapq.heappush(heap, (lease.deadline, lease_id))  # renewed meanwhile
+                continue
+            logger.info("lease %#x expired", lease_id)
+            self.expired_leases += 1
+            await self.revoke_lease(lease_id)
+
+    def _compact_expiry_heap(self) -> None:
+        # Entries of revoked leases pile up when leases come and go faster than they
+        # fall due: rebuild from the live leases (O(n), at most once per n grants).
+        self._expiry_heap = [(lease.deadline, lease_id) for lease_id, lease in self._leases.items()]
+        heapq.heapify(self._expiry_heap)
 
 
 def _copy(record: AgentRecord) -> AgentRecord:
