@@ -49,6 +49,17 @@ class ServiceMetrics:
         self.registrations = Counter(
             "kvx_metadata_registrations", "Successful RegisterAgent calls", registry=self.registry
         )
+        # Leases renewed (answered with a ttl above 0) and the KeepAlive messages and streams
+        # that carried them: service CPU per renewal is CPU over kvx_metadata_lease_renewals.
+        self.lease_renewals = Counter(
+            "kvx_metadata_lease_renewals", "Leases renewed by KeepAlive", registry=self.registry
+        )
+        self.keep_alive_messages = Counter(
+            "kvx_metadata_keep_alive_messages", "KeepAlive request messages served", registry=self.registry
+        )
+        self.keep_alive_streams = Counter(
+            "kvx_metadata_keep_alive_streams", "KeepAlive streams opened", registry=self.registry
+        )
         self.request_seconds = Histogram(
             "kvx_metadata_request_seconds",
             "Time to serve a metadata RPC",

@@ -55,6 +55,8 @@ _T = TypeVar("_T")
 # Trailer of a registration refused because the name's lease is live: the
 # milliseconds until that lease runs out unless its holder renews it.
 RETRY_AFTER_KEY = "kvx-retry-after-ms"
+# Leases one KeepAliveRequest may renew, lease_id included (proto/kvx/v1/metadata.proto).
+MAX_KEEP_ALIVE_LEASES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,15 +316,42 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             self._authorize(context)
         except Refused as refused:
             await context.abort(refused.code, str(refused))
+        self.metrics.keep_alive_streams.inc()
         try:
             async for request in request_iterator:
                 _check_parsed(request)
-                ttl = await self.store.keep_alive(request.lease_id)
-                yield metadata_pb2.KeepAliveResponse(lease_id=request.lease_id, ttl_s=ttl)
+                self.metrics.keep_alive_messages.inc()
+                yield await self.keep_alive(request)
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+
+    async def keep_alive(self, request: metadata_pb2.KeepAliveRequest) -> metadata_pb2.KeepAliveResponse:
+        """Renews ``lease_id`` (when set) and every ``lease_ids`` entry with one store call."""
+        batch = request.lease_ids
+        if len(batch) + (1 if request.lease_id else 0) > MAX_KEEP_ALIVE_LEASES:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(batch) + (1 if request.lease_id else 0)} leases in one KeepAliveRequest; "
+                f"at most {MAX_KEEP_ALIVE_LEASES}: split them over several requests",
+            )
+        if batch and min(batch) <= 0:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "lease_ids holds an id <= 0; send only lease ids from RegisterAgentResponse",
+            )
+        if not batch:  # one lease, as before batches: no list to build
+            ttl = await self.store.keep_alive(request.lease_id) if request.lease_id else 0
+            self.metrics.lease_renewals.inc(ttl > 0)
+            return metadata_pb2.KeepAliveResponse(lease_id=request.lease_id, ttl_s=ttl)
+        if request.lease_id:
+            ttls = await self.store.keep_alive_many([request.lease_id, *batch])
+            ttl = ttls.pop(0)
+        else:
+            ttls, ttl = await self.store.keep_alive_many(batch), 0
+        self.metrics.lease_renewals.inc(len(ttls) - ttls.count(0) + (ttl > 0))
+        return metadata_pb2.KeepAliveResponse(lease_id=request.lease_id, ttl_s=ttl, ttls_s=ttls)
 
     async def UnregisterAgent(self, request, context):  # noqa: N802
         return await self._call(
