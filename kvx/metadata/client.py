@@ -2,7 +2,8 @@
 
 - ``MetadataClient``: the RPCs, with gRPC errors translated into kvx errors.
 - ``Registration``: keeps one agent registered: registers, renews its lease
-  on a KeepAlive stream, registers again by itself when the service restarts
+  (on one KeepAlive stream shared by the process's registrations that use
+  the same service and options, one message per round), registers again by itself when the service restarts
   or the lease is lost (never giving up: while another lease holds the name
   it retries when that lease would run out), and unregisters on stop.
 - ``Watcher``: follows WatchAgents, reconnecting (and so resynchronising from
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -45,6 +47,10 @@ _HELD_RETRY_MIN_S = 0.1
 _HELD_RETRY_MAX_S = 310.0
 # While the name stays held, a warning at most this often.
 _HELD_WARN_EVERY_S = 60.0
+# Leases per KeepAlive message (the service refuses more: proto/kvx/v1/metadata.proto).
+MAX_LEASES_PER_MESSAGE = 1024
+# KeepAlive messages sent and not yet answered past which a renewal round is skipped.
+_MAX_UNANSWERED_MESSAGES = 256
 
 
 class NameHeldError(MetadataError):
@@ -183,7 +189,7 @@ class Registration:
         self._lock = threading.Lock()  # one registration call at a time
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse] | None = None
+        self._renewer: _Renewer | None = None  # shared with this process's other registrations
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
     def start(self) -> None:
@@ -235,6 +241,7 @@ class Registration:
     def stop(self, unregister: bool = True) -> None:
         self._stop.set()
         self._restart_stream()
+        _Renewer.leave(self)
         if self._thread.is_alive():
             self._thread.join(self.client.options.timeout_s + 1)
         if unregister and self._proof:
@@ -253,9 +260,12 @@ class Registration:
 
     def _restart_stream(self) -> None:
         self._wake.set()
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()
+
+    def _lease_lost(self, lease_id: int) -> None:
+        """The renewer's word: ``lease_id`` is gone (answered 0, or its stream failed)."""
+        if self.lease_id == lease_id:  # not if update() registered again meanwhile
+            self.lease_id = None
+            self._wake.set()
 
     def _run(self) -> None:
         attempt = 0
@@ -303,26 +313,194 @@ class Registration:
             )
 
     def _keep_alive(self) -> None:
+        """Hands the lease to this process's shared renewer, and waits until it is
+        lost, the record is published again (update()), or stop()."""
         lease_id = self.lease_id
-        interval_s = max(0.2, self.ttl_s / 3)
+        if lease_id is None:
+            return
         self._wake.clear()
+        _Renewer.renew(self, lease_id, self.ttl_s)
+        while not self._stop.is_set() and not self._wake.wait(1.0):
+            pass
+
+
+class _Renewer:
+    """Renews the leases of every Registration of this process that talks to the
+    same service with the same options: one KeepAlive stream, and one message
+    per renewal interval (the smallest ttl/3 among them) carrying all their
+    leases, split at MAX_LEASES_PER_MESSAGE. A service that answers without
+    ``ttls_s`` (older than batches) gets one message per lease instead.
+
+    A lease answered 0 is reported to its own Registration only; a failed
+    stream loses every lease it carried (each registration registers again,
+    proving its old lease, as after a restart of the service).
+    """
+
+    _registry_lock = threading.Lock()
+    _registry: dict[tuple[str, MetadataOptions], _Renewer] = {}
+
+    def __init__(self, key: tuple[str, MetadataOptions]) -> None:
+        self.key = key
+        self.client = MetadataClient(*key)
+        self._lock = threading.Lock()
+        # Registration -> (lease id, ttl); bounded by the process's registrations.
+        self._leases: dict[Registration, tuple[int, int]] = {}
+        self._members: set[Registration] = set()
+        self._changed = threading.Event()
+        self._closed = threading.Event()
+        self._stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse] | None = None
+        self._thread = threading.Thread(target=self._run, name="kvx-lease-renewer", daemon=True)
+        self._thread.start()
+
+    # The process-wide registry.
+
+    @classmethod
+    def renew(cls, registration: Registration, lease_id: int, ttl_s: int) -> None:
+        key = (registration.client.target, registration.client.options)
+        with cls._registry_lock:
+            if registration._stop.is_set():
+                return  # stopped meanwhile: leave() has run or will not find it
+            renewer = registration._renewer
+            if renewer is None or renewer.key != key or renewer._closed.is_set():
+                renewer = cls._registry.get(key)
+                if renewer is None:
+                    renewer = cls._registry[key] = _Renewer(key)
+                registration._renewer = renewer
+            with renewer._lock:
+                renewer._members.add(registration)
+                renewer._leases[registration] = (lease_id, ttl_s)
+        renewer._changed.set()
+
+    @classmethod
+    def leave(cls, registration: Registration) -> None:
+        with cls._registry_lock:
+            renewer = registration._renewer
+            if renewer is None:
+                return
+            registration._renewer = None
+            with renewer._lock:
+                renewer._members.discard(registration)
+                renewer._leases.pop(registration, None)
+                empty = not renewer._members
+            if empty:
+                if cls._registry.get(renewer.key) is renewer:
+                    del cls._registry[renewer.key]
+                renewer._close()
+
+    def _close(self) -> None:
+        self._closed.set()
+        self._changed.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        # The thread ends by itself (bounded: its waits and the stream cancelled); it
+        # closes the channel. Not joined here: leave() may run on any thread.
+
+    # The renewing thread.
+
+    def _run(self) -> None:
+        attempt = 0
+        try:
+            while not self._closed.is_set():
+                if not self._snapshot():
+                    self._changed.wait(1.0)
+                    self._changed.clear()
+                    continue
+                try:
+                    self._stream_once()
+                    attempt = 0
+                except grpc.RpcError as exc:
+                    if self._closed.is_set():
+                        return
+                    if exc.code() != grpc.StatusCode.CANCELLED:
+                        if attempt == 0:
+                            logger.warning("lease keep-alive stream ended: %s", exc.details())
+                        self._lose_all()
+                except Exception:  # noqa: BLE001 - a bug here must not stop every renewal
+                    logger.exception("lease renewal failed; trying again")
+                    self._lose_all()
+                self._closed.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                attempt += 1
+        finally:
+            self.client.close()
+
+    def _snapshot(self) -> list[tuple[Registration, int]]:
+        with self._lock:
+            return [(reg, lease_id) for reg, (lease_id, _) in self._leases.items()]
+
+    def _interval_s(self) -> float:
+        with self._lock:
+            ttls = [ttl for _, ttl in self._leases.values()]
+        return max(0.2, min(ttls, default=30) / 3)
+
+    def _lose_all(self) -> None:
+        for registration, lease_id in self._snapshot():
+            self._forget(registration, lease_id)
+
+    def _forget(self, registration: Registration, lease_id: int) -> None:
+        with self._lock:
+            if self._leases.get(registration, (0, 0))[0] == lease_id:
+                del self._leases[registration]
+        registration._lease_lost(lease_id)
+
+    def _stream_once(self) -> None:
+        # What each message sent carried, in order: the service answers in order.
+        sent: collections.deque[list[tuple[Registration, int]]] = collections.deque()
+        single = threading.Event()  # the service ignores lease_ids: one lease per message
+        ended = threading.Event()  # this stream is over: its request generator returns
 
         def requests() -> Iterator[metadata_pb2.KeepAliveRequest]:
-            while not self._stop.is_set() and not self._wake.is_set():
-                yield metadata_pb2.KeepAliveRequest(lease_id=lease_id)
-                self._wake.wait(interval_s)
+            while not self._closed.is_set() and not ended.is_set():
+                leases = self._snapshot()
+                if not leases:
+                    return  # nothing to renew: the stream ends, the thread waits for leases
+                sent_singly = single.is_set()
+                if len(sent) > _MAX_UNANSWERED_MESSAGES:
+                    logger.warning("the metadata service is not answering lease renewals; waiting")
+                else:
+                    step = 1 if sent_singly else MAX_LEASES_PER_MESSAGE
+                    for start in range(0, len(leases), step):
+                        chunk = leases[start : start + step]
+                        sent.append(chunk)
+                        yield metadata_pb2.KeepAliveRequest(
+                            lease_id=chunk[0][1], lease_ids=[lease_id for _, lease_id in chunk[1:]]
+                        )
+                self._changed.clear()
+                deadline = time.monotonic() + self._interval_s()
+                # A new lease with a shorter ttl cuts the wait; the switch to single
+                # leases ends it (the leases after each batch's first were not renewed).
+                while (left := deadline - time.monotonic()) > 0 and not ended.is_set():
+                    if self._closed.is_set() or (single.is_set() and not sent_singly):
+                        break
+                    if self._changed.wait(min(left, 1.0)):
+                        self._changed.clear()
+                        deadline = min(deadline, time.monotonic() + self._interval_s())
 
         stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse]
         self._stream = stream = self.client.stub.KeepAlive(requests(), metadata=self.client.call_metadata)
         try:
+            if self._closed.is_set():
+                return
             for response in stream:
-                if response.ttl_s == 0:
-                    if self.lease_id != lease_id:
-                        return  # update() registered again under a new lease
-                    logger.warning("lease of this agent is gone (expired or revoked); registering again")
-                    self.lease_id = None
-                    return
+                chunk = sent.popleft()
+                ttls = [response.ttl_s, *response.ttls_s]
+                if len(ttls) != len(chunk):
+                    if response.ttls_s:
+                        raise MetadataError(
+                            f"metadata service at {self.client.target}: "
+                            f"{len(ttls)} ttls answered for {len(chunk)} leases"
+                        )
+                    # An older service: it renewed lease_id only. The rest go one by one now.
+                    if not single.is_set():
+                        logger.info("the metadata service renews one lease per message; sending them so")
+                        single.set()
+                        self._changed.set()
+                for (registration, lease_id), ttl in zip(chunk, ttls, strict=False):
+                    if ttl == 0:
+                        logger.warning("lease %#x is gone (expired or revoked); registering again", lease_id)
+                        self._forget(registration, lease_id)
         finally:
+            ended.set()
             stream.cancel()
             self._stream = None
 
