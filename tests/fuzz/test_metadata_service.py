@@ -232,6 +232,31 @@ def test_keep_alive_and_watch_with_any_values(service, lease_ids, watch):
         stream.cancel()
 
 
+@FUZZ
+@given(
+    lease_id=_i64,
+    batch=st.one_of(st.lists(_i64, max_size=8), st.lists(_i64, min_size=1020, max_size=1030)),
+)
+def test_keep_alive_batches_with_any_ids(service, lease_id, batch):
+    """A batch is answered with a ttl per id (none of these ids was granted: 0),
+    or refused with INVALID_ARGUMENT exactly when it is too long or holds an id <= 0."""
+    _, channel = service
+    keep_alive = channel.stream_stream(
+        f"/{SERVICE_NAME}/KeepAlive",
+        request_serializer=metadata_pb2.KeepAliveRequest.SerializeToString,
+        response_deserializer=metadata_pb2.KeepAliveResponse.FromString,
+    )
+    request = metadata_pb2.KeepAliveRequest(lease_id=lease_id, lease_ids=batch)
+    refused = len(batch) + (lease_id != 0) > 1024 or any(i <= 0 for i in batch)
+    try:
+        answers = list(keep_alive(iter([request]), timeout=10))
+    except grpc.RpcError as exc:
+        assert refused and exc.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{exc.code()}: {exc.details()}"
+    else:
+        assert not refused and len(answers) == 1
+        assert answers[0].ttl_s == 0 and list(answers[0].ttls_s) == [0] * len(batch)
+
+
 def test_the_service_still_serves_after_all_that(service):
     _, channel = service
     _still_serves(channel)
