@@ -482,6 +482,10 @@ class _Renewer:
             if self._closed.is_set():
                 return
             for response in stream:
+                if not sent:
+                    raise MetadataError(
+                        f"metadata service at {self.client.target}: more answers than renewals"
+                    )
                 chunk = sent.popleft()
                 ttls = [response.ttl_s, *response.ttls_s]
                 if len(ttls) != len(chunk):

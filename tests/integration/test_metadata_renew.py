@@ -169,6 +169,9 @@ def _limits():
 def test_registrations_of_one_process_share_one_stream_and_one_message():
     with ThreadedServer(MetadataServer("127.0.0.1:0", limits=_limits())) as srv:
         regs = _registrations(srv, ["share-a", "share-b", "share-c"], ttl_s=3)
+        assert wait_until(lambda: all(reg._renewer is not None for reg in regs), 10)
+        renewer = regs[0]._renewer
+        assert all(reg._renewer is renewer for reg in regs)
         try:
             assert wait_until(lambda: _metric(srv, "lease_renewals") >= 12, 20)
             renewals, messages = _metric(srv, "lease_renewals"), _metric(srv, "keep_alive_messages")
@@ -178,6 +181,10 @@ def test_registrations_of_one_process_share_one_stream_and_one_message():
             assert messages <= renewals / 3 + 2, (messages, renewals)
         finally:
             _stop_all(regs)
+        # The last stop() ends the shared renewer: no thread or stream is left behind.
+        assert not any(target == srv.address for target, _ in _Renewer._registry)
+        renewer._thread.join(10)
+        assert not renewer._thread.is_alive()
 
 
 def test_a_lost_lease_makes_only_its_registration_register_again():
