@@ -150,6 +150,14 @@ def _check_parsed(request: Any) -> None:
         )
 
 
+def _as_is(answer: bytes) -> bytes:
+    return answer
+
+
+# Methods whose servicer returns its answer already encoded (bytes, sent as they are).
+_ENCODED_ANSWERS = frozenset({"GetAgent"})
+
+
 def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
     """The MetadataService's method handlers, as the generated code makes them, but with
     parsers that let a method answer a malformed request with INVALID_ARGUMENT."""
@@ -162,10 +170,11 @@ def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].methods:
         make = kinds[(method.client_streaming, method.server_streaming)]
+        serialize = getattr(metadata_pb2, method.output_type.name).SerializeToString
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=_parser(getattr(metadata_pb2, method.input_type.name)),
-            response_serializer=getattr(metadata_pb2, method.output_type.name).SerializeToString,
+            response_serializer=_as_is if method.name in _ENCODED_ANSWERS else serialize,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -186,6 +195,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self._token = token
         self._background: set[asyncio.Future] = set()
         self.watch_streams = 0  # open WatchAgents streams
+        self._get_seconds = metrics.request_seconds.labels("GetAgent")
 
     # Plumbing: auth, timing, error translation.
 
@@ -384,12 +394,29 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         raise Refused(grpc.StatusCode.ABORTED, f"{name!r} kept changing; retry")
 
     async def GetAgent(self, request, context):  # noqa: N802
-        return await self._call("GetAgent", request, context, lambda: self.get(request.name))
+        """``_call`` unrolled, the hottest RPC: the store's encoded answer goes out as
+        it is (no copy, no encoding here; see ``_ENCODED_ANSWERS``)."""
+        start = time.perf_counter()
+        try:
+            if self._token is not None:
+                self._authorize(context)
+            if type(request) is _Malformed:
+                _check_parsed(request)
+            answer = await self.store.get_answer(request.name)
+            if answer is None:
+                raise _not_found(request.name)
+            return answer
+        except Refused as refused:
+            await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+        finally:
+            self._get_seconds.observe(time.perf_counter() - start)
 
     async def get(self, name: str) -> metadata_pb2.GetAgentResponse:
         record = await self.store.get(name)
         if record is None:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
+            raise _not_found(name)
         record.ClearField("lease_id")  # the registrant's secret
         return metadata_pb2.GetAgentResponse(record=record)
 
@@ -475,6 +502,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
         finally:
             self.watch_streams -= 1
+
+
+def _not_found(name: str) -> Refused:
+    return Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
 
 
 def _held(name: str, current: metadata_pb2.AgentRecord, remaining_s: int) -> Refused:

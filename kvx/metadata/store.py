@@ -97,6 +97,14 @@ class Store(abc.ABC):
     async def get(self, name: str) -> AgentRecord | None:
         """The record, with ``revision`` set to its last change; None if absent."""
 
+    async def get_answer(self, name: str) -> bytes | None:
+        """The encoded ``GetAgentResponse`` for ``name``, its lease id left out (the
+        registrant's secret); None if absent. GetAgent sends these bytes as they are.
+        This default encodes ``get()``'s copy per call; a store that keeps each
+        record's answer encoded from its write on (MemoryStore) hands that out."""
+        record = await self.get(name)
+        return None if record is None else encode_answer(record)
+
     @abc.abstractmethod
     async def lease_ttl(self, lease_id: int) -> int:
         """A lease's remaining time to live in whole seconds (rounded up), without
@@ -162,6 +170,9 @@ class MemoryStore(Store):
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
         self._records: dict[str, AgentRecord] = {}
         self._names: list[str] = []  # the keys of _records, sorted: pages without sorting
+        # Each record's GetAgent answer, encoded when it is written; replaced or
+        # dropped in the same step as the record, so never older than it.
+        self._answers: dict[str, bytes] = {}
         self._leases: dict[int, _Lease] = {}
         # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
         # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
@@ -235,6 +246,9 @@ class MemoryStore(Store):
         record = self._records.get(name)
         return _copy(record) if record is not None else None
 
+    async def get_answer(self, name: str) -> bytes | None:
+        return self._answers.get(name)
+
     async def count(self) -> int:
         return len(self._records)
 
@@ -255,11 +269,13 @@ class MemoryStore(Store):
                 old.names.discard(record.name)
         self._revision += 1
         stored = _copy(record)
-        stored.lease_id = lease_id
         stored.revision = self._revision
+        answer = encode_answer(stored)
+        stored.lease_id = lease_id
         if current is None:
             bisect.insort(self._names, record.name)
         self._records[record.name] = stored
+        self._answers[record.name] = answer
         lease.names.add(record.name)
         self._publish(Event(EventType.PUT, stored, self._revision))
         return self._revision
@@ -310,6 +326,7 @@ class MemoryStore(Store):
         record = self._records.pop(name, None)
         if record is None:
             return
+        del self._answers[name]
         del self._names[bisect.bisect_left(self._names, name)]
         lease = self._leases.get(record.lease_id)
         if lease is not None:
@@ -357,6 +374,13 @@ class MemoryStore(Store):
         # fall due: rebuild from the live leases (O(n), at most once per n grants).
         self._expiry_heap = [(lease.deadline, lease_id) for lease_id, lease in self._leases.items()]
         heapq.heapify(self._expiry_heap)
+
+
+def encode_answer(record: AgentRecord) -> bytes:
+    """``record`` as an encoded GetAgentResponse, its lease id cleared (in ``record``
+    too: pass a copy you own)."""
+    record.ClearField("lease_id")
+    return metadata_pb2.GetAgentResponse(record=record).SerializeToString()
 
 
 def _copy(record: AgentRecord) -> AgentRecord:

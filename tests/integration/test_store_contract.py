@@ -18,6 +18,7 @@ from kvx.errors import ConfigError
 from kvx.metadata import etcd as etcd_module
 from kvx.metadata.etcd import EtcdStore, parse_etcd_url
 from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError, WatchLagError
+from kvx.v1.metadata_pb2 import GetAgentResponse
 from tests.conftest import native_pass_only
 
 pytestmark = native_pass_only
@@ -134,6 +135,50 @@ def test_put_if_create_conflict_and_get(open_store):
             assert await store.put_if(record("a", zone="z3"), lease, rev2 + 100) is None
             got = await store.get("a")
             assert got.revision == rev2 and got.labels["zone"] == "z2"
+
+    run(body())
+
+
+def _answered(answer: bytes | None) -> AgentRecord | None:
+    """The record in an encoded GetAgent answer, checking it carries no lease id."""
+    if answer is None:
+        return None
+    got = GetAgentResponse.FromString(answer).record
+    assert "lease_id" not in [field.name for field, _ in got.ListFields()], got
+    return got
+
+
+def test_get_answer_follows_every_write(open_store):
+    """The encoded GetAgent answer is the current record, without its lease, after
+    every put, delete and revoke: never one from before the last change."""
+
+    async def body():
+        async with open_store() as store:
+            lease, other = await store.grant_lease(30), await store.grant_lease(30)
+            assert await store.get_answer("a") is None
+            planted = record("a", zone="z1")
+            planted.lease_id = 0x5EC2E7  # a lease id in the written record is not answered either
+            rev1 = await store.put_if(planted, lease, 0)
+            got = _answered(await store.get_answer("a"))
+            assert (got.labels["zone"], got.revision, got.epoch) == ("z1", rev1, 0x1234)
+            current = await store.get("a")
+            current.ClearField("lease_id")
+            assert got == current
+
+            moved = record("a", zone="z2")
+            moved.epoch = 0x99
+            rev2 = await store.put_if(moved, other, rev1)
+            got = _answered(await store.get_answer("a"))
+            assert (got.labels["zone"], got.revision, got.epoch) == ("z2", rev2, 0x99)
+            await store.revoke_lease(lease)  # its old lease no longer holds "a"
+            assert _answered(await store.get_answer("a")).revision == rev2
+
+            assert await store.delete_if("a", rev2)
+            assert await store.get_answer("a") is None
+            rev3 = await store.put_if(record("a", zone="z3"), other, 0)
+            assert _answered(await store.get_answer("a")).revision == rev3
+            await store.revoke_lease(other)
+            assert await store.get_answer("a") is None
 
     run(body())
 
