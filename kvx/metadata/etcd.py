@@ -97,6 +97,7 @@ import grpc
 
 from kvx._net import parse_address
 from kvx.errors import ConfigError
+from kvx.metadata._etcd_leases import Renewals, TrackedLease
 from kvx.metadata.store import (
     PAGE_RECORDS,
     WATCH_QUEUE_MAX,
@@ -195,7 +196,7 @@ class EtcdStore(Store):
         self._connect_lock = asyncio.Lock()
         self._watches: set[asyncio.Queue] = set()
         self._closing: set[asyncio.Future] = set()
-        self._renewals = _Renewals()
+        self._renewals = Renewals()
         self._own_deletes: collections.deque[int] = collections.deque(maxlen=4096)
         self._deleting = 0  # our delete_if/revoke_lease calls in flight
         self._counted: collections.deque[int] = collections.deque(maxlen=4096)
@@ -203,7 +204,7 @@ class EtcdStore(Store):
         self._backstop_s = int(backstop_s)
         self._tasks: list[asyncio.Task] = []
         # Leases renewed here: their kvx deadlines, and when etcd last heard of them.
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, TrackedLease] = {}
         self._due: dict[int, set[int]] = {}  # second (monotonic) -> leases to check then
         self._next_due = 0
         self.renewals = 0  # kvx renewals asked of this store
@@ -314,7 +315,7 @@ class EtcdStore(Store):
         healthy = self._healthy()
         for i, lease_id in enumerate(lease_ids):
             lease = self._leases.get(lease_id)
-            if lease is None or not healthy or lease.must_forward(now):
+            if lease is None or not healthy or lease.must_forward(now, TAKEOVER_S):
                 forward.setdefault(lease_id, []).append(i)
             else:
                 self._renewed(lease, now)
@@ -534,26 +535,26 @@ class EtcdStore(Store):
     def _track(self, lease_id: int, ttl_s: int, etcd_ttl_s: int, now: float, *, takeover: bool):
         if lease_id not in self._leases and len(self._leases) >= LEASES_TRACKED_MAX:
             return None
-        lease = _Lease(lease_id, ttl_s, etcd_ttl_s, now)
+        lease = TrackedLease(lease_id, ttl_s, etcd_ttl_s, now)
         lease.takeover_until = now + TAKEOVER_S if takeover else 0.0
         self._untrack(lease_id)
         self._leases[lease_id] = lease
         self._renewed(lease, now)
         return lease
 
-    def _renewed(self, lease: _Lease, now: float) -> None:
+    def _renewed(self, lease: TrackedLease, now: float) -> None:
         lease.renewed = now
         lease.deadline = now + lease.ttl_s
         self._schedule(lease, math.ceil(lease.deadline + EXPIRY_GRACE_S))
 
-    def _schedule(self, lease: _Lease, due: int) -> None:
+    def _schedule(self, lease: TrackedLease, due: int) -> None:
         if due == lease.due:
             return
         self._unschedule(lease)
         self._due.setdefault(due, set()).add(lease.lease_id)
         lease.due = due
 
-    def _unschedule(self, lease: _Lease) -> None:
+    def _unschedule(self, lease: TrackedLease) -> None:
         bucket = self._due.get(lease.due)
         if bucket is not None:
             bucket.discard(lease.lease_id)
@@ -828,101 +829,7 @@ async def _close_quietly(client) -> None:
         logger.debug("closing an etcd client failed", exc_info=True)
 
 
-class _Lease:
-    """A lease renewed at this replica: its kvx deadline, and when etcd last heard of it."""
-
-    __slots__ = (
-        "lease_id",
-        "ttl_s",
-        "etcd_ttl_s",
-        "renewed",
-        "deadline",
-        "forwarded",
-        "takeover_until",
-        "due",
-    )
-
-    def __init__(self, lease_id: int, ttl_s: int, etcd_ttl_s: int, now: float) -> None:
-        self.lease_id = lease_id
-        self.ttl_s = ttl_s
-        self.etcd_ttl_s = etcd_ttl_s
-        self.renewed = self.deadline = now
-        self.forwarded = now  # when our last forward's reply came
-        self.takeover_until = 0.0
-        self.due = 0  # the second its expiry check is scheduled for (0: none)
-
-    def must_forward(self, now: float) -> bool:
-        if now - self.renewed > self.ttl_s / 2:
-            # A gap: the agent renewed at another replica meanwhile (or stalled). Tell
-            # etcd, so that the other replica sees the lease move here.
-            self.takeover_until = now + TAKEOVER_S
-        return now < self.takeover_until or now - self.forwarded >= self.etcd_ttl_s / 3
-
-
 def _copy(record: AgentRecord) -> AgentRecord:
     out = AgentRecord()
     out.CopyFrom(record)
     return out
-
-
-class _Renewals:
-    """Lease renewals multiplexed over one LeaseKeepAlive stream per client."""
-
-    def __init__(self) -> None:
-        self._client = None
-        self._queue: asyncio.Queue | None = None
-        self._waiters: dict[int, collections.deque] = {}
-        self._reader: asyncio.Task | None = None
-
-    async def renew(self, client, rpc, lease_id: int) -> int:
-        queue = self._queue
-        if client is not self._client or queue is None or self._reader is None or self._reader.done():
-            queue = self._open(client, rpc)
-        future = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(lease_id, collections.deque()).append(future)
-        queue.put_nowait(rpc.LeaseKeepAliveRequest(ID=lease_id))
-        return await future
-
-    def _open(self, client, rpc) -> asyncio.Queue:
-        """A new keep-alive stream on ``client``; returns the queue its requests go into."""
-        self.close(StoreError("etcd connection replaced"))
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (request := await queue.get()) is not None:
-                yield request
-
-        call = client.leasestub.LeaseKeepAlive(requests())
-        self._client, self._queue = client, queue
-        self._reader = asyncio.ensure_future(self._read(call, queue))
-        return queue
-
-    async def _read(self, call, queue: asyncio.Queue) -> None:
-        try:
-            async for reply in call:
-                lease_id = int(reply.ID)
-                waiters = self._waiters.get(lease_id)
-                while waiters:
-                    future = waiters.popleft()
-                    if not future.done():  # a renewal that timed out was cancelled
-                        future.set_result(max(int(reply.TTL), 0))
-                        break
-                if waiters is not None and not waiters:
-                    del self._waiters[lease_id]
-            error: BaseException = StoreError("etcd ended the lease keep-alive stream")
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
-            error = exc
-        finally:
-            call.cancel()
-        if self._queue is queue:
-            self.close(error)
-
-    def close(self, error: BaseException) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
-        waiters, self._waiters = self._waiters, {}
-        for pending in waiters.values():
-            for future in pending:
-                if not future.done():
-                    future.set_exception(error)
-        self._client = self._queue = None

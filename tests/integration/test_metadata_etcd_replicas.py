@@ -36,9 +36,13 @@ def record(name: str, **labels: str) -> AgentRecord:
 
 
 @contextlib.asynccontextmanager
-async def replicas(server, count: int = 2, **kwargs):
+async def replicas(server, count: int = 2, slow_mirror_s: float = 0.0, **kwargs):
+    """``count`` started stores on one prefix; the last one's mirror sees every
+    change ``slow_mirror_s`` late."""
     prefix = f"/kvx-replicas/{next(_prefixes)}/"
     stores = [EtcdStore(server.url, prefix=prefix, timeout_s=3.0, **kwargs) for _ in range(count)]
+    if slow_mirror_s:
+        _slow_watch(stores[-1], slow_mirror_s)
     try:
         for store in stores:
             await store.start()
@@ -79,10 +83,11 @@ def _slow_watch(store: EtcdStore, delay_s: float):
 
 def test_mirror_answers_gets_and_follows_other_replicas(etcd_server):
     async def body():
-        async with replicas(etcd_server) as (a, b):
+        async with replicas(etcd_server, slow_mirror_s=0.5) as (a, b):
             lease = await a.grant_lease(30)
             rev = await a.put_if(record("n1", v="1"), lease, 0)
-            # Not in b's mirror yet maybe: a miss is confirmed with etcd, never reported.
+            # Not in b's mirror yet (it lags): a miss is confirmed with etcd, never reported.
+            assert "n1" not in b._mirror
             got = await b.get("n1")
             assert got is not None and got.revision == rev
             await until(lambda: "n1" in b._mirror, 5, "b's mirror to see n1")
