@@ -539,6 +539,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-ttl-s", type=_positive, default=10, help="lease TTL when an agent asks none (default: 10)"
     )
     meta.add_argument(
+        "--etcd-lease-backstop-s",
+        type=_positive,
+        default=60,
+        help="with an etcd store: the etcd lease behind each agent lease lives this long unless "
+        "renewed (at least the agent's TTL); the service enforces the agent's TTL itself and renews "
+        "the etcd lease every third of this. An agent that died with its replica lingers up to it "
+        "(default: 60)",
+    )
+    meta.add_argument(
         "--max-agents",
         type=_positive,
         default=10_000,
@@ -699,7 +708,7 @@ def _run_metadata(args: argparse.Namespace) -> int:
     elif args.store.startswith("etcd://"):
         from kvx.metadata.etcd import EtcdStore
 
-        store = EtcdStore(args.store)
+        store = EtcdStore(args.store, backstop_s=args.etcd_lease_backstop_s)
     else:
         raise KvxError(f"--store must be 'memory' or etcd://host:port[,...], not {args.store!r}")
     if bool(args.tls_cert) != bool(args.tls_key):

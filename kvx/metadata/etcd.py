@@ -1,14 +1,16 @@
 """``EtcdStore``: the metadata ``Store`` on etcd (v3 API, through ``aetcd``).
 
 Several metadata-service replicas pointed at one etcd cluster share its state;
-none holds state of its own. How the store maps onto etcd:
+each keeps only a read mirror of it and the kvx deadlines of the leases renewed
+at it (both rebuilt by themselves after a restart). How the store maps onto etcd:
 
-* a lease is an etcd lease: LeaseGrant with a random 62-bit id of ours (etcd's
-  own ids count up and can be guessed; a lease id is the registrant's proof of
-  holding its name; etcd raises a ttl below its minimum, about 2 s), one
-  LeaseKeepAlive round trip per ``keep_alive`` (the granted ttl, 0 when the
-  lease is gone), LeaseTimeToLive for ``lease_ttl``, LeaseRevoke (deletes
-  the lease's keys);
+* a kvx lease is an etcd lease with a long ttl, the backstop
+  (``max(ttl, backstop_s)``, 60 s by default): LeaseGrant with a random id of
+  ours (etcd's own ids count up and can be guessed; a lease id is the
+  registrant's proof of holding its name); 52 of its bits are random, bits 1-9
+  carry the kvx ttl, so that any replica knows which ttl to enforce. The kvx
+  ttl is enforced by the replica the agent renews at (see "Leases" below);
+  LeaseRevoke deletes the lease's keys;
 * a record is the key ``prefix + name``, valued the serialized ``AgentRecord``
   and attached to its lease. A returned record's ``revision`` is the key's
   ``mod_revision``, its ``lease_id`` the key's lease;
@@ -16,7 +18,8 @@ none holds state of its own. How the store maps onto etcd:
   ``mod_revision`` with ``expect_revision`` (etcd compares an absent key as 0,
   so 0 means "absent"); ``put_if`` returns the transaction's revision;
 * ``list_page`` is one range over the prefix from the key after ``after``,
-  sorted by key, ``limit`` keys; ``count`` a count-only range. ``watch``
+  sorted by key, ``limit`` keys; ``count`` a count-only range (while the mirror
+  cannot answer it). ``watch``
   ranges the prefix a page at a time, every page at the revision R of the
   first (one snapshot, never one copy of the whole prefix), yields their PUTs
   and SYNCED(R), then the changes of a watch of the prefix from R + 1 with
@@ -30,10 +33,53 @@ Every call is bounded by ``timeout_s``. An unreachable etcd raises
 trying the endpoints in order, so callers just retry. ``start()`` raises
 ``StoreError`` when no endpoint answers; ``ready()`` never raises.
 
+Reads come from a replica-local mirror: a watch of the prefix (the same as
+``watch``: a paged snapshot, then the changes from its revision) keeps every
+record in memory, and ``get`` and ``count`` answer from it once it is synced.
+A name the mirror lacks is read from etcd before ``None`` is answered (it may
+have been registered at another replica a moment ago), and so is a name this
+instance wrote (``put_if``, ``delete_if``, ``revoke_lease``) until the
+mirror has seen that write: a get right after our own write sees it. Another
+replica's change reaches the mirror within the watch's delay (milliseconds).
+While the mirror is not synced (starting, etcd unreachable, the watch cut
+off, after which it loads again) every read goes to etcd, as do
+``list_page`` and ``watch``.
+
+Leases. Every replica keeps, for each lease renewed at it, the kvx deadline
+(last renewal + kvx ttl) and when etcd last heard of it. A renewal is
+answered from memory; it is forwarded to etcd (LeaseKeepAlive, over one
+long-lived stream) only when this replica's last forward of that lease is a
+third of its etcd ttl old, when the replica does not track the lease yet (the
+forward also tells whether it exists: 0 if not), after a gap of more than half
+the kvx ttl since its last renewal here, and for ``TAKEOVER_S`` after taking a
+lease over. ``keep_alive_many`` costs one round trip per lease so forwarded and
+none for the rest: at 100,000 agents renewing every ttl/3, etcd hears about
+one renewal per lease per backstop/3 instead of every one. When a tracked
+lease's kvx deadline passes unrenewed here (plus ``EXPIRY_GRACE_S``), the
+replica asks etcd (LeaseTimeToLive): if the lease's remaining etcd ttl is more
+than it can be had nobody forwarded a renewal since our last one, the agent
+renews at another replica now, and this replica stops tracking it; otherwise
+it revokes the lease (its records go, as before). ``lease_ttl`` answers the kvx
+remaining time for a tracked lease (at least 1 s past its deadline, until the
+check decides) and etcd's remaining time for others: up to the backstop,
+since only the replica renewing it knows its kvx deadline. What this changes:
+
+* an agent that dies with the replica it renewed at lingers until its etcd
+  lease runs out, up to the backstop, not its kvx ttl (no replica tracks it);
+* an agent that moves to another replica keeps its lease and records;
+* a restarted agent asking a replica that does not track its old lease waits
+  up to etcd's remaining time (the backstop at most) for its name, not its ttl;
+* while etcd is unreachable renewals fail as before (the mirror is not
+  synced then, and every renewal is forwarded);
+* with the shortest ttls (2 s) a move in the first second after the old
+  replica's last forward can look like a death: the lease is revoked, the
+  agent registers again (its renewal answers 0).
+
 ``expired_leases`` counts the distinct revisions (one per expired lease) of
-the DELETE events this instance's watches see that its own ``delete_if`` or
-``revoke_lease`` did not make. Approximate: another replica's deletes count
-too, and an expiry seen while one of our deletes is in flight does not.
+the DELETE events this instance's watches (the mirror's included) see that its
+own ``delete_if`` or ``revoke_lease`` did not make, and the leases this replica
+revoked as expired. Approximate: another replica's deletes count too, and an
+expiry seen while one of our deletes is in flight does not.
 """
 
 from __future__ import annotations
@@ -41,14 +87,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
 from kvx._net import parse_address
 from kvx.errors import ConfigError
+from kvx.metadata._etcd_leases import Renewals, TrackedLease
 from kvx.metadata.store import (
     PAGE_RECORDS,
     WATCH_QUEUE_MAX,
@@ -64,6 +113,29 @@ logger = logging.getLogger(__name__)
 
 # A watch without events checks this often that etcd still answers.
 WATCH_IDLE_CHECK_S = 10.0
+# The etcd lease behind a kvx lease lives at least this long unless renewed
+# (``EtcdStore(backstop_s=...)``, ``kvx metadata --etcd-lease-backstop-s``).
+BACKSTOP_S = 60
+# A replica that starts tracking a lease renewed elsewhere before (a takeover)
+# forwards every renewal of it for this long, so that the replica that tracked
+# it before sees, through the etcd lease's remaining ttl, that it moved.
+TAKEOVER_S = 2.0
+# A tracked lease is checked this long after its kvx deadline passed unrenewed.
+EXPIRY_GRACE_S = 1.0
+EXPIRY_TICK_S = 0.25
+# LeaseTimeToLive checks of expired-looking leases in flight at once.
+EXPIRY_CHECKS_MAX = 256
+# Leases one replica tracks; past it, renewals of other leases are forwarded
+# one by one (as without tracking) and their kvx ttl is not enforced here.
+LEASES_TRACKED_MAX = 1 << 20
+# The mirror's watch queue (etcd responses); a mirror that far behind reloads.
+MIRROR_QUEUE_RESPONSES = 10_000
+# Names written here whose change the mirror has not seen yet; past it the
+# mirror reloads (reads go to etcd meanwhile).
+PENDING_WRITES_MAX = 65_536
+# The kvx ttl rides in bits 1-9 of the lease ids we grant (see grant_lease).
+_TTL_BITS = 9
+_TTL_MASK = (1 << _TTL_BITS) - 1
 # gRPC codes after which the connection is dropped and the next call reconnects.
 _TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL", "ABORTED"}
 # What a stream's read() returns at its end. grpc-stubs does not declare it (grpcio has it since 1.32).
@@ -97,6 +169,7 @@ class EtcdStore(Store):
         *,
         prefix: str = "/kvx/agents/",
         timeout_s: float = 5.0,
+        backstop_s: int = BACKSTOP_S,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = parse_etcd_url(endpoints)
@@ -107,6 +180,8 @@ class EtcdStore(Store):
             raise ConfigError("the etcd key prefix must not be empty")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be positive, not {timeout_s!r}")
+        if not (isinstance(backstop_s, int) and 2 <= backstop_s <= 86_400):
+            raise ConfigError(f"the etcd lease backstop must be 2..86400 s, not {backstop_s!r}")
         self._prefix = prefix.encode()
         self._range_end = _prefix_end(self._prefix)
         self._timeout_s = float(timeout_s)
@@ -117,14 +192,30 @@ class EtcdStore(Store):
         }
         self._aetcd: Any = None  # the module, imported by start() (it is optional: kvx[etcd])
         self._client = None
+        self._dropped_for = "etcd failed"  # why the last connection was dropped
         self._connect_lock = asyncio.Lock()
         self._watches: set[asyncio.Queue] = set()
         self._closing: set[asyncio.Future] = set()
-        self._renewals = _Renewals()
+        self._renewals = Renewals()
         self._own_deletes: collections.deque[int] = collections.deque(maxlen=4096)
         self._deleting = 0  # our delete_if/revoke_lease calls in flight
         self._counted: collections.deque[int] = collections.deque(maxlen=4096)
         self.expired_leases = 0  # approximate, see the module docstring
+        self._backstop_s = int(backstop_s)
+        self._tasks: list[asyncio.Task] = []
+        # Leases renewed here: their kvx deadlines, and when etcd last heard of them.
+        self._leases: dict[int, TrackedLease] = {}
+        self._due: dict[int, set[int]] = {}  # second (monotonic) -> leases to check then
+        self._next_due = 0
+        self.renewals = 0  # kvx renewals asked of this store
+        self.forwarded_keep_alives = 0  # etcd LeaseKeepAlives they cost
+        # The read mirror: every record under the prefix, fed by a watch.
+        self._mirror: dict[str, AgentRecord] = {}
+        self._mirror_synced = False
+        self._mirror_revision = 0
+        self._pending: dict[str, int] = {}  # name -> revision of our write the mirror lacks
+        self._lease_names: dict[int, set[str]] = {}  # the mirror's records by lease
+        self.etcd_reads = 0  # gets the mirror could not answer
 
     async def start(self) -> None:
         try:
@@ -132,9 +223,23 @@ class EtcdStore(Store):
         except ImportError as e:
             raise ConfigError("the etcd metadata store needs aetcd: pip install kvx[etcd]") from e
         self._aetcd = aetcd
+        if not self._tasks:  # started again after a failed start: the tasks run already
+            self._next_due = int(time.monotonic())
+            self._tasks = [
+                asyncio.create_task(self._mirror_loop(), name="kvx-etcd-mirror"),
+                asyncio.create_task(self._expiry_loop(), name="kvx-etcd-lease-expiry"),
+            ]
         await self._call("connect", lambda client, rpc: asyncio.sleep(0))
 
     async def close(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for _ in range(50):  # cancel again: asyncio.wait_for (3.11) can swallow a cancellation
+            for task in tasks:
+                task.cancel()
+            _, pending = await asyncio.wait(tasks, timeout=0.1) if tasks else (None, ())
+            if not pending:
+                break
+            tasks = list(pending)
         self._renewals.close(StoreError("the metadata store is closing"))
         for queue in list(self._watches):
             _cut_off(queue, StoreError("the metadata store is closing"))
@@ -154,13 +259,17 @@ class EtcdStore(Store):
             return False
 
     async def grant_lease(self, ttl_s: int) -> int:
-        for _ in range(4):  # a clash of two random 62-bit ids is all but impossible; bounded anyway
-            lease_id = secrets.randbits(62) | 1
+        etcd_ttl_s = max(int(ttl_s), self._backstop_s)
+        for _ in range(4):  # a clash of two random 52-bit ids is all but impossible; bounded anyway
+            # The kvx ttl rides in the id (0: too long to fit), so that a replica the
+            # agent moves to knows which ttl to enforce; 52 random bits stay secret.
+            lease_id = secrets.randbits(62 - _TTL_BITS - 1) << (_TTL_BITS + 1)
+            lease_id |= (ttl_s if 0 < ttl_s <= _TTL_MASK else 0) << 1 | 1
             try:
                 response = await self._call(
                     "lease grant",
                     lambda c, rpc, i=lease_id: c.leasestub.LeaseGrant(
-                        rpc.LeaseGrantRequest(TTL=int(ttl_s), ID=i)
+                        rpc.LeaseGrantRequest(TTL=etcd_ttl_s, ID=i)
                     ),
                 )
             except StoreError as e:
@@ -168,11 +277,18 @@ class EtcdStore(Store):
                     continue
                 raise
             if response.error:
-                raise StoreError(f"etcd refused a lease of {ttl_s} s: {response.error}")
+                raise StoreError(f"etcd refused a lease of {etcd_ttl_s} s: {response.error}")
+            now = time.monotonic()
+            self._track(response.ID, int(ttl_s), int(response.TTL), now, takeover=False)
             return response.ID
         raise StoreError("etcd refused four random lease ids as taken")
 
     async def lease_ttl(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        if lease is not None:  # its kvx deadline; past it, at least 1 s until the check decides
+            return max(1, math.ceil(lease.deadline - time.monotonic()))
+        # Untracked here: renewed at another replica, or at none. Only etcd's remaining
+        # time bounds it (up to the backstop): the replica renewing it knows better.
         try:
             response = await self._call(
                 "lease ttl",
@@ -185,12 +301,41 @@ class EtcdStore(Store):
         return max(0, int(response.TTL))  # -1: gone
 
     async def keep_alive(self, lease_id: int) -> int:
-        # One long-lived LeaseKeepAlive stream per connection carries every
-        # renewal (a stream per renewal cost the service most of its CPU at
-        # 2,000 renewals per second); replies are matched by lease id.
-        return await self._call("lease keep-alive", lambda c, rpc: self._renewals.renew(c, rpc, lease_id))
+        return (await self.keep_alive_many([lease_id]))[0]
+
+    async def keep_alive_many(self, lease_ids: Sequence[int]) -> list[int]:
+        # A tracked lease is renewed here, in memory; etcd hears of it every third of
+        # its etcd ttl. The rest is forwarded: one LeaseKeepAlive per distinct lease,
+        # all over the one keep-alive stream (a stream per renewal cost the service
+        # most of its CPU at 2,000 renewals per second), replies matched by lease id.
+        now = time.monotonic()
+        self.renewals += len(lease_ids)
+        ttls = [0] * len(lease_ids)
+        forward: dict[int, list[int]] = {}  # lease -> its places in lease_ids
+        healthy = self._healthy()
+        for i, lease_id in enumerate(lease_ids):
+            lease = self._leases.get(lease_id)
+            if lease is None or not healthy or lease.must_forward(now, TAKEOVER_S):
+                forward.setdefault(lease_id, []).append(i)
+            else:
+                self._renewed(lease, now)
+                ttls[i] = lease.ttl_s
+        if forward:
+            ids = list(forward)
+            self.forwarded_keep_alives += len(ids)
+            replies = await self._call(
+                "lease keep-alive",
+                lambda c, rpc: asyncio.gather(*(self._renewals.renew(c, rpc, i) for i in ids)),
+            )
+            replied = time.monotonic()
+            for lease_id, etcd_ttl_s in zip(ids, replies, strict=True):
+                ttl = self._forwarded(lease_id, etcd_ttl_s, now, replied)
+                for i in forward[lease_id]:
+                    ttls[i] = ttl
+        return ttls
 
     async def revoke_lease(self, lease_id: int) -> None:
+        self._untrack(lease_id)
         self._deleting += 1
         try:
             response = await self._call(
@@ -203,13 +348,24 @@ class EtcdStore(Store):
         finally:
             self._deleting -= 1
         self._own_deletes.append(response.header.revision)
+        for name in list(self._lease_names.get(lease_id, ())):
+            self._wrote(name, response.header.revision)
 
     async def get(self, name: str) -> AgentRecord | None:
+        if self._mirror_serves(name):
+            record = self._mirror.get(name)
+            if record is not None:
+                return _copy(record)
+            # Missing: maybe registered at another replica a moment ago, its event not
+            # here yet. etcd decides, so that a live name is never reported missing.
+        self.etcd_reads += 1
         key = self._key(name)
         response = await self._call("get", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(key=key)))
         return self._decode(response.kvs[0]) if response.kvs else None
 
     async def count(self) -> int:
+        if self._healthy() and not self._pending:  # the mirror has every write of ours
+            return len(self._mirror)
         response = await self._call(
             "count", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
                 key=self._prefix, range_end=self._range_end, count_only=True))
@@ -237,7 +393,10 @@ class EtcdStore(Store):
             if _code(e.__cause__) == "NOT_FOUND":
                 raise StoreError(f"lease {lease_id:#x} does not exist (expired?)") from e.__cause__
             raise
-        return response.header.revision if response.succeeded else None
+        if not response.succeeded:
+            return None
+        self._wrote(record.name, response.header.revision)
+        return response.header.revision
 
     async def delete_if(self, name: str, expect_revision: int) -> bool:
         if expect_revision <= 0:
@@ -253,6 +412,7 @@ class EtcdStore(Store):
         if not response.succeeded or not response.responses[0].response_delete_range.deleted:
             return False
         self._own_deletes.append(response.header.revision)
+        self._wrote(name, response.header.revision)
         return True
 
     async def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
@@ -289,6 +449,203 @@ class EtcdStore(Store):
             if call is not None:
                 call.cancel()
 
+    # The read mirror.
+
+    @property
+    def mirror_synced(self) -> bool:
+        """True while gets are answered from the watch-fed mirror."""
+        return self._healthy()
+
+    def _healthy(self) -> bool:
+        """Connected, and the mirror's watch is live: what this replica knows is current."""
+        return self._client is not None and self._mirror_synced
+
+    def _mirror_serves(self, name: str) -> bool:
+        return self._mirror_synced and self._client is not None and name not in self._pending
+
+    def _wrote(self, name: str, revision: int) -> None:
+        """Our own write of ``name`` at ``revision``: until the mirror has seen it, reads
+        of that name go to etcd (a get right after our put_if/delete_if must see it)."""
+        if revision <= self._mirror_revision and self._mirror_synced:
+            return
+        if len(self._pending) >= PENDING_WRITES_MAX:  # the mirror does not keep up: reload it
+            self._mirror_synced = False
+            self._pending.clear()
+            return
+        self._pending[name] = max(revision, self._pending.get(name, 0))
+
+    async def _mirror_loop(self) -> None:
+        backoff_s = 0.2
+        while True:
+            loaded: dict[str, AgentRecord] = {}
+            events: Any = self.watch(MIRROR_QUEUE_RESPONSES)  # an async generator: aclose() below
+            try:
+                async for event in events:
+                    if event.type is EventType.SYNCED:
+                        self._mirror, loaded = loaded, {}
+                        self._lease_names = {}
+                        for name, record in self._mirror.items():
+                            self._lease_names.setdefault(record.lease_id, set()).add(name)
+                        self._mirror_revision = event.revision
+                        self._pending = {n: r for n, r in self._pending.items() if r > event.revision}
+                        self._mirror_synced = True
+                        backoff_s = 0.2
+                        logger.info("etcd read mirror synced: %d records", len(self._mirror))
+                    elif not self._mirror_synced and self._mirror_revision:
+                        raise StoreError("too many of our writes were not seen yet: reloading")
+                    elif self._mirror_synced:
+                        self._apply(event)
+                    elif event.record is not None:  # the snapshot, a page at a time
+                        loaded[event.record.name] = event.record
+            except StoreError as e:  # etcd went away, or the mirror fell behind: load again
+                logger.info("etcd read mirror stopped (%s); reads go to etcd until it is back", e)
+            except Exception:  # noqa: BLE001 - a bug here must not end the mirror for good
+                logger.exception("etcd read mirror failed; loading it again")
+            finally:
+                await events.aclose()
+                self._mirror_synced = False
+                self._mirror, self._mirror_revision, self._lease_names = {}, 0, {}
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, 2.0)
+
+    def _apply(self, event: Event) -> None:
+        record = event.record
+        assert record is not None  # PUT or DELETE
+        old = self._mirror.pop(record.name, None)
+        if old is not None:
+            names = self._lease_names.get(old.lease_id)
+            if names is not None:
+                names.discard(record.name)
+                if not names:
+                    del self._lease_names[old.lease_id]
+        if event.type is EventType.PUT:
+            self._mirror[record.name] = record
+            self._lease_names.setdefault(record.lease_id, set()).add(record.name)
+            gone = old.lease_id if old is not None and old.lease_id != record.lease_id else 0
+        else:
+            gone = record.lease_id
+        if gone:  # the lease's record went (unregistered, evicted, replaced): ask etcd at its next renewal
+            self._untrack(gone)
+        self._mirror_revision = max(self._mirror_revision, event.revision)
+        if self._pending.get(record.name, math.inf) <= event.revision:
+            del self._pending[record.name]
+
+    # Leases tracked at this replica.
+
+    def _track(self, lease_id: int, ttl_s: int, etcd_ttl_s: int, now: float, *, takeover: bool):
+        if lease_id not in self._leases and len(self._leases) >= LEASES_TRACKED_MAX:
+            return None
+        lease = TrackedLease(lease_id, ttl_s, etcd_ttl_s, now)
+        lease.takeover_until = now + TAKEOVER_S if takeover else 0.0
+        self._untrack(lease_id)
+        self._leases[lease_id] = lease
+        self._renewed(lease, now)
+        return lease
+
+    def _renewed(self, lease: TrackedLease, now: float) -> None:
+        lease.renewed = now
+        lease.deadline = now + lease.ttl_s
+        self._schedule(lease, math.ceil(lease.deadline + EXPIRY_GRACE_S))
+
+    def _schedule(self, lease: TrackedLease, due: int) -> None:
+        if due == lease.due:
+            return
+        self._unschedule(lease)
+        self._due.setdefault(due, set()).add(lease.lease_id)
+        lease.due = due
+
+    def _unschedule(self, lease: TrackedLease) -> None:
+        bucket = self._due.get(lease.due)
+        if bucket is not None:
+            bucket.discard(lease.lease_id)
+            if not bucket:
+                del self._due[lease.due]
+        lease.due = 0
+
+    def _untrack(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._unschedule(lease)
+
+    def _forwarded(self, lease_id: int, etcd_ttl_s: int, sent: float, replied: float) -> int:
+        """etcd answered a forwarded renewal with ``etcd_ttl_s``: the kvx ttl to answer."""
+        if etcd_ttl_s <= 0:
+            self._untrack(lease_id)
+            return 0
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            lease = self._track(
+                lease_id, self._kvx_ttl(lease_id, etcd_ttl_s), etcd_ttl_s, sent, takeover=True
+            )
+            if lease is None:
+                return self._kvx_ttl(lease_id, etcd_ttl_s)
+        lease.etcd_ttl_s = etcd_ttl_s
+        lease.forwarded = replied  # etcd reset the lease before this: the expiry check relies on it
+        self._renewed(lease, sent)
+        return lease.ttl_s
+
+    def _kvx_ttl(self, lease_id: int, etcd_ttl_s: int) -> int:
+        ttl_s = (lease_id >> 1) & _TTL_MASK
+        # The id of a lease granted with a shorter backstop, or by an older kvx (whose
+        # etcd ttl was the kvx ttl), may carry no ttl: the etcd ttl bounds it then.
+        if 0 < ttl_s <= etcd_ttl_s and etcd_ttl_s >= self._backstop_s:
+            return ttl_s
+        return etcd_ttl_s
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_TICK_S)
+            now = time.monotonic()
+            due: list[int] = []
+            while self._next_due <= now:
+                due.extend(self._due.pop(self._next_due, ()))
+                self._next_due += 1
+            for start in range(0, len(due), EXPIRY_CHECKS_MAX):
+                await asyncio.gather(*(self._check(i) for i in due[start : start + EXPIRY_CHECKS_MAX]))
+
+    async def _check(self, lease_id: int) -> None:
+        """A tracked lease's kvx deadline passed unrenewed here: did it move to another
+        replica (then stop tracking it) or is its agent gone (then revoke it)?"""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        lease.due = 0  # its bucket was taken
+        sent = time.monotonic()
+        if sent < lease.deadline + EXPIRY_GRACE_S:
+            self._renewed(lease, lease.renewed)  # not due after all: schedule it again
+            return
+        try:
+            response = await self._call(
+                "lease ttl",
+                lambda c, rpc: c.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id)),
+            )
+            remaining_s, granted_s = int(response.TTL), int(response.grantedTTL)
+        except StoreError as e:
+            if _code(e.__cause__) != "NOT_FOUND":
+                if self._leases.get(lease_id) is lease and not lease.due:
+                    self._schedule(lease, math.ceil(time.monotonic()) + 1)  # etcd is away: ask again
+                return
+            remaining_s = granted_s = -1
+        if self._leases.get(lease_id) is not lease or lease.deadline + EXPIRY_GRACE_S > time.monotonic():
+            return  # renewed here meanwhile
+        self._untrack(lease_id)
+        if remaining_s <= 0:
+            return  # gone already
+        # Nobody else renewed it since our last forward: etcd's remaining time is at
+        # most this (truncated, and etcd reset it before our forward's reply came).
+        if remaining_s > granted_s - (sent - lease.forwarded):
+            logger.debug("lease %#x is renewed at another replica now", lease_id)
+            return
+        logger.info("lease %#x expired", lease_id)
+        self.expired_leases += 1  # before its records' DELETE events reach any watcher
+        try:
+            await self.revoke_lease(lease_id)
+        except StoreError as e:
+            logger.warning("could not revoke expired lease %#x (%s); asking again", lease_id, e)
+            self.expired_leases -= 1
+            self._leases.setdefault(lease_id, lease)
+            self._schedule(lease, math.ceil(time.monotonic()) + 1)
+
     # Internals.
 
     async def _call(self, what: str, fn):
@@ -309,8 +666,15 @@ class EtcdStore(Store):
             message = f"etcd {what} failed: {_details(error)}"
             if _code(error) not in _TRANSIENT:
                 raise StoreError(message) from error
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # we are cancelled (or timed out: the timeout above turns that into TimeoutError)
+            # The call was cancelled under us: another call dropped this connection.
+            raise StoreError(f"{self._dropped_for} (the etcd connection was dropped during {what})") from e
         if client is not None and client is self._client:
             self._client = None  # the next call connects again, maybe to another endpoint
+            self._dropped_for = message
             task = asyncio.ensure_future(_close_quietly(client))  # this ends its watches
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -465,64 +829,7 @@ async def _close_quietly(client) -> None:
         logger.debug("closing an etcd client failed", exc_info=True)
 
 
-class _Renewals:
-    """Lease renewals multiplexed over one LeaseKeepAlive stream per client."""
-
-    def __init__(self) -> None:
-        self._client = None
-        self._queue: asyncio.Queue | None = None
-        self._waiters: dict[int, collections.deque] = {}
-        self._reader: asyncio.Task | None = None
-
-    async def renew(self, client, rpc, lease_id: int) -> int:
-        queue = self._queue
-        if client is not self._client or queue is None or self._reader is None or self._reader.done():
-            queue = self._open(client, rpc)
-        future = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(lease_id, collections.deque()).append(future)
-        queue.put_nowait(rpc.LeaseKeepAliveRequest(ID=lease_id))
-        return await future
-
-    def _open(self, client, rpc) -> asyncio.Queue:
-        """A new keep-alive stream on ``client``; returns the queue its requests go into."""
-        self.close(StoreError("etcd connection replaced"))
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (request := await queue.get()) is not None:
-                yield request
-
-        call = client.leasestub.LeaseKeepAlive(requests())
-        self._client, self._queue = client, queue
-        self._reader = asyncio.ensure_future(self._read(call, queue))
-        return queue
-
-    async def _read(self, call, queue: asyncio.Queue) -> None:
-        try:
-            async for reply in call:
-                lease_id = int(reply.ID)
-                waiters = self._waiters.get(lease_id)
-                while waiters:
-                    future = waiters.popleft()
-                    if not future.done():  # a renewal that timed out was cancelled
-                        future.set_result(max(int(reply.TTL), 0))
-                        break
-                if waiters is not None and not waiters:
-                    del self._waiters[lease_id]
-            error: BaseException = StoreError("etcd ended the lease keep-alive stream")
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
-            error = exc
-        finally:
-            call.cancel()
-        if self._queue is queue:
-            self.close(error)
-
-    def close(self, error: BaseException) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
-        waiters, self._waiters = self._waiters, {}
-        for pending in waiters.values():
-            for future in pending:
-                if not future.done():
-                    future.set_exception(error)
-        self._client = self._queue = None
+def _copy(record: AgentRecord) -> AgentRecord:
+    out = AgentRecord()
+    out.CopyFrom(record)
+    return out
