@@ -51,6 +51,10 @@ Modes:
           delivery latency p50/p99/max, events delivered, service CPU per
           event sent.
 
+host_busy_cores is the whole machine's busy CPU over the window (the service,
+the load generators and anything else running): where it nears the core
+count, latencies measure the machine's contention as much as the service.
+
 --store memory (default), etcd (a local /usr/bin/etcd in a temporary
 directory on free ports, stopped after; its CPU and RSS reported) or
 etcd://host:port (a running one). With --profile, py-spy samples replica 0
@@ -196,6 +200,7 @@ class _Agents:
         self.tasks: set[asyncio.Task] = set()
         self.calls: dict[int, Any] = {}
         self.fifo: dict[int, deque] = {}
+        self.outbox: dict[int, asyncio.Queue] = {}
 
     def _replica(self, group: int) -> int:
         # Groups go to streams in turn, streams to replicas in turn: a host talks to one replica.
@@ -235,7 +240,8 @@ class _Agents:
         self.stopping = True
         for call in self.calls.values():
             call.cancel()
-        await asyncio.wait(tasks, timeout=10)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
         self.out.put(
             (
                 "done",
@@ -317,11 +323,13 @@ class _Agents:
         else:
             data = self.group_bytes[group]
         self.fifo[s].append((members, leases))
-        self._spawn(self._write(call, data))
+        self.outbox[s].put_nowait(data)
 
-    async def _write(self, call: Any, data: bytes) -> None:
+    async def _writer(self, call: Any, outbox: asyncio.Queue) -> None:
+        """One write at a time on a stream (gRPC allows no concurrent writes)."""
         with contextlib.suppress(self.grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            await call.write(data)
+            while True:
+                await call.write(await outbox.get())
 
     async def _stream(self, s: int) -> None:
         grpc = self.grpc
@@ -329,13 +337,18 @@ class _Agents:
         while not self.stopping:
             call = self.keepalive_m[self._replica(s)](timeout=None)
             self.fifo[s] = deque()
+            self.outbox[s] = asyncio.Queue()
             self.calls[s] = call
+            writer = asyncio.ensure_future(self._writer(call, self.outbox[s]))
             try:
                 while True:
                     raw = await call.read()
                     if raw is grpc.aio.EOF:
                         break
                     attempt = 0
+                    if not self.fifo[s]:  # an answer to no request: count it, do not guess
+                        self.errors["keepalive_unasked"] = self.errors.get("keepalive_unasked", 0) + 1
+                        continue
                     members, leases = self.fifo[s].popleft()
                     reply = self.pb.KeepAliveResponse.FromString(raw)
                     self.c["messages"] += 1
@@ -354,6 +367,7 @@ class _Agents:
                     self.errors.get("keepalive_" + exc.code().name, 0) + 1
                 )
             self.calls.pop(s, None)
+            writer.cancel()
             if self.stopping:
                 break
             # The stream broke: its agents register again, as a client's Registration does.
@@ -532,6 +546,13 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _host_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (every process, ours and others')."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -852,8 +873,9 @@ def main() -> int:
         pids = [r.proc.pid for r in replicas]
         cpu0 = [_cpu_s(pid) for pid in pids]
         etcd_cpu0 = _cpu_s(etcd.proc.pid) if etcd else 0.0
-        w0 = time.monotonic()
+        w0, host0 = time.monotonic(), _host_busy_s()
         ctl["go"].set()
+        w0_host = w0
         spy = _profile(pids[0], args.duration_s - 1) if args.profile else None
         if args.mode == "storm":
             time.sleep(2.0)
@@ -891,6 +913,8 @@ def main() -> int:
         cpu1 = [_cpu_s(pid) for pid in (r.proc.pid for r in replicas)]
         etcd_cpu1 = _cpu_s(etcd.proc.pid) if etcd else 0.0
         window = w1 - w0
+        result["host_busy_cores"] = round((_host_busy_s() - host0) / (w1 - w0_host), 2)
+        result["host_loadavg_1m"] = round(os.getloadavg()[0], 2)
         looks = _collect(out_l, "done", n_look, 120)
         if args.mode == "watch":
             time.sleep(2.0)  # the last changes' deliveries
