@@ -51,6 +51,13 @@ Modes:
           delivery latency p50/p99/max, events delivered, service CPU per
           event sent.
 
+A service that does not renew KeepAliveRequest.lease_ids answers them ttl 0:
+every batched lease then counts as lost and registers again; measure such a
+service with --agents-per-process 1 (one lease a message). One that ignores
+WatchAgentsRequest.names sends every watcher every record and change (the
+snapshot alone is --watchers x --agents events): watch_events_received
+against watch_events_delivered shows it.
+
 host_busy_cores is the whole machine's busy CPU over the window (the service,
 the load generators and anything else running): where it nears the core
 count, latencies measure the machine's contention as much as the service.
@@ -215,24 +222,32 @@ class _Agents:
         self.keepalive_m = [c.stream_stream(SERVICE + "KeepAlive") for c in self.chans]
         self.sem = asyncio.Semaphore(self.cfg["register_concurrency"])
         t0 = time.monotonic()
-        await asyncio.gather(*(self.register(a) for a in range(self.n)))
-        self.out.put(("registered", self.idx, time.monotonic() - t0, self.errors.copy()))
-        while not self.ctl["renew"].is_set():
-            await asyncio.sleep(0.05)
+
+        async def register_all() -> None:
+            await asyncio.gather(*(self.register(a) for a in range(self.n)))
+            self.out.put(("registered", self.idx, time.monotonic() - t0, self.errors.copy()))
+
+        # Each lease is renewed from its registration on (the first ones would expire
+        # before the last agents are in, at 100,000 agents), as an agent's own would be.
         window = _Window(self.ctl["go"], self.ctl["end"])
-        runners = [] if self.cfg["no_keepalive"] else [self._stream(s) for s in range(self.streams)]
+        runners = [register_all()]
+        if not self.cfg["no_keepalive"]:
+            runners += [self._stream(s) for s in range(self.streams)]
         if self.cfg["changes_per_s"]:
             runners.append(self._changes())
         tasks = [asyncio.ensure_future(r) for r in runners]
-        start = time.monotonic()
-        period = self.ttl_s / 3
-        phase = self.idx / max(1, self.cfg["agent_procs"]) * period / self.groups
+        # Every group once per ttl/3 (the ttl the service answers), this process's
+        # groups offset from the other processes' so that all are spread evenly.
+        due = -self.idx / max(1, self.cfg["agent_procs"])
+        last = time.monotonic()
         sent = 0
         while not self.ctl["stop"].is_set():
             window.poll(self.c)
             if not self.cfg["no_keepalive"]:
-                due = int((time.monotonic() - start - phase) / period * self.groups)
-                while sent < due:
+                now = time.monotonic()
+                due += (now - last) / (self.ttl_s / 3) * self.groups
+                last = now
+                while sent < int(due):
                     self._send(sent % self.groups)
                     sent += 1
             await asyncio.sleep(_TICK_S)
@@ -274,6 +289,8 @@ class _Agents:
                 try:
                     raw = await self.register_m[self._replica(a // self.g)](req, timeout=30)
                 except grpc.aio.AioRpcError as exc:
+                    if self.stopping:
+                        return False
                     self.c["register_errors"] += 1
                     self.errors[exc.code().name] = self.errors.get(exc.code().name, 0) + 1
                     wait_s = _BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)]
@@ -809,7 +826,7 @@ def main() -> int:
     replicas: list[_Replica] = []
     procs: list[Any] = _PROCS
     ctx = mp.get_context("spawn")
-    ctl = {k: ctx.Event() for k in ("renew", "go", "end", "stop")}
+    ctl = {k: ctx.Event() for k in ("go", "end", "stop")}
     out_a, out_l, out_w = ctx.Queue(), ctx.Queue(), ctx.Queue()
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -855,7 +872,6 @@ def main() -> int:
         reg = _collect(out_a, "registered", len(shares), args.storm_timeout_s + args.agents / 50)
         result["register_all_s"] = round(time.monotonic() - t0, 2)
         result["register_errors"] = _merge(e for _, e in reg.values())
-        ctl["renew"].set()
         if n_look:
             _collect(out_l, "ready", n_look, 120)
         wprocs = [
