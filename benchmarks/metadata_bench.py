@@ -479,9 +479,10 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
             await asyncio.wait(tasks, timeout=15)
         return {
             "sent": k,
+            "unanswered": k - len(lat_ms),  # still waiting 15 s after the window
             "rate_per_s": round(k / elapsed, 1),
             "cpu_cores": round(cpu / elapsed, 3),
-            "errors": errors,
+            "errors": dict(errors),
             "at": np.asarray(at_s),
             "lat_ms": np.asarray(lat_ms),
             "code": np.asarray(codes, dtype=np.int8),
@@ -1055,6 +1056,7 @@ def _lookup_figures(
         if args.no_keepalive and ok.any():
             result["service_cpu_us_per_lookup"] = round(service_cpu * window / ok.sum() * 1e6, 1)
     result["lookup_error_codes"] = _merge(r["errors"] for r in looks.values())
+    result["lookups_unanswered"] = sum(r["unanswered"] for r in looks.values())
 
 
 def _watch_figures(result: dict, watches: dict, service_cpu_s: float) -> None:
