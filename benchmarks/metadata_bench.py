@@ -35,7 +35,8 @@ load generators, each its own process, connected to every replica:
     engine_info; each watcher measures the delay to its receipt.
 
 Modes:
-  steady  register, then for --duration-s: renewals and lookups. Reports
+  steady  register (each lease renewed from its registration on), then for
+          --duration-s: renewals and lookups. Reports
           lookup p50/p99/max, rates achieved, renewals/s (leases) and
           messages/s, leases lost (ttl 0 answers, and records missing at the
           end, counted by ListAgents pages), service CPU and peak RSS
@@ -266,6 +267,7 @@ class _Agents:
                     "window": window.rates(),
                     "errors": self.errors,
                     "back_at": self.back_at,
+                    "ttl_s": self.ttl_s,
                 },
             )
         )
@@ -1001,12 +1003,14 @@ def _agent_figures(
     result: dict, args: argparse.Namespace, agents: dict, registered: int, service_cpu: float
 ) -> None:
     counters = _merge(a["counters"] for a in agents.values())
+    ttl_s = max(a["ttl_s"] for a in agents.values())
     windows = [a["window"] for a in agents.values() if a["window"]]
     renewals = sum(w.get("renewals_per_s", 0) for w in windows)
     messages = sum(w.get("messages_per_s", 0) for w in windows)
     result.update(
         {
-            "renewals_per_s_target": 0 if args.no_keepalive else round(args.agents / (10 / 3), 1),
+            "lease_ttl_s": ttl_s,
+            "renewals_per_s_target": 0 if args.no_keepalive else round(args.agents / (ttl_s / 3), 1),
             "renewals_per_s": round(renewals, 1),
             "keepalive_messages_per_s": round(messages, 1),
             "leases_lost": counters["lost"],
