@@ -202,6 +202,7 @@ class _Agents:
             "register_errors": 0,
             "changes": 0,
             "change_errors": 0,
+            "changes_skipped": 0,
         }
         self.errors: dict[str, int] = {}
         self.back_at: list[float] = []
@@ -209,6 +210,7 @@ class _Agents:
         self.calls: dict[int, Any] = {}
         self.fifo: dict[int, deque] = {}
         self.outbox: dict[int, asyncio.Queue] = {}
+        self.changing: set[int] = set()  # agents with an update in flight
 
     def _replica(self, group: int) -> int:
         # Groups go to streams in turn, streams to replicas in turn: a host talks to one replica.
@@ -408,8 +410,10 @@ class _Agents:
             await asyncio.sleep(max(0.0, start + k / rate - time.monotonic()))
             a = k % self.n
             k += 1
-            if a in self.pending:
+            if a in self.pending or a in self.changing:  # one update of an agent at a time
+                self.c["changes_skipped"] += 1
                 continue
+            self.changing.add(a)
             rec = _record(self.lo + a)
             rec.engine_info[STAMP] = str(time.time_ns())
             req = self.pb.RegisterAgentRequest(record=rec, lease_id=self.lease[a]).SerializeToString()
@@ -422,6 +426,8 @@ class _Agents:
             self.c["change_errors"] += 1
             self.errors["change_" + exc.code().name] = self.errors.get("change_" + exc.code().name, 0) + 1
             return
+        finally:
+            self.changing.discard(a)
         self.lease[a] = self.pb.RegisterAgentResponse.FromString(raw).lease_id
         self.group_bytes[a // self.g] = None
         self.c["changes"] += 1
@@ -1024,6 +1030,7 @@ def _agent_figures(
     if args.mode == "watch":
         result["changes_per_s"] = round(sum(w.get("changes_per_s", 0) for w in windows), 1)
         result["change_errors"] = counters["change_errors"]
+        result["changes_skipped"] = counters["changes_skipped"]  # the agent's last update not answered yet
     if args.renewals_only and renewals:
         result["service_cpu_us_per_renewal"] = round(service_cpu / renewals * 1e6, 1)
         result["service_cpu_us_per_message"] = round(service_cpu / messages * 1e6, 1)
