@@ -593,7 +593,11 @@ class MetadataServer:
             # that, instead of gRPC's default of one ping in 5 min without data, past which a
             # server answers an idle client's pings with GOAWAY "too_many_pings".
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+            # Their pings arrive bunched when either side is short of CPU (a loaded host, a
+            # registration storm): a 5 s pinger must not be cut off for two pings that land
+            # 4 s apart, which took every stream of that connection down with it. A client
+            # pinging more often than once a second is still cut off.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
         ]
         self._server = aio.server(options=options)
         self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
