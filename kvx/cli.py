@@ -556,8 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument(
         "--max-watch-streams",
         type=_positive,
-        default=256,
-        help="WatchAgents streams open at once; one more is refused (default: 256)",
+        default=4096,
+        help="WatchAgents streams open at once; one more is refused (default: 4096: "
+        "each agent that connects to peers by name holds one)",
     )
 
     proxy = sub.add_parser(

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -513,6 +513,10 @@ class Watcher:
     """Calls ``on_event(WatchAgentsResponse)`` for every change, from its own thread.
 
     After a reconnection the snapshot comes again (PUT events, then SYNCED).
+    With ``names``, only those agents are watched; ``watch_names`` restarts the
+    watch on another set of names (its snapshot comes again too). Before each
+    SYNCED is passed on, ``snapshot_names`` holds the names of that snapshot's
+    records: a watched name missing from it is absent from the service.
     """
 
     def __init__(
@@ -521,43 +525,80 @@ class Watcher:
         on_event: Callable[[metadata_pb2.WatchAgentsResponse], None],
         role: str | None = None,
         labels: dict[str, str] | None = None,
+        names: Iterable[str] = (),
     ) -> None:
         self.client = client
         self.on_event = on_event
-        self.request = metadata_pb2.WatchAgentsRequest(role=role_filter(role), labels=labels or {})
-        self.synced = threading.Event()
+        self.request = metadata_pb2.WatchAgentsRequest(
+            role=role_filter(role), labels=labels or {}, names=sorted(set(names))
+        )
+        self.synced = threading.Event()  # the current request's snapshot has been passed on
+        self.snapshot_names: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+        self._generation = 0  # counts watch_names calls: a stream of an older one is cut short
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends a reconnection backoff early (stop, watch_names)
         self._stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse] | None = None
         self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
         self._thread.start()
 
+    def watch_names(self, names: Iterable[str]) -> None:
+        """Watches ``names`` from now on (empty: every agent); ``synced`` is set again
+        once the new watch's snapshot has been passed on."""
+        with self._lock:
+            self._generation += 1
+            self.request = metadata_pb2.WatchAgentsRequest(
+                role=self.request.role, labels=self.request.labels, names=sorted(set(names))
+            )
+            self.synced.clear()
+            stream = self._stream
+        self._wake.set()
+        if stream is not None:
+            stream.cancel()  # the thread opens the new watch at once
+
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
-            try:
+            with self._lock:
+                generation, request = self._generation, self.request
                 stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse]
                 self._stream = stream = self.client.stub.WatchAgents(
-                    self.request, metadata=self.client.call_metadata
+                    request, metadata=self.client.call_metadata
                 )
+            present: set[str] | None = set()  # the snapshot's names, until SYNCED
+            try:
                 for event in stream:
                     attempt = 0
-                    if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED:
-                        self.synced.set()
+                    if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT and present is not None:
+                        present.add(event.record.name)
+                    synced = event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+                    if synced:
+                        self.snapshot_names = frozenset(present or ())
+                        present = None
                     try:
                         self.on_event(event)
                     except Exception:
                         logger.exception("watch callback failed")
+                    if synced:
+                        with self._lock:
+                            if generation == self._generation:
+                                self.synced.set()
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
+                if generation != self._generation:
+                    continue  # cut short by watch_names: watch again now, not after a backoff
                 if attempt == 0:
                     logger.warning("watch of the metadata service ended (%s); reconnecting", exc.code())
-            self._stop.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            self._wake.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            self._wake.clear()
             attempt += 1
 
     def stop(self) -> None:
         self._stop.set()
-        stream = self._stream
+        self._wake.set()
+        with self._lock:
+            stream = self._stream
         if stream is not None:
             stream.cancel()
         self._thread.join(5)

@@ -4,6 +4,14 @@ lookups with a cache that watch events invalidate.
 A peer that re-registers with a new epoch is never served from the old
 record: the watch marks the name stale (and the old peer is closed at once),
 and ``resolve`` asks the service again.
+
+The watch covers only the names this agent has resolved (its peers), so that
+it costs the service what the peers cost, not what the registry costs. A
+name resolved for the first time restarts the watch with the larger set of
+names before the name is looked up; a change that lands while the watch
+restarts is in the new watch's snapshot (a peer missing from it is marked
+stale too). Past ``MAX_WATCHED_NAMES`` peers the watch covers every agent:
+dropping the oldest peers instead would leave their restarts unseen.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _DELETE = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
 _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
+_SYNCED = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+# The most names one watch may name (WatchAgentsRequest.names); past it, every agent is watched.
+MAX_WATCHED_NAMES = 4096
 
 
 class Directory:
@@ -49,6 +60,7 @@ class Directory:
         self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
         self._seen_revision: dict[str, int] = {}  # name -> store revision of its newest event
         self._stale: set[str] = set()
+        self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
 
     def start(self) -> None:
@@ -73,7 +85,7 @@ class Directory:
         self.registration.update()
 
     def resolve(self, name: str, cached: Peer | None, streams: int | None) -> Peer:
-        self._ensure_watch()
+        self._ensure_watch(name)
         with self._lock:
             fresh = name not in self._stale and (
                 cached is None or self._known.get(name, cached.epoch) == cached.epoch
@@ -95,16 +107,27 @@ class Directory:
             return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
-    def _ensure_watch(self) -> None:
+    def _ensure_watch(self, name: str) -> None:
+        """Makes the watch cover ``name``, and waits for its snapshot when it had to
+        (re)start: changes after that are seen, earlier ones are in the snapshot."""
         with self._lock:
-            if self._watcher is None:
-                self._watcher = Watcher(self.client, self._on_event)
-                watcher = self._watcher
-            else:
+            if name in self._watched and self._watcher is not None:
                 return
+            self._watched.add(name)
+            names = self._watched if len(self._watched) <= MAX_WATCHED_NAMES else ()
+            watcher = self._watcher
+            if watcher is None:
+                watcher = self._watcher = Watcher(self.client, self._on_event, names=names)
+            elif watcher.request.names or len(self._watched) <= MAX_WATCHED_NAMES:
+                watcher.watch_names(names)
+            else:
+                return  # it already watches every agent
         watcher.synced.wait(self.client.options.timeout_s)
 
     def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == _SYNCED:
+            self._mark_missing_stale()
+            return
         if event.type not in (_PUT, _DELETE):
             return
         name, epoch = event.record.name, event.record.epoch
@@ -126,6 +149,16 @@ class Directory:
                     epoch,
                 )
                 self.agent._replace_stale_peer(name, epoch)
+
+    def _mark_missing_stale(self) -> None:
+        """A watched peer missing from a new watch's snapshot went away while no watch
+        covered it (a restart of the watch, a reconnection): ask the service again."""
+        watcher = self._watcher
+        if watcher is None:
+            return
+        present = watcher.snapshot_names
+        with self._lock:
+            self._stale.update(self._watched - present)
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -24,7 +24,10 @@ at it (both rebuilt by themselves after a restart). How the store maps onto etcd
   first (one snapshot, never one copy of the whole prefix), yields their PUTs
   and SYNCED(R), then the changes of a watch of the prefix from R + 1 with
   ``prev_kv``, so that every DELETE (also the one etcd makes when a lease
-  expires) carries the record as it was. A watch that falls ``queue_size``
+  expires) carries the record as it was. A watch of ``names`` reads its
+  snapshot as transactions of gets (128 names each, all at the first one's
+  revision R) and passes on only the prefix watch's events of those names.
+  A watch that falls ``queue_size``
   etcd responses behind is cut off with WatchLagError.
 
 Every call is bounded by ``timeout_s``. An unreachable etcd raises
@@ -85,12 +88,13 @@ expiry seen while one of our deletes is in flight does not.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -136,6 +140,8 @@ PENDING_WRITES_MAX = 65_536
 # The kvx ttl rides in bits 1-9 of the lease ids we grant (see grant_lease).
 _TTL_BITS = 9
 _TTL_MASK = (1 << _TTL_BITS) - 1
+# Gets per transaction of a names watch's snapshot: etcd's default --max-txn-ops is 128.
+_TXN_GETS = 128
 # gRPC codes after which the connection is dropped and the next call reconnects.
 _TRANSIENT = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL", "ABORTED"}
 # What a stream's read() returns at its end. grpc-stubs does not declare it (grpcio has it since 1.32).
@@ -415,21 +421,57 @@ class EtcdStore(Store):
         self._wrote(name, response.header.revision)
         return True
 
-    async def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
-        kvs, revision = await self._page("", PAGE_RECORDS, 0)
+    async def watch(
+        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
+    ) -> AsyncIterator[Event]:
+        wanted = sorted(set(names)) if names else None
+
+        async def snapshot(after: str, revision: int) -> tuple[list[Any], str, int]:
+            """The key-values of the snapshot's next chunk after name ``after``, at
+            ``revision`` (0: now); with the chunk's last name ("": the snapshot is
+            complete) and the revision read."""
+            if wanted is None:
+                kvs, read = await self._page(after, PAGE_RECORDS, revision)
+                last = kvs[-1].key.removeprefix(self._prefix).decode(errors="replace") if kvs else ""
+                return kvs, last, read
+            start = bisect.bisect_right(wanted, after) if after else 0
+            chunk = wanted[start : start + _TXN_GETS]
+            if not chunk:
+                return [], "", revision
+            # One transaction of gets per chunk: every get of it at one revision, the
+            # first chunk's; later chunks read at that revision too.
+            keys = [self._key(name) for name in chunk]
+
+            def txn(client, rpc):
+                gets = [rpc.RequestOp(request_range=rpc.RangeRequest(key=key, revision=revision))
+                        for key in keys]  # fmt: skip
+                return client.kvstub.Txn(rpc.TxnRequest(success=gets))
+
+            try:
+                response = await self._call("get", txn)
+            except StoreError as e:
+                if revision and _code(e.__cause__) == "OUT_OF_RANGE":
+                    raise WatchLagError(
+                        f"etcd compacted its history past {revision} during the snapshot"
+                    ) from e
+                raise
+            kvs = [kv for op in response.responses for kv in op.response_range.kvs]
+            return kvs, chunk[-1], revision or response.header.revision
+
+        kvs, after, revision = await snapshot("", 0)
         queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
         self._watches.add(queue)
         call = task = None
         try:
             call = await self._call("watch", lambda c, rpc: self._open_watch(c, rpc, revision + 1))
             task = asyncio.create_task(self._read_watch(call, queue), name="kvx-etcd-watch")
-            while kvs:
+            while after:
                 for kv in kvs:
                     if (record := self._decode(kv)) is not None:
                         yield Event(EventType.PUT, record, kv.mod_revision)
-                after = kvs[-1].key.removeprefix(self._prefix).decode(errors="replace")
-                kvs, _ = await self._page(after, PAGE_RECORDS, revision)
+                kvs, after, _ = await snapshot(after, revision)
             yield Event(EventType.SYNCED, None, revision)
+            keep = None if wanted is None else {self._key(name) for name in wanted}
             while True:
                 try:
                     response = await asyncio.wait_for(queue.get(), WATCH_IDLE_CHECK_S)
@@ -440,6 +482,10 @@ class EtcdStore(Store):
                 if isinstance(response, Exception):
                     raise response
                 for event in response.events:
+                    if keep is not None and event.kv.key not in keep:
+                        if event.type != 0:
+                            self._event(event)  # a DELETE still counts toward expired_leases
+                        continue
                     if (out := self._event(event)) is not None:
                         yield out
         finally:

@@ -45,6 +45,7 @@ from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.refused import Refused
 from kvx.metadata.store import PAGE_RECORDS, EventType, MemoryStore, Store, StoreError, WatchLagError
+from kvx.metadata.store import Event as StoreEvent
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ _T = TypeVar("_T")
 RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Leases one KeepAliveRequest may renew, lease_id included (proto/kvx/v1/metadata.proto).
 MAX_KEEP_ALIVE_LEASES = 1024
+# WatchAgentsRequest.names: at most this many (the proto's bound).
+MAX_WATCH_NAMES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +70,11 @@ class ServiceLimits:
                         RESOURCE_EXHAUSTED (approximate under concurrent
                         registrations of new names: they may overshoot by their number).
     max_watch_streams:  WatchAgents streams open at once; one more is refused
-                        with RESOURCE_EXHAUSTED.
+                        with RESOURCE_EXHAUSTED. Sized for one per agent
+                        that resolves peers: an idle watch of a few names
+                        costs the service about 28 KiB (measured), 4,096 of
+                        them about 110 MiB. A watch's names: at most
+                        MAX_WATCH_NAMES (the proto's bound, not a setting).
     watch_queue_events: changes queued for one watch stream; a watcher this
                         far behind is cut off with RESOURCE_EXHAUSTED (it
                         watches again and resynchronises).
@@ -93,7 +100,7 @@ class ServiceLimits:
     max_page_bytes: int = 4 * 1024 * 1024
     max_list_scan: int = 10_000
     max_agents: int = 10_000
-    max_watch_streams: int = 256
+    max_watch_streams: int = 4096
     watch_queue_events: int = 1000
 
     def __post_init__(self) -> None:
@@ -154,8 +161,9 @@ def _as_is(answer: bytes) -> bytes:
     return answer
 
 
-# Methods whose servicer returns its answer already encoded (bytes, sent as they are).
-_ENCODED_ANSWERS = frozenset({"GetAgent"})
+# Methods whose servicer returns (or yields) its answers already encoded, sent as they
+# are: GetAgent's cached per record, WatchAgents' encoded once per event for every watcher.
+_ENCODED_ANSWERS = frozenset({"GetAgent", "WatchAgents"})
 
 
 def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
@@ -177,6 +185,32 @@ def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
             response_serializer=_as_is if method.name in _ENCODED_ANSWERS else serialize,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _encoded(event: StoreEvent, event_type: Any) -> bytes:
+    """The WatchAgentsResponse of ``event`` as ``event_type``, lease id cleared, serialized
+    once per event and type: every watcher sent it reuses the bytes."""
+    data = event.encoded.get(event_type)
+    if data is None:
+        out = Event(type=event_type, record=event.record, revision=event.revision)  # copies the record
+        out.record.ClearField("lease_id")  # the stored record keeps it
+        data = event.encoded[event_type] = out.SerializeToString()
+    return data
+
+
+def _check_watch_names(names: Any) -> frozenset[str] | None:
+    if len(names) > MAX_WATCH_NAMES:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{len(names)} names to watch; at most {MAX_WATCH_NAMES}: watch fewer, "
+            "or watch every name (no names)",
+        )
+    for name in names:
+        try:
+            check_name(name)
+        except ConfigError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"names: {exc}") from None
+    return frozenset(names) if names else None
 
 
 def _matches(record: metadata_pb2.AgentRecord, role: int, labels: Any) -> bool:
@@ -470,28 +504,25 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     f"{self.watch_streams} watch streams are open, the most this service serves "
                     "(kvx metadata --max-watch-streams); close one, or raise the limit",
                 )
+            names = _check_watch_names(request.names)
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         self.watch_streams += 1
         sent: set[str] = set()  # names this stream has shown as present
         try:
-            async for event in self.store.watch(self.limits.watch_queue_events):
+            async for event in self.store.watch(self.limits.watch_queue_events, names):
                 if event.type is EventType.SYNCED:
-                    yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision)
+                    yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision).SerializeToString()
                     continue
                 assert event.record is not None, event  # every event but SYNCED carries its record
                 name = event.record.name
                 if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
                     sent.add(name)
-                    out = Event(type=Event.EVENT_TYPE_PUT, record=event.record, revision=event.revision)
+                    yield _encoded(event, Event.EVENT_TYPE_PUT)
                 elif name in sent:
                     # Gone, or no longer matching the filter: either way it leaves this view.
                     sent.discard(name)
-                    out = Event(type=Event.EVENT_TYPE_DELETE, record=event.record, revision=event.revision)
-                else:
-                    continue
-                out.record.ClearField("lease_id")  # a copy: the stored record keeps it
-                yield out
+                    yield _encoded(event, Event.EVENT_TYPE_DELETE)
         except WatchLagError as exc:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 
 from kvx.errors import KvxError
 from kvx.v1 import metadata_pb2
@@ -59,6 +59,9 @@ class Event:
     type: EventType
     record: AgentRecord | None  # for DELETE: the record as it was
     revision: int
+    # Wire encodings of this event, made by the first watcher that sends it and
+    # reused by every other one (the stores hand one Event to all their watchers).
+    encoded: dict[int, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 class Store(abc.ABC):
@@ -139,11 +142,15 @@ class Store(abc.ABC):
         """Delete if the current revision is ``expect_revision``; True if deleted."""
 
     @abc.abstractmethod
-    def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
+    def watch(
+        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
+    ) -> AsyncIterator[Event]:
         """A PUT per current record, one SYNCED, then every change in order.
 
         The current records are read a page at a time (PAGE_RECORDS), never
-        as one copy of the registry. Raises StoreError if the store goes away,
+        as one copy of the registry. With ``names`` (not empty), only the
+        records of those names: the snapshot reads each of them by name, and
+        only their changes follow. Raises StoreError if the store goes away,
         or WatchLagError when the consumer falls ``queue_size`` changes (memory)
         or watch responses (etcd) behind, or etcd compacted past its place; the
         caller watches again to resynchronise. Revisions only grow: compare
@@ -181,7 +188,9 @@ class MemoryStore(Store):
         # heap is rebuilt (_compact_expiry_heap).
         self._expiry_heap: list[tuple[float, int]] = []
         self._revision = 0
-        self._watchers: set[asyncio.Queue] = set()
+        self._watchers: set[asyncio.Queue] = set()  # every watch, to close them
+        self._watch_all: set[asyncio.Queue] = set()  # watches of every name
+        self._watch_names: dict[str, set[asyncio.Queue]] = {}  # name -> watches of it
         self._expiry_interval_s = expiry_interval_s
         self._expiry_task: asyncio.Task | None = None
         self.expired_leases = 0  # for metrics
@@ -287,23 +296,23 @@ class MemoryStore(Store):
         self._delete(name)
         return True
 
-    async def watch(self, queue_size: int = WATCH_QUEUE_MAX) -> AsyncIterator[Event]:
+    async def watch(
+        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
+    ) -> AsyncIterator[Event]:
         queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        wanted = sorted(set(names)) if names else None
         # Subscribe first, then page through the live records: every change made
         # while paging is queued too. A record paged after it changed is newer
         # than its queued events; those are dropped below, so that no name goes
         # back to an older state (``newer`` holds only names that changed meanwhile).
         revision = self._revision
-        self._watchers.add(queue)
+        self._subscribe(queue, wanted)
         newer: dict[str, int] = {}
         try:
-            after = ""
-            while page := await self.list_page(after, PAGE_RECORDS):
-                for record in page:
-                    if record.revision > revision:
-                        newer[record.name] = record.revision
-                    yield Event(EventType.PUT, record, record.revision)
-                after = page[-1].name
+            async for record in self._snapshot(wanted):
+                if record.revision > revision:
+                    newer[record.name] = record.revision
+                yield Event(EventType.PUT, record, record.revision)
             yield Event(EventType.SYNCED, None, revision)
             while True:
                 item = await queue.get()
@@ -318,7 +327,37 @@ class MemoryStore(Store):
                         del newer[item.record.name]  # past it: later events all count
                 yield item
         finally:
-            self._watchers.discard(queue)
+            self._unsubscribe(queue, wanted)
+
+    async def _snapshot(self, names: list[str] | None) -> AsyncIterator[AgentRecord]:
+        """Copies of the current records (of ``names`` only: one dict get each), a page at a time."""
+        if names is None:
+            after = ""
+            while page := await self.list_page(after, PAGE_RECORDS):
+                for record in page:
+                    yield record
+                after = page[-1].name
+            return
+        for name in names:
+            if (current := self._records.get(name)) is not None:
+                yield _copy(current)
+
+    def _subscribe(self, queue: asyncio.Queue, names: list[str] | None) -> None:
+        self._watchers.add(queue)
+        if names is None:
+            self._watch_all.add(queue)
+        for name in names or ():
+            self._watch_names.setdefault(name, set()).add(queue)
+
+    def _unsubscribe(self, queue: asyncio.Queue, names: list[str] | None) -> None:
+        self._watchers.discard(queue)
+        self._watch_all.discard(queue)
+        for name in names or ():
+            queues = self._watch_names.get(name)
+            if queues is not None:
+                queues.discard(queue)
+                if not queues:
+                    del self._watch_names[name]
 
     # Internals.
 
@@ -335,7 +374,13 @@ class MemoryStore(Store):
         self._publish(Event(EventType.DELETE, record, self._revision))
 
     def _publish(self, event: Event) -> None:
-        for queue in list(self._watchers):
+        assert event.record is not None  # only PUT and DELETE are published
+        # The same Event goes to every watcher: its wire encoding is made once.
+        queues = list(self._watch_all)
+        queues.extend(self._watch_names.get(event.record.name, ()))
+        for queue in queues:
+            if queue not in self._watchers:
+                continue  # cut off by an earlier put of this loop
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:

@@ -257,6 +257,30 @@ def test_keep_alive_batches_with_any_ids(service, lease_id, batch):
         assert answers[0].ttl_s == 0 and list(answers[0].ttls_s) == [0] * len(batch)
 
 
+@given(names=st.lists(_text, max_size=20), extra=st.integers(0, 4100))
+def test_watch_of_any_names(service, names, extra):
+    """Any list of names is watched, or refused with INVALID_ARGUMENT (bad names,
+    more than 4,096); the stream starts with the named snapshot (no names: all)."""
+    _, channel = service
+    names = names + [f"n{i}" for i in range(extra)]
+    request = metadata_pb2.WatchAgentsRequest(names=names)
+    stream = channel.unary_stream(
+        f"/{SERVICE_NAME}/WatchAgents",
+        request_serializer=metadata_pb2.WatchAgentsRequest.SerializeToString,
+        response_deserializer=metadata_pb2.WatchAgentsResponse.FromString,
+    )(request, timeout=10)
+    try:
+        first = next(stream)
+        assert len(names) <= 4096
+        assert first.type == first.EVENT_TYPE_SYNCED or not names or first.record.name in names
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+            f"WatchAgents({names[:5]!r}...) answered {exc.code()}"
+        )
+    finally:
+        stream.cancel()
+
+
 def test_the_service_still_serves_after_all_that(service):
     _, channel = service
     _still_serves(channel)

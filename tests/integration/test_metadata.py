@@ -1,6 +1,8 @@
 """The metadata service (memory store) with real gRPC calls, real agents and
 agents in other processes."""
 
+import asyncio
+import contextlib
 import itertools
 import socket
 import subprocess
@@ -757,3 +759,147 @@ def test_weak_security_flag_combinations_refuse_to_start(tmp_path, flags, words)
 def test_tls_config_without_a_certificate_is_refused(pki):
     with pytest.raises(kvx.ConfigError, match="plaintext"):
         TlsConfig("", "", client_ca=str(pki / "ca.pem"))
+
+
+def test_a_names_watch_sees_only_those_names(service):
+    stub = _stub(service.address)
+    leases = {}
+    for name in ("a", "b", "c"):
+        leases[name] = stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(name))).lease_id
+    request = metadata_pb2.WatchAgentsRequest(names=["a", "c", "later", "a"])
+    stream = stub.WatchAgents(request, timeout=30)
+    snapshot = [next(stream) for _ in range(3)]
+    assert [(e.type, e.record.name) for e in snapshot] == [
+        (Event.EVENT_TYPE_PUT, "a"),
+        (Event.EVENT_TYPE_PUT, "c"),
+        (Event.EVENT_TYPE_SYNCED, ""),
+    ]
+    assert all(e.record.lease_id == 0 for e in snapshot)
+    stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="b", lease_id=leases["b"]))
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("unwatched")))
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("later", epoch=9)))
+    stub.UnregisterAgent(metadata_pb2.UnregisterAgentRequest(name="a", lease_id=leases["a"]))
+    leases["c"] = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("c", epoch=8), lease_id=leases["c"])
+    ).lease_id
+    later = [next(stream) for _ in range(3)]
+    assert [(e.type, e.record.name, e.record.epoch) for e in later] == [
+        (Event.EVENT_TYPE_PUT, "later", 9),
+        (Event.EVENT_TYPE_DELETE, "a", 7),
+        (Event.EVENT_TYPE_PUT, "c", 8),
+    ]
+    assert all(e.record.lease_id == 0 for e in later)
+    stream.cancel()
+    # Role and labels filter on top of the names.
+    stream = stub.WatchAgents(
+        metadata_pb2.WatchAgentsRequest(names=["c", "later"], labels={"zone": "x"}), timeout=30
+    )
+    assert next(stream).type == Event.EVENT_TYPE_SYNCED
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("d", zone="x")))
+    stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("c", epoch=8, zone="x"), lease_id=leases["c"])
+    )
+    event = next(stream)
+    assert (event.type, event.record.name) == (Event.EVENT_TYPE_PUT, "c")
+    stream.cancel()
+
+
+def test_a_watch_of_too_many_or_invalid_names_is_refused(service):
+    stub = _stub(service.address)
+    for names, words in (
+        ([f"n{i}" for i in range(4097)], "4097 names to watch; at most 4096"),
+        (["ok", ""], "invalid agent name ''"),
+        (["ok", "a/b"], "invalid agent name 'a/b'"),
+    ):
+        request = metadata_pb2.WatchAgentsRequest(names=names)
+        code, details = _code(lambda r=request: next(stub.WatchAgents(r, timeout=10)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, (code, details)
+    assert _until(lambda: service.server.servicer.watch_streams == 0, 5)
+    stream = stub.WatchAgents(
+        metadata_pb2.WatchAgentsRequest(names=[f"n{i}" for i in range(4096)]), timeout=10
+    )
+    assert next(stream).type == Event.EVENT_TYPE_SYNCED
+    stream.cancel()
+
+
+class _WatchSpy:
+    """Records the names of every store watch the service opens; ``hold`` makes the
+    next watch naming that agent wait (the old watch already gone) until ``release``."""
+
+    def __init__(self, store):
+        self.store, self.watch = store, store.watch
+        self.names: list[frozenset[str] | None] = []
+        self.hold: str | None = None
+        self.held, self.release = threading.Event(), threading.Event()
+        store.watch = self._watch
+
+    async def _watch(self, queue_size, names=None):
+        self.names.append(None if names is None else frozenset(names))
+        if self.hold is not None and names is not None and self.hold in names:
+            self.hold = None
+            self.held.set()
+            for _ in range(300):
+                if self.release.is_set():
+                    break
+                await asyncio.sleep(0.1)
+        async for event in self.watch(queue_size, names):
+            yield event
+
+
+def _prefill(name, address):
+    agent = kvx.Agent(name, metadata=address, role="prefill")
+    agent.register(np.full(4096, 3, np.uint8))
+    return agent
+
+
+def test_an_agent_watches_only_the_peers_it_resolved(service):
+    spy = _WatchSpy(service.server.store)
+    p0, p1 = _prefill("prefill-0", service.address), _prefill("prefill-1", service.address)
+    _prefill("bystander", service.address).close()
+    with p0, p1, kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
+        assert decode.connect("prefill-0").epoch == p0.epoch
+        assert spy.names == [frozenset({"prefill-0"})]
+        assert decode.connect("prefill-1").epoch == p1.epoch
+        assert decode.connect("prefill-0").epoch == p0.epoch  # already watched: no new watch
+        assert spy.names == [frozenset({"prefill-0"}), frozenset({"prefill-0", "prefill-1"})]
+        assert _until(lambda: service.server.servicer.watch_streams == 1, 5)  # the first one ended
+
+
+@pytest.mark.parametrize("change", ["restart", "evicted"])
+def test_a_peer_that_changes_while_the_watch_restarts_is_not_served_stale(service, change):
+    """prefill-0's record goes (its lease revoked; its process and decode-0's
+    connection to it live on) and, for "restart", a new epoch registers the
+    name, after decode-0's watch of it has ended and before the new watch (of
+    prefill-0 and prefill-1) has read its snapshot. That snapshot must tell
+    decode-0, which saw no event of the change."""
+    spy = _WatchSpy(service.server.store)
+    store = service.server.store
+    gets: list[str] = []
+    get = store.get
+    store.get = lambda name: (gets.append(name), get(name))[1]
+    p0, p1 = _prefill("prefill-0", service.address), _prefill("prefill-1", service.address)
+    with p0, p1, kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
+        old = decode.connect("prefill-0")
+        assert old.epoch == p0.epoch
+        spy.hold = "prefill-1"
+        resolving = threading.Thread(target=decode.connect, args=("prefill-1",), daemon=True)
+        resolving.start()
+        assert spy.held.wait(10), "decode-0 should restart its watch for prefill-1"
+        lease_id = service.call(get("prefill-0")).lease_id
+        service.call(store.revoke_lease(lease_id))  # a DELETE no watch of decode-0 sees
+        reborn = _prefill("prefill-0", service.address) if change == "restart" else None
+        try:
+            spy.release.set()
+            resolving.join(20)
+            assert not resolving.is_alive()
+            if reborn is not None:
+                assert _until(lambda: not old.alive, 5), "the old peer should be closed"
+                assert decode.connect("prefill-0").epoch == reborn.epoch != old.epoch
+            else:
+                del gets[:]
+                with contextlib.suppress(kvx.ConnectError):  # absent, or back already
+                    decode.connect("prefill-0")
+                assert gets == ["prefill-0"], "prefill-0 was served from the cache"
+        finally:
+            if reborn is not None:
+                reborn.close()

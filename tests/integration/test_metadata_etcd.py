@@ -112,3 +112,35 @@ def _record(name):
     rec = metadata_pb2.AgentRecord(name=name, epoch=5, role=metadata_pb2.ROLE_OTHER, started_unix_ms=1)
     rec.metadata.name, rec.metadata.epoch = name, 5
     return rec
+
+
+def test_a_names_watch_through_another_replica(etcd_server):
+    """Replica b watches only "named" for a client, while the agents register
+    through replica a: b's snapshot and changes hold that name only."""
+    prefix = f"/kvx-names-{time.monotonic_ns()}/"
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, prefix=prefix))) as a,
+        ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, prefix=prefix))) as b,
+    ):
+        Event = metadata_pb2.WatchAgentsResponse
+        with kvx.Agent("named", metadata=a.address) as first, kvx.Agent("other", metadata=a.address):
+            events: list = []
+            watcher = Watcher(MetadataClient(b.address), events.append, names=["named", "absent"])
+            assert watcher.synced.wait(10)
+            assert [(e.type, e.record.name, e.record.epoch) for e in events] == [
+                (Event.EVENT_TYPE_PUT, "named", first.epoch),
+                (Event.EVENT_TYPE_SYNCED, "", 0),
+            ]
+            del events[:]
+            with kvx.Agent("unwatched", metadata=a.address):
+                pass
+        with kvx.Agent("absent", metadata=a.address) as later:
+            assert _until(lambda: len(events) >= 2, 10)
+        assert _until(lambda: len(events) >= 3, 10)
+        watcher.stop()
+        assert sorted((e.type, e.record.name) for e in events) == [
+            (Event.EVENT_TYPE_PUT, "absent"),
+            (Event.EVENT_TYPE_DELETE, "absent"),
+            (Event.EVENT_TYPE_DELETE, "named"),
+        ]
+        assert all(e.record.lease_id == 0 for e in events) and later.epoch

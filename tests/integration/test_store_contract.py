@@ -605,3 +605,47 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_watch_of_names_sees_only_those_names(open_store):
+    """The snapshot holds only the named records (300 names: several etcd
+    transactions of gets, at one revision), and only their changes follow."""
+
+    async def body():
+        async with open_store() as store:
+            lease, dying = await store.grant_lease(30), await store.grant_lease(SHORT_TTL_S)
+            revisions = {}
+            for i in range(0, 300, 2):  # every other watched name exists
+                revisions[f"w{i:03}"] = await store.put_if(record(f"w{i:03}"), lease, 0)
+            await store.put_if(record("other"), lease, 0)
+            revisions["w-dying"] = await store.put_if(record("w-dying"), dying, 0)
+            watched = [f"w{i:03}" for i in range(300)] + ["w-dying", "w-dying"]
+
+            events = store.watch(names=watched)
+            try:
+                snapshot = []
+                while (event := await next_event(events)).type is EventType.PUT:
+                    snapshot.append(event)
+                assert event.type is EventType.SYNCED
+                assert {e.record.name: e.revision for e in snapshot} == revisions
+                assert all(e.revision <= event.revision for e in snapshot)
+
+                await store.put_if(record("other", v="2"), lease, (await store.get("other")).revision)
+                await store.put_if(record("w001"), lease, 0)  # an absent watched name appears
+                await store.put_if(record("unwatched"), lease, 0)
+                assert await store.delete_if("w000", revisions["w000"])
+                # the dying lease is not renewed: its record expires
+                seen = [await next_event(events, SHORT_TTL_S + 10) for _ in range(3)]
+                assert [(e.type, e.record.name) for e in seen] == [
+                    (EventType.PUT, "w001"),
+                    (EventType.DELETE, "w000"),
+                    (EventType.DELETE, "w-dying"),
+                ]
+                await store.put_if(record("unwatched", v="2"), lease, (await store.get("unwatched")).revision)
+                await store.put_if(record("w002", v="3"), lease, revisions["w002"])
+                last = await next_event(events)  # the unwatched change before it never shows
+                assert (last.type, last.record.name, last.record.labels["v"]) == (EventType.PUT, "w002", "3")
+            finally:
+                await events.aclose()
+
+    run(body())
