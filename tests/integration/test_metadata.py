@@ -874,9 +874,9 @@ def test_a_peer_that_changes_while_the_watch_restarts_is_not_served_stale(servic
     decode-0, which saw no event of the change."""
     spy = _WatchSpy(service.server.store)
     store = service.server.store
-    gets: list[str] = []
-    get = store.get
-    store.get = lambda name: (gets.append(name), get(name))[1]
+    gets: list[str] = []  # GetAgent lookups that reached the store
+    get, get_answer = store.get, store.get_answer
+    store.get_answer = lambda name: (gets.append(name), get_answer(name))[1]
     p0, p1 = _prefill("prefill-0", service.address), _prefill("prefill-1", service.address)
     with p0, p1, kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
         old = decode.connect("prefill-0")
