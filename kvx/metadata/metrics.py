@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections import Counter as Tally
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvx.metadata.store import PAGE_RECORDS, Store
+from kvx.metadata.store import Store
 from kvx.v1 import metadata_pb2
 
 
@@ -23,13 +21,9 @@ class _StoreCollector:
         self.by_role: dict[str, int] = {}
 
     async def refresh(self) -> None:
-        # A page at a time: a scrape never holds a copy of the whole registry.
-        tally: Tally[str] = Tally()
-        after = ""
-        while page := await self.store.list_page(after, PAGE_RECORDS):
-            tally.update(metadata_pb2.Role.Name(r.role).removeprefix("ROLE_").lower() for r in page)
-            after = page[-1].name
-        self.by_role = {role: tally.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
+        counts = await self.store.count_by_role()
+        named = {metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()}
+        self.by_role = {role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
 
     def collect(self):
         agents = GaugeMetricFamily("kvx_metadata_agents", "Registered agents, by role", labels=["role"])
@@ -40,6 +34,11 @@ class _StoreCollector:
             "kvx_metadata_lease_expiries",
             "Leases that expired without renewal",
             value=getattr(self.store, "expired_leases", 0),
+        )
+        yield CounterMetricFamily(
+            "kvx_metadata_lease_clock_stalled_seconds",
+            "Seconds the service's event loop stalled, by which leases were extended (memory store)",
+            value=getattr(self.store, "stalled_s", 0.0),
         )
 
 

@@ -35,6 +35,10 @@ AgentRecord = metadata_pb2.AgentRecord
 # A watcher that falls this far behind is cut off (it resynchronises); the
 # service passes its own bound (ServiceLimits.watch_queue_events).
 WATCH_QUEUE_MAX = 1000
+# A pass of MemoryStore's expiry loop that starts this much later than planned
+# means the service's event loop was stalled (a registration storm, a long
+# collection of garbage): the time beyond it does not count against leases.
+STALL_S = 0.5
 # Records per page of a watch's initial snapshot and of ``list()``: no watch or
 # listing ever holds a copy of the whole registry.
 PAGE_RECORDS = 100
@@ -117,6 +121,17 @@ class Store(abc.ABC):
     async def count(self) -> int:
         """How many records there are."""
 
+    async def count_by_role(self) -> dict[int, int]:
+        """How many records there are of each role (``Role`` values; absent: none).
+        Read a page at a time here; stores that can keep the counts override it."""
+        counts: dict[int, int] = {}
+        after = ""
+        while page := await self.list_page(after, PAGE_RECORDS):
+            for record in page:
+                counts[record.role] = counts.get(record.role, 0) + 1
+            after = page[-1].name
+        return counts
+
     @abc.abstractmethod
     async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
         """Up to ``limit`` records whose names sort after ``after`` ("" for the
@@ -180,6 +195,7 @@ class MemoryStore(Store):
         # Each record's GetAgent answer, encoded when it is written; replaced or
         # dropped in the same step as the record, so never older than it.
         self._answers: dict[str, bytes] = {}
+        self._by_role: dict[int, int] = {}  # records of each role
         self._leases: dict[int, _Lease] = {}
         # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
         # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
@@ -194,6 +210,11 @@ class MemoryStore(Store):
         self._expiry_interval_s = expiry_interval_s
         self._expiry_task: asyncio.Task | None = None
         self.expired_leases = 0  # for metrics
+        # Seconds the event loop was stalled past STALL_S, summed: the lease clock
+        # (_now) stands still for them, so that no lease runs out because the
+        # service was too busy to read its renewal.
+        self.stalled_s = 0.0
+        self._stall_warned = -math.inf
         self.expiry_checks = 0  # heap entries the expiry loop looked at: its work, for tests
 
     async def start(self) -> None:
@@ -215,7 +236,7 @@ class MemoryStore(Store):
         lease_id = secrets.randbits(62) | 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(62) | 1
-        deadline = time.monotonic() + ttl_s
+        deadline = self._now() + ttl_s
         self._leases[lease_id] = _Lease(ttl_s, deadline)
         heapq.heappush(self._expiry_heap, (deadline, lease_id))
         if len(self._expiry_heap) > 2 * len(self._leases) + 1024:
@@ -223,11 +244,11 @@ class MemoryStore(Store):
         return lease_id
 
     async def keep_alive(self, lease_id: int) -> int:
-        return self._renew(lease_id, time.monotonic())
+        return self._renew(lease_id, self._now())
 
     async def keep_alive_many(self, lease_ids: Sequence[int]) -> list[int]:
         # No await per lease: a batch is one step of the event loop.
-        now = time.monotonic()
+        now = self._now()
         return [self._renew(lease_id, now) for lease_id in lease_ids]
 
     def _renew(self, lease_id: int, now: float) -> int:
@@ -249,7 +270,7 @@ class MemoryStore(Store):
         lease = self._leases.get(lease_id)
         if lease is None:
             return 0
-        return max(0, math.ceil(lease.deadline - time.monotonic()))
+        return max(0, math.ceil(lease.deadline - self._now()))
 
     async def get(self, name: str) -> AgentRecord | None:
         record = self._records.get(name)
@@ -260,6 +281,11 @@ class MemoryStore(Store):
 
     async def count(self) -> int:
         return len(self._records)
+
+    async def count_by_role(self) -> dict[int, int]:
+        # Kept as records come and go: a /metrics scrape of 100,000 agents must not copy
+        # them all on the event loop that answers lookups.
+        return {role: n for role, n in self._by_role.items() if n}
 
     async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
         start = bisect.bisect_right(self._names, after) if after else 0
@@ -283,6 +309,9 @@ class MemoryStore(Store):
         stored.lease_id = lease_id
         if current is None:
             bisect.insort(self._names, record.name)
+        else:
+            self._by_role[current.role] -= 1
+        self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
         self._records[record.name] = stored
         self._answers[record.name] = answer
         lease.names.add(record.name)
@@ -367,6 +396,7 @@ class MemoryStore(Store):
             return
         del self._answers[name]
         del self._names[bisect.bisect_left(self._names, name)]
+        self._by_role[record.role] -= 1
         lease = self._leases.get(record.lease_id)
         if lease is not None:
             lease.names.discard(name)
@@ -392,10 +422,29 @@ class MemoryStore(Store):
             queue.get_nowait()
         queue.put_nowait(error)
 
+    def _now(self) -> float:
+        """The lease clock: monotonic time less the stalls of the event loop."""
+        return time.monotonic() - self.stalled_s
+
     async def _expire_loop(self) -> None:
+        planned = time.monotonic() + self._expiry_interval_s
         while True:
-            await asyncio.sleep(self._expiry_interval_s)
-            await self._expire_due(time.monotonic())
+            await asyncio.sleep(max(0.0, planned - time.monotonic()))
+            late = time.monotonic() - planned
+            if late > STALL_S:
+                # Renewals sent meanwhile are still queued behind whatever held the loop:
+                # their leases must not run out before they are read.
+                self.stalled_s += late
+                if time.monotonic() - self._stall_warned > 60:
+                    self._stall_warned = time.monotonic()
+                    logger.warning(
+                        "the metadata service stalled for %.1f s (overloaded?); leases were "
+                        "extended by that much (%.1f s of stalls so far)",
+                        late,
+                        self.stalled_s,
+                    )
+            await self._expire_due(self._now())
+            planned = time.monotonic() + self._expiry_interval_s
 
     async def _expire_due(self, now: float) -> None:
         """Revoke the leases whose deadline is past ``now``. Looks only at the heap

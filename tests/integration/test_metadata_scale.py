@@ -1,0 +1,105 @@
+"""The memory store at scale: what a busy or large registry must not do to
+its agents (leases lost to a stalled service) or to its lookups (a /metrics
+scrape that copies every record on the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvx.metadata.metrics import ServiceMetrics
+from kvx.metadata.store import STALL_S, MemoryStore
+from kvx.v1 import metadata_pb2
+from tests.conftest import native_pass_only
+
+pytestmark = native_pass_only
+
+
+def _record(name, role=metadata_pb2.ROLE_PREFILL):
+    rec = metadata_pb2.AgentRecord(name=name, epoch=1, role=role, started_unix_ms=1)
+    rec.metadata.name, rec.metadata.epoch = name, 1
+    return rec
+
+
+def test_a_stall_of_the_service_does_not_cost_a_lease():
+    """The event loop blocked longer than a lease's ttl (as a registration storm or
+    a long collection of garbage does): the renewal that was queued meanwhile still
+    finds its lease, and a lease nobody renews still runs out after its ttl."""
+
+    async def main():
+        store = MemoryStore(expiry_interval_s=0.05)
+        await store.start()
+        try:
+            renewed, abandoned = await store.grant_lease(2), await store.grant_lease(2)
+            await store.put_if(_record("renewed"), renewed, 0)
+            await store.put_if(_record("abandoned"), abandoned, 0)
+            await asyncio.sleep(0.2)
+            time.sleep(3.0)  # the whole loop stalls: no renewal can be read, no lease checked
+            await asyncio.sleep(0.2)  # the expiry loop runs again
+            assert store.stalled_s > STALL_S
+            assert await store.keep_alive(renewed) == 2, "a lease ran out while the service stalled"
+            assert await store.get("renewed") is not None
+            deadline = time.monotonic() + 10
+            while await store.get("abandoned") is not None:
+                assert time.monotonic() < deadline, "an unrenewed lease must still expire"
+                await store.keep_alive(renewed)
+                await asyncio.sleep(0.1)
+            assert await store.get("renewed") is not None
+            assert store.expired_leases == 1
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_short_hiccup_is_not_counted_as_a_stall():
+    async def main():
+        store = MemoryStore(expiry_interval_s=0.05)
+        await store.start()
+        try:
+            await asyncio.sleep(0.1)
+            time.sleep(STALL_S / 4)
+            await asyncio.sleep(0.2)
+            assert store.stalled_s == 0.0
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_metrics_scrape_counts_roles_without_reading_the_records():
+    async def main():
+        store = MemoryStore()
+        pages = 0
+        list_page = store.list_page
+
+        async def counting_list_page(after, limit):
+            nonlocal pages
+            pages += 1
+            return await list_page(after, limit)
+
+        store.list_page = counting_list_page
+        lease = await store.grant_lease(60)
+        for i in range(300):
+            await store.put_if(_record(f"p{i:03d}"), lease, 0)
+        for i in range(200):
+            await store.put_if(_record(f"d{i:03d}", metadata_pb2.ROLE_DECODE), lease, 0)
+        # A record that changes role, and records that go.
+        current = await store.get("p000")
+        await store.put_if(_record("p000", metadata_pb2.ROLE_OTHER), lease, current.revision)
+        for name in ("p001", "d000"):
+            assert await store.delete_if(name, (await store.get(name)).revision)
+        metrics = ServiceMetrics(store)
+        await metrics.store_collector.refresh()
+        assert metrics.store_collector.by_role == {
+            "prefill": 298,
+            "decode": 199,
+            "other": 1,
+            "unspecified": 0,
+        }
+        assert pages == 0, "a scrape paged through the registry"
+        await store.revoke_lease(lease)
+        await metrics.store_collector.refresh()
+        assert metrics.store_collector.by_role == {"prefill": 0, "decode": 0, "other": 0, "unspecified": 0}
+
+    asyncio.run(main())
