@@ -433,12 +433,20 @@ class _Agents:
         self.c["changes"] += 1
 
 
+def _pin(cpus: list[int] | None) -> None:
+    """Runs this process (and the threads it starts later) on ``cpus`` (None: anywhere)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _agents_proc(cfg: dict, idx: int, lo: int, hi: int, ctl: dict, out: Any) -> None:
+    _pin(cfg["load_cpus"])
     agents = _Agents(cfg, idx, lo, hi, ctl, out)
     asyncio.run(agents.run())
 
 
 def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
+    _pin(cfg["load_cpus"])
     import grpc
 
     from kvx.v1 import metadata_pb2
@@ -500,6 +508,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
 
 
 def _watch_proc(cfg: dict, idx: int, count: int, ctl: dict, out: Any) -> None:
+    _pin(cfg["load_cpus"])
     import grpc
 
     from kvx.v1 import metadata_pb2
@@ -589,6 +598,19 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
+def _cpu_list(text: str) -> list[int]:
+    cpus = sorted({int(c) for c in text.split(",") if c.strip()})
+    if not cpus or not set(cpus) < os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give some, not all, of CPUs {sorted(os.sched_getaffinity(0))}"
+        )
+    return cpus
+
+
+def _load_cpus(service_cpus: list[int] | None) -> list[int] | None:
+    return sorted(os.sched_getaffinity(0) - set(service_cpus)) if service_cpus else None
+
+
 def _wait_port(address: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + timeout_s
@@ -603,7 +625,7 @@ def _wait_port(address: str, proc: subprocess.Popen, timeout_s: float = 60) -> N
 
 
 class _Etcd:
-    def __init__(self) -> None:
+    def __init__(self, cpus: list[int] | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvx-bench-etcd-")
         client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
         self.url = "etcd://" + client.removeprefix("http://")
@@ -633,6 +655,7 @@ class _Etcd:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=(lambda: _pin(cpus)) if cpus else None,
         )
         _wait_port(client.removeprefix("http://"), self.proc)
 
@@ -674,6 +697,7 @@ class _Replica:
                 str(max(256, args.watchers + 64)),
             ],  # fmt: skip
             stdin=subprocess.DEVNULL,
+            preexec_fn=(lambda: _pin(args.service_cpus)) if args.service_cpus else None,
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
         )
@@ -815,6 +839,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--store", default="memory", help="memory, etcd (a local one is started) or etcd://...")
     p.add_argument("--replicas", type=int, default=1, help="kvx metadata processes on the one store")
     p.add_argument("--profile", action="store_true", help="sample replica 0 with py-spy")
+    p.add_argument(
+        "--service-cpus",
+        type=_cpu_list,
+        default=None,
+        help="run the service replicas on these CPUs (e.g. 0) and the load generators on the "
+        "others, so that they do not take turns on the same cores (default: all share all)",
+    )
     args = p.parse_args()
     if args.replicas > 1 and args.store == "memory":
         p.error("--replicas > 1 needs a shared store: --store etcd or etcd://...")
@@ -830,7 +861,7 @@ def _parse() -> argparse.Namespace:
 
 def main() -> int:
     args = _parse()
-    etcd = _Etcd() if args.store == "etcd" else None
+    etcd = _Etcd(args.service_cpus) if args.store == "etcd" else None
     store = etcd.url if etcd else args.store
     replicas: list[_Replica] = []
     procs: list[Any] = _PROCS
@@ -842,6 +873,7 @@ def main() -> int:
         "mode": args.mode,
         "store": args.store,
         "replicas": args.replicas,
+        "service_cpus": args.service_cpus or "all",
         "agents": args.agents,
         "agents_per_process": args.agents_per_process,
     }
@@ -860,6 +892,7 @@ def main() -> int:
             "watched_agents": args.watched_agents,
             "names_per": args.names_per_watcher,
             "watch_all": args.watch_all,
+            "load_cpus": _load_cpus(args.service_cpus),
         }
         first = args.watched_agents if args.mode == "watch" else 0
         shares = _split(first, args.agents, args.agent_procs) if first < args.agents else []
