@@ -99,7 +99,7 @@ class ServiceLimits:
     max_page_size: int = 1000
     max_page_bytes: int = 4 * 1024 * 1024
     max_list_scan: int = 10_000
-    max_agents: int = 10_000
+    max_agents: int = 100_000
     max_watch_streams: int = 4096
     watch_queue_events: int = 1000
 
