@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvx.errors import ConfigError, ConnectError
-from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.metadata.client import MAX_WATCH_NAMES, MetadataClient, MetadataOptions, Registration, Watcher
 from kvx.metadata.roles import ROLES
 from kvx.v1 import metadata_pb2
 
@@ -34,7 +34,7 @@ _DELETE = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
 _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
 _SYNCED = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
 # The most names one watch may name (WatchAgentsRequest.names); past it, every agent is watched.
-MAX_WATCHED_NAMES = 4096
+MAX_WATCHED_NAMES = MAX_WATCH_NAMES
 
 
 class Directory:
@@ -118,10 +118,10 @@ class Directory:
             watcher = self._watcher
             if watcher is None:
                 watcher = self._watcher = Watcher(self.client, self._on_event, names=names)
-            elif watcher.request.names or len(self._watched) <= MAX_WATCHED_NAMES:
-                watcher.watch_names(names)
-            else:
+            elif watcher.names_refused or (not watcher.request.names and not names):
                 return  # it already watches every agent
+            else:
+                watcher.watch_names(names)
         watcher.synced.wait(self.client.options.timeout_s)
 
     def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:

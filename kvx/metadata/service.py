@@ -60,6 +60,12 @@ RETRY_AFTER_KEY = "kvx-retry-after-ms"
 MAX_KEEP_ALIVE_LEASES = 1024
 # WatchAgentsRequest.names: at most this many (the proto's bound).
 MAX_WATCH_NAMES = 4096
+# The longest valid agent name (kvx.config.check_name), in bytes (ASCII only).
+_MAX_NAME_BYTES = 128
+# The largest valid names list of a WatchAgentsRequest, encoded: a tag byte, a
+# two-byte length and the name, per name (536,576 bytes). Role and labels fit in
+# the receive limit's 64 KiB of slack.
+MAX_WATCH_NAMES_BYTES = MAX_WATCH_NAMES * (1 + 2 + _MAX_NAME_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,6 +541,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             self.watch_streams -= 1
 
 
+def max_receive_bytes(limits: ServiceLimits) -> int:
+    """The largest request the service reads: the largest valid record, or the
+    largest valid watch of names (602,112 bytes with the default limits), and
+    64 KiB for the rest of the message."""
+    return max(limits.max_record_bytes, MAX_WATCH_NAMES_BYTES) + 64 * 1024
+
+
 def _not_found(name: str) -> Refused:
     return Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
 
@@ -618,7 +631,7 @@ class MetadataServer:
                 f"metadata service listen address {self.listen!r}: expected host:port, e.g. 127.0.0.1:50051"
             ) from None
         options = [
-            ("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
+            ("grpc.max_receive_message_length", max_receive_bytes(self.limits)),
             ("grpc.so_reuseport", 0),
             # kvx's clients ping every 5 s, also while idle (kvx/metadata/client.py): accept
             # that, instead of gRPC's default of one ping in 5 min without data, past which a

@@ -1,0 +1,111 @@
+"""The agent's Directory and watches of names against a real metadata service
+(memory store) on loopback: the largest valid watch, a service that refuses
+watches of names, the cost of many peers, and what the logs may show."""
+
+import grpc
+import numpy as np
+import pytest
+
+import kvx
+from kvx.metadata import service as service_module
+from kvx.metadata.client import MetadataClient, Watcher
+from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.conftest import native_pass_only, wait_until
+
+pytestmark = native_pass_only
+
+Event = metadata_pb2.WatchAgentsResponse
+
+
+@pytest.fixture
+def service():
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        yield srv
+
+
+def _record(name, epoch=7):
+    rec = metadata_pb2.AgentRecord(
+        name=name, epoch=epoch, role=metadata_pb2.ROLE_PREFILL, started_unix_ms=1000
+    )
+    rec.metadata.name, rec.metadata.epoch = name, epoch
+    return rec
+
+
+def _stub(address):
+    return metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
+
+
+def _until(predicate, timeout_s=10.0):
+    return wait_until(predicate, timeout_s, (kvx.ConnectError,))
+
+
+def _long_name(i):
+    return f"p{i:05d}" + "x" * 122  # 128 characters: the longest valid name
+
+
+def test_a_watch_of_4096_of_the_longest_names_is_accepted(service):
+    stub = _stub(service.address)
+    names = [_long_name(i) for i in range(4096)]
+    request = metadata_pb2.WatchAgentsRequest(names=names, labels={"k" * 256: "v" * 256})
+    assert request.ByteSize() > 256 * 1024 + 64 * 1024  # past the old receive limit
+    stream = stub.WatchAgents(request, timeout=30)
+    assert next(stream).type == Event.EVENT_TYPE_SYNCED
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(names[-1])))
+    stream.cancel()
+    # A record near the largest valid one still goes through too.
+    big = _record("big")
+    for i in range(60):
+        big.engine_info[f"blob{i}"] = "x" * 4000
+    assert big.ByteSize() > 240_000
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=big))
+
+
+def test_a_watcher_whose_names_are_too_large_for_the_service_watches_everything(monkeypatch, caplog):
+    """A service with a smaller receive limit (an older kvx) refuses the watch of
+    names with RESOURCE_EXHAUSTED: the watcher watches every agent instead."""
+    monkeypatch.setattr(service_module, "max_receive_bytes", lambda limits: 2048)
+    events = []
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        client = MetadataClient(srv.address)
+        names = [_long_name(i) for i in range(30)]  # about 4 KB
+        watcher = Watcher(client, events.append, names=names)
+        try:
+            assert watcher.synced.wait(20), "the watch never synced"
+            assert watcher.names_refused and not watcher.request.names
+            assert "refused a watch of 30 names (StatusCode.RESOURCE_EXHAUSTED" in caplog.text
+            _stub(srv.address).RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(names[0])))
+            assert _until(lambda: any(e.record.name == names[0] for e in events))
+            watcher.watch_names(names[:2])  # still everything: no second refusal
+            assert watcher.synced.wait(20) and not watcher.request.names
+        finally:
+            watcher.stop()
+            client.close()
+
+
+def _prefill(name, address):
+    agent = kvx.Agent(name, metadata=address, role="prefill")
+    agent.register(np.full(4096, 3, np.uint8))
+    return agent
+
+
+def test_an_agent_whose_names_watch_is_refused_still_sees_a_peer_restart(monkeypatch, caplog):
+    """The service takes no names in a watch: decode-0 must not wait for a watch
+    that never syncs, and must still learn that prefill-0 restarted."""
+    monkeypatch.setattr(service_module, "MAX_WATCH_NAMES", 0)
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        store = srv.server.store
+        p0 = _prefill("prefill-0", srv.address)
+        with p0, kvx.Agent("decode-0", metadata=srv.address, role="decode") as decode:
+            old = decode.connect("prefill-0")
+            assert old.epoch == p0.epoch
+            watcher = decode._directory._watcher
+            assert watcher.synced.is_set() and watcher.names_refused
+            assert "refused a watch of 1 names (StatusCode.INVALID_ARGUMENT" in caplog.text
+            # prefill-0's record goes and a new epoch registers the name; the old process
+            # lives on, so only the watch can tell decode-0.
+            lease_id = srv.call(store.get("prefill-0")).lease_id
+            srv.call(store.revoke_lease(lease_id))
+            with _prefill("prefill-0", srv.address) as reborn:
+                assert _until(lambda: not old.alive, 10), "the old peer should be closed"
+                assert decode.connect("prefill-0").epoch == reborn.epoch != old.epoch
