@@ -2,6 +2,8 @@
 (memory store) on loopback: the largest valid watch, a service that refuses
 watches of names, the cost of many peers, and what the logs may show."""
 
+import types
+
 import grpc
 import numpy as np
 import pytest
@@ -109,3 +111,60 @@ def test_an_agent_whose_names_watch_is_refused_still_sees_a_peer_restart(monkeyp
             with _prefill("prefill-0", srv.address) as reborn:
                 assert _until(lambda: not old.alive, 10), "the old peer should be closed"
                 assert decode.connect("prefill-0").epoch == reborn.epoch != old.epoch
+
+
+def _fake_peers(directory):
+    """add_peer without connecting: these tests count lookups, not transfers."""
+
+    def add_peer(metadata, streams=None):
+        return types.SimpleNamespace(alive=True, epoch=7)
+
+    directory.agent.add_peer = add_peer
+
+
+def test_resolving_many_peers_costs_one_lookup_each(service):
+    """Every new peer restarts the watch; the snapshot of the peers already known
+    must not send each of them back to the service."""
+    store = service.server.store
+    stub = _stub(service.address)
+    count = 200
+    names = [f"prefill-{i}" for i in range(count)]
+    for name in names:
+        stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record(name), ttl_s=300))
+    lookups = []
+    get_answer = store.get_answer
+    store.get_answer = lambda name: (lookups.append(name), get_answer(name))[1]
+    with kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
+        directory = decode._directory
+        _fake_peers(directory)
+        peers = {}
+        for i, name in enumerate(names):
+            peers[name] = directory.resolve(name, None, None)
+            for known in names[: i + 1]:  # a router touching every peer it has
+                peers[known] = directory.resolve(known, peers[known], None)
+        assert len(directory._watcher.request.names) == count
+        assert len(lookups) <= count + 10, f"{len(lookups)} lookups for {count} peers"
+
+
+def test_names_that_no_agent_has_leave_the_watch(service):
+    stub = _stub(service.address)
+    stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("real"), ttl_s=300))
+    watched = []
+    watch = service.server.store.watch
+
+    async def spy(queue_size, names=None):
+        watched.append(frozenset(names or ()))
+        async for event in watch(queue_size, names):
+            yield event
+
+    service.server.store.watch = spy
+    with kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
+        directory = decode._directory
+        _fake_peers(directory)
+        for i in range(50):
+            with pytest.raises(kvx.ConnectError, match="no agent named"):
+                directory.resolve(f"ghost-{i}", None, None)
+        directory.resolve("real", None, None)
+        assert watched[-1] == {"real"}
+        assert set(directory._watcher.request.names) == {"real"}
+        assert len(directory._watched) == 1 and not directory._stale
