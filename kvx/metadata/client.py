@@ -186,6 +186,7 @@ class Registration:
         # The last lease granted, kept through outages: it proves to the service that the
         # live record (if it is still there) is ours.
         self._proof = 0
+        self.name = ""  # the registered record's name (logs name it, never its lease id)
         self._held_since: float | None = None  # the name is held by another lease since then
         self._held_warned = 0.0
         self._lock = threading.Lock()  # one registration call at a time
@@ -255,7 +256,9 @@ class Registration:
 
     def _register(self) -> None:
         with self._lock:
-            response = self.client.register(self.build_record(), self.ttl_s, self._proof)
+            record = self.build_record()
+            response = self.client.register(record, self.ttl_s, self._proof)
+            self.name = record.name
             self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
             self._held_since = None
@@ -503,7 +506,12 @@ class _Renewer:
                         self._changed.set()
                 for (registration, lease_id), ttl in zip(chunk, ttls, strict=False):
                     if ttl == 0:
-                        logger.warning("lease %#x is gone (expired or revoked); registering again", lease_id)
+                        # The agent's name, not the lease id: a log reader must not learn
+                        # a lease id (it proves ownership of a name to the service).
+                        logger.warning(
+                            "the lease of agent %s is gone (expired or revoked); registering again",
+                            registration.name,
+                        )
                         self._forget(registration, lease_id)
         finally:
             ended.set()

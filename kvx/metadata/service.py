@@ -304,7 +304,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             if current is not None and current.lease_id and current.lease_id != lease_id:
                 # The old lease holds no record any more; revoking it tells the old
                 # holder (its keep-alives get ttl 0). Retried until it goes through.
-                self._revoke_later(current.lease_id)
+                self._revoke_later(current.lease_id, record.name)
             self.metrics.registrations.inc()
             logger.info(
                 "registered %s epoch %#x role %s",
@@ -315,7 +315,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
 
-    def _revoke_later(self, lease_id: int) -> None:
+    def _revoke_later(self, lease_id: int, name: str) -> None:
         async def revoke() -> None:
             for attempt in range(120):
                 try:
@@ -323,9 +323,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     return
                 except StoreError as exc:
                     if attempt == 0:
-                        logger.warning("could not revoke replaced lease %#x yet: %s", lease_id, exc)
+                        logger.warning("could not revoke the replaced lease of %s yet: %s", name, exc)
                     await asyncio.sleep(1.0)
-            logger.error("gave up revoking replaced lease %#x; it expires unless renewed", lease_id)
+            logger.error("gave up revoking the replaced lease of %s; it expires unless renewed", name)
 
         task = asyncio.ensure_future(revoke())
         self._background.add(task)

@@ -2,6 +2,8 @@
 (memory store) on loopback: the largest valid watch, a service that refuses
 watches of names, the cost of many peers, and what the logs may show."""
 
+import logging
+import threading
 import types
 
 import grpc
@@ -10,8 +12,9 @@ import pytest
 
 import kvx
 from kvx.metadata import service as service_module
-from kvx.metadata.client import MetadataClient, Watcher
+from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, Watcher
 from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.metadata.store import StoreError
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import native_pass_only, wait_until
 
@@ -168,3 +171,55 @@ def test_names_that_no_agent_has_leave_the_watch(service):
         assert watched[-1] == {"real"}
         assert set(directory._watcher.request.names) == {"real"}
         assert len(directory._watched) == 1 and not directory._stale
+
+
+def test_logs_never_show_a_lease_id(service, caplog):
+    """Register, renew, a lease revoked under a live registration (renewal
+    answered 0), a replaced lease whose revocation fails once, and expiry: the
+    logs name agents, never a lease id (it proves a name to the service)."""
+    caplog.set_level(logging.DEBUG)
+    store = service.server.store
+    stub = _stub(service.address)
+    leases = []
+    client = MetadataClient(service.address, MetadataOptions(lease_ttl_s=3))
+    registration = Registration(client, lambda: _record("renewer"))
+    try:
+        registration.start()
+        leases.append(registration.lease_id)
+        srv_lease = service.call(store.get("renewer")).lease_id
+        service.call(store.revoke_lease(srv_lease))  # its next renewal is answered 0
+        assert _until(lambda: registration.lease_id not in (None, srv_lease), 20)
+        leases.append(registration.lease_id)
+    finally:
+        registration.stop(unregister=True)
+        client.close()
+    # A replaced lease whose revocation fails once.
+    first = stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("replaced"), ttl_s=300))
+    revoke, failed = store.revoke_lease, threading.Event()
+
+    async def flaky_revoke(lease_id):
+        if lease_id == first.lease_id and not failed.is_set():
+            failed.set()
+            raise StoreError("the store is briefly unavailable")
+        return await revoke(lease_id)
+
+    store.revoke_lease = flaky_revoke
+    second = stub.RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(record=_record("replaced", epoch=8), lease_id=first.lease_id)
+    )
+    assert _until(lambda: failed.is_set() and service.call(store.lease_ttl(first.lease_id)) == 0, 20)
+    # Expiry.
+    short = stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("expiring"), ttl_s=2))
+    assert _until(lambda: service.call(store.get("expiring")) is None, 20)
+    leases += [srv_lease, first.lease_id, second.lease_id, short.lease_id]
+    text = caplog.text.lower()
+    for lease_id in leases:
+        assert lease_id
+        for shown in (f"{lease_id:#x}", f"{lease_id:x}", str(lease_id)):
+            assert shown not in text, f"lease id {shown} is in the logs"
+    for line in (
+        "the lease of agent renewer is gone",
+        "could not revoke the replaced lease of replaced yet",
+        "the lease of expiring expired",
+    ):
+        assert line in caplog.text
