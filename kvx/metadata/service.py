@@ -78,9 +78,13 @@ class ServiceLimits:
     max_watch_streams:  WatchAgents streams open at once; one more is refused
                         with RESOURCE_EXHAUSTED. Sized for one per agent
                         that resolves peers: an idle watch of a few names
-                        costs the service about 28 KiB (measured), 4,096 of
-                        them about 110 MiB. A watch's names: at most
-                        MAX_WATCH_NAMES (the proto's bound, not a setting).
+                        costs the service about 28 KiB (measured), and each
+                        name about 0.9 KiB more: a watch of MAX_WATCH_NAMES
+                        (4,096, the proto's bound, not a setting) of the
+                        longest names about 3.4 MiB of RSS, so the default
+                        cap allows about 13.5 GiB of such watches. Where
+                        clients may name that many, set it to the memory
+                        budget for watches / 3.4 MiB (600 for 2 GiB).
     watch_queue_events: changes queued for one watch stream; a watcher this
                         far behind is cut off with RESOURCE_EXHAUSTED (it
                         watches again and resynchronises).
