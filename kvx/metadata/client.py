@@ -49,6 +49,8 @@ _HELD_RETRY_MAX_S = 310.0
 _HELD_WARN_EVERY_S = 60.0
 # Leases per KeepAlive message (the service refuses more: proto/kvx/v1/metadata.proto).
 MAX_LEASES_PER_MESSAGE = 1024
+# The most names one watch may name (WatchAgentsRequest.names; the proto's bound).
+MAX_WATCH_NAMES = 4096
 # KeepAlive messages sent and not yet answered past which a renewal round is skipped.
 _MAX_UNANSWERED_MESSAGES = 256
 
@@ -184,6 +186,7 @@ class Registration:
         # The last lease granted, kept through outages: it proves to the service that the
         # live record (if it is still there) is ours.
         self._proof = 0
+        self.name = ""  # the registered record's name (logs name it, never its lease id)
         self._held_since: float | None = None  # the name is held by another lease since then
         self._held_warned = 0.0
         self._lock = threading.Lock()  # one registration call at a time
@@ -253,7 +256,9 @@ class Registration:
 
     def _register(self) -> None:
         with self._lock:
-            response = self.client.register(self.build_record(), self.ttl_s, self._proof)
+            record = self.build_record()
+            response = self.client.register(record, self.ttl_s, self._proof)
+            self.name = record.name
             self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
             self._held_since = None
@@ -501,12 +506,26 @@ class _Renewer:
                         self._changed.set()
                 for (registration, lease_id), ttl in zip(chunk, ttls, strict=False):
                     if ttl == 0:
-                        logger.warning("lease %#x is gone (expired or revoked); registering again", lease_id)
+                        # The agent's name, not the lease id: a log reader must not learn
+                        # a lease id (it proves ownership of a name to the service).
+                        logger.warning(
+                            "the lease of agent %s is gone (expired or revoked); registering again",
+                            registration.name,
+                        )
                         self._forget(registration, lease_id)
         finally:
             ended.set()
             stream.cancel()
             self._stream = None
+
+
+def _refuses_names(exc: grpc.RpcError) -> bool:
+    """A watch of names refused for its names (too many, or a message too large for the
+    service), not for a reason a watch of every agent would share (the stream cap)."""
+    code = exc.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return True
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "watch streams" not in (exc.details() or "")
 
 
 class Watcher:
@@ -517,6 +536,10 @@ class Watcher:
     watch on another set of names (its snapshot comes again too). Before each
     SYNCED is passed on, ``snapshot_names`` holds the names of that snapshot's
     records: a watched name missing from it is absent from the service.
+
+    A service that refuses a watch of names (too many or too long for it)
+    is watched whole instead, with a warning: ``names_refused`` is set, and
+    ``watch_names`` watches every agent from then on.
     """
 
     def __init__(
@@ -534,6 +557,7 @@ class Watcher:
         )
         self.synced = threading.Event()  # the current request's snapshot has been passed on
         self.snapshot_names: frozenset[str] = frozenset()
+        self.names_refused = False  # the service refused a watch of names: every agent is watched
         self._lock = threading.Lock()
         self._generation = 0  # counts watch_names calls: a stream of an older one is cut short
         self._stop = threading.Event()
@@ -548,7 +572,9 @@ class Watcher:
         with self._lock:
             self._generation += 1
             self.request = metadata_pb2.WatchAgentsRequest(
-                role=self.request.role, labels=self.request.labels, names=sorted(set(names))
+                role=self.request.role,
+                labels=self.request.labels,
+                names=() if self.names_refused else sorted(set(names)),
             )
             self.synced.clear()
             stream = self._stream
@@ -566,9 +592,10 @@ class Watcher:
                     request, metadata=self.client.call_metadata
                 )
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
+            answered = False
             try:
                 for event in stream:
-                    attempt = 0
+                    attempt, answered = 0, True
                     if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT and present is not None:
                         present.add(event.record.name)
                     synced = event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
@@ -588,11 +615,31 @@ class Watcher:
                     return
                 if generation != self._generation:
                     continue  # cut short by watch_names: watch again now, not after a backoff
+                if not answered and request.names and _refuses_names(exc):
+                    self._watch_all(generation, len(request.names), exc)
+                    continue
                 if attempt == 0:
                     logger.warning("watch of the metadata service ended (%s); reconnecting", exc.code())
             self._wake.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             self._wake.clear()
             attempt += 1
+
+    def _watch_all(self, generation: int, names: int, exc: grpc.RpcError) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            self.names_refused = True
+            self.request = metadata_pb2.WatchAgentsRequest(role=self.request.role, labels=self.request.labels)
+        logger.warning(
+            "the metadata service at %s refused a watch of %d names (%s: %s); watching every "
+            "agent instead, which costs the service more: a kvx metadata service takes up to "
+            "%d names of any valid length in one watch",
+            self.client.target,
+            names,
+            exc.code(),
+            exc.details(),
+            MAX_WATCH_NAMES,
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -10,8 +10,13 @@ it costs the service what the peers cost, not what the registry costs. A
 name resolved for the first time restarts the watch with the larger set of
 names before the name is looked up; a change that lands while the watch
 restarts is in the new watch's snapshot (a peer missing from it is marked
-stale too). Past ``MAX_WATCHED_NAMES`` peers the watch covers every agent:
-dropping the oldest peers instead would leave their restarts unseen.
+stale too). A snapshot's record marks its peer stale only when it is not
+the record this agent knows (another revision or epoch): a restart of the
+watch for one new peer costs no lookups of the others. Past
+``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
+peers instead would leave their restarts unseen. A name that no agent has
+(its lookup found none) leaves the watch's names. A service that refuses the
+watch of names is watched whole (see ``Watcher``), with a warning.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvx.errors import ConfigError, ConnectError
-from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.metadata.client import MAX_WATCH_NAMES, MetadataClient, MetadataOptions, Registration, Watcher
 from kvx.metadata.roles import ROLES
 from kvx.v1 import metadata_pb2
 
@@ -34,7 +39,7 @@ _DELETE = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
 _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
 _SYNCED = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
 # The most names one watch may name (WatchAgentsRequest.names); past it, every agent is watched.
-MAX_WATCHED_NAMES = 4096
+MAX_WATCHED_NAMES = MAX_WATCH_NAMES
 
 
 class Directory:
@@ -95,6 +100,7 @@ class Directory:
         for _ in range(5):
             record = self.client.get(name)
             if record is None:
+                self._forget(name, cached)
                 raise ConnectError(
                     f"no agent named {name!r} is registered with the metadata service at {self.client.target}"
                 )
@@ -104,6 +110,8 @@ class Directory:
                     continue
                 self._stale.discard(name)
                 self._known[name] = record.epoch
+                # The watch's snapshot of this record, if it comes later, is no news.
+                self._seen_revision[name] = max(self._seen_revision.get(name, 0), record.revision)
             return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
@@ -118,10 +126,10 @@ class Directory:
             watcher = self._watcher
             if watcher is None:
                 watcher = self._watcher = Watcher(self.client, self._on_event, names=names)
-            elif watcher.request.names or len(self._watched) <= MAX_WATCHED_NAMES:
-                watcher.watch_names(names)
-            else:
+            elif watcher.names_refused or (not watcher.request.names and not names):
                 return  # it already watches every agent
+            else:
+                watcher.watch_names(names)
         watcher.synced.wait(self.client.options.timeout_s)
 
     def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:
@@ -132,7 +140,12 @@ class Directory:
             return
         name, epoch = event.record.name, event.record.epoch
         with self._lock:
-            self._stale.add(name)  # regions may have changed, or the agent is gone
+            # Regions may have changed, or the agent is gone. A PUT of the very record
+            # this agent knows (a restarted watch's snapshot) changes nothing.
+            if event.type == _DELETE or (
+                event.revision != self._seen_revision.get(name) or epoch != self._known.get(name)
+            ):
+                self._stale.add(name)
             self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             if event.type == _PUT:
                 self._known[name] = epoch
@@ -149,6 +162,18 @@ class Directory:
                     epoch,
                 )
                 self.agent._replace_stale_peer(name, epoch)
+
+    def _forget(self, name: str, cached: Peer | None) -> None:
+        """``name`` has no agent: it leaves the watch's names (the next watch restart
+        drops it). A cached peer of that name stays stale until a lookup finds it."""
+        with self._lock:
+            self._watched.discard(name)
+            self._known.pop(name, None)
+            self._seen_revision.pop(name, None)
+            if cached is None:
+                self._stale.discard(name)
+            else:
+                self._stale.add(name)
 
     def _mark_missing_stale(self) -> None:
         """A watched peer missing from a new watch's snapshot went away while no watch

@@ -60,6 +60,12 @@ RETRY_AFTER_KEY = "kvx-retry-after-ms"
 MAX_KEEP_ALIVE_LEASES = 1024
 # WatchAgentsRequest.names: at most this many (the proto's bound).
 MAX_WATCH_NAMES = 4096
+# The longest valid agent name (kvx.config.check_name), in bytes (ASCII only).
+_MAX_NAME_BYTES = 128
+# The largest valid names list of a WatchAgentsRequest, encoded: a tag byte, a
+# two-byte length and the name, per name (536,576 bytes). Role and labels fit in
+# the receive limit's 64 KiB of slack.
+MAX_WATCH_NAMES_BYTES = MAX_WATCH_NAMES * (1 + 2 + _MAX_NAME_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +78,13 @@ class ServiceLimits:
     max_watch_streams:  WatchAgents streams open at once; one more is refused
                         with RESOURCE_EXHAUSTED. Sized for one per agent
                         that resolves peers: an idle watch of a few names
-                        costs the service about 28 KiB (measured), 4,096 of
-                        them about 110 MiB. A watch's names: at most
-                        MAX_WATCH_NAMES (the proto's bound, not a setting).
+                        costs the service about 28 KiB (measured), and each
+                        name about 0.9 KiB more: a watch of MAX_WATCH_NAMES
+                        (4,096, the proto's bound, not a setting) of the
+                        longest names about 3.4 MiB of RSS, so the default
+                        cap allows about 13.5 GiB of such watches. Where
+                        clients may name that many, set it to the memory
+                        budget for watches / 3.4 MiB (600 for 2 GiB).
     watch_queue_events: changes queued for one watch stream; a watcher this
                         far behind is cut off with RESOURCE_EXHAUSTED (it
                         watches again and resynchronises).
@@ -298,7 +308,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             if current is not None and current.lease_id and current.lease_id != lease_id:
                 # The old lease holds no record any more; revoking it tells the old
                 # holder (its keep-alives get ttl 0). Retried until it goes through.
-                self._revoke_later(current.lease_id)
+                self._revoke_later(current.lease_id, record.name)
             self.metrics.registrations.inc()
             logger.info(
                 "registered %s epoch %#x role %s",
@@ -309,7 +319,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
 
-    def _revoke_later(self, lease_id: int) -> None:
+    def _revoke_later(self, lease_id: int, name: str) -> None:
         async def revoke() -> None:
             for attempt in range(120):
                 try:
@@ -317,9 +327,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     return
                 except StoreError as exc:
                     if attempt == 0:
-                        logger.warning("could not revoke replaced lease %#x yet: %s", lease_id, exc)
+                        logger.warning("could not revoke the replaced lease of %s yet: %s", name, exc)
                     await asyncio.sleep(1.0)
-            logger.error("gave up revoking replaced lease %#x; it expires unless renewed", lease_id)
+            logger.error("gave up revoking the replaced lease of %s; it expires unless renewed", name)
 
         task = asyncio.ensure_future(revoke())
         self._background.add(task)
@@ -535,6 +545,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             self.watch_streams -= 1
 
 
+def max_receive_bytes(limits: ServiceLimits) -> int:
+    """The largest request the service reads: the largest valid record, or the
+    largest valid watch of names (602,112 bytes with the default limits), and
+    64 KiB for the rest of the message."""
+    return max(limits.max_record_bytes, MAX_WATCH_NAMES_BYTES) + 64 * 1024
+
+
 def _not_found(name: str) -> Refused:
     return Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
 
@@ -618,7 +635,7 @@ class MetadataServer:
                 f"metadata service listen address {self.listen!r}: expected host:port, e.g. 127.0.0.1:50051"
             ) from None
         options = [
-            ("grpc.max_receive_message_length", self.limits.max_record_bytes + 64 * 1024),
+            ("grpc.max_receive_message_length", max_receive_bytes(self.limits)),
             ("grpc.so_reuseport", 0),
             # kvx's clients ping every 5 s, also while idle (kvx/metadata/client.py): accept
             # that, instead of gRPC's default of one ping in 5 min without data, past which a

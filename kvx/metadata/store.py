@@ -297,7 +297,7 @@ class MemoryStore(Store):
             return None
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise StoreError(f"lease {lease_id:#x} does not exist (expired?)")
+            raise StoreError(f"the lease for {record.name!r} does not exist (expired?)")
         if current is not None:
             old = self._leases.get(current.lease_id)
             if old is not None:
@@ -459,7 +459,8 @@ class MemoryStore(Store):
             if lease.deadline > now:
                 heapq.heappush(heap, (lease.deadline, lease_id))  # renewed meanwhile
                 continue
-            logger.info("lease %#x expired", lease_id)
+            # The names, never the lease id: a log reader must not learn what proves a name.
+            logger.info("the lease of %s expired", _names_for_log(lease.names))
             self.expired_leases += 1
             await self.revoke_lease(lease_id)
 
@@ -468,6 +469,12 @@ class MemoryStore(Store):
         # fall due: rebuild from the live leases (O(n), at most once per n grants).
         self._expiry_heap = [(lease.deadline, lease_id) for lease_id, lease in self._leases.items()]
         heapq.heapify(self._expiry_heap)
+
+
+def _names_for_log(names: Collection[str], most: int = 8) -> str:
+    shown = sorted(names)[:most]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return (", ".join(shown) or "no agent") + more
 
 
 def encode_answer(record: AgentRecord) -> bytes:
