@@ -32,11 +32,19 @@ class TrackedLease:
         self.takeover_until = 0.0
         self.due = 0  # the second its expiry check is scheduled for (0: none)
 
-    def must_forward(self, now: float, takeover_s: float) -> bool:
+    def take_over(self, now: float, extra_s: float) -> None:
+        """Forward every renewal for a kvx ttl (+ ``extra_s``) from ``now``: the replica
+        that renewed it before checks it at most that long after its last renewal
+        there, and must find in etcd a forward of ours later than its own by more
+        than etcd's 1 s granularity. At any ttl the agent renews (every ttl/3) in that
+        window at least once that late."""
+        self.takeover_until = now + self.ttl_s + extra_s
+
+    def must_forward(self, now: float, extra_s: float) -> bool:
         if now - self.renewed > self.ttl_s / 2:
             # A gap: the agent renewed at another replica meanwhile (or stalled). Tell
             # etcd, so that the other replica sees the lease move here.
-            self.takeover_until = now + takeover_s
+            self.take_over(now, extra_s)
         return now < self.takeover_until or now - self.forwarded >= self.etcd_ttl_s / 3
 
 

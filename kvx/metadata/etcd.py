@@ -8,7 +8,9 @@ at it (both rebuilt by themselves after a restart). How the store maps onto etcd
   (``max(ttl, backstop_s)``, 60 s by default): LeaseGrant with a random id of
   ours (etcd's own ids count up and can be guessed; a lease id is the
   registrant's proof of holding its name); 52 of its bits are random, bits 1-9
-  carry the kvx ttl, so that any replica knows which ttl to enforce. The kvx
+  carry the kvx ttl, so that any replica knows which ttl to enforce, and bit 62
+  is set (ids of older kvx versions, whose etcd ttl was the kvx ttl, have no
+  mark: their etcd ttl is taken as their kvx ttl, never shorter). The kvx
   ttl is enforced by the replica the agent renews at (see "Leases" below);
   LeaseRevoke deletes the lease's keys;
 * a record is the key ``prefix + name``, valued the serialized ``AgentRecord``
@@ -54,15 +56,26 @@ answered from memory; it is forwarded to etcd (LeaseKeepAlive, over one
 long-lived stream) only when this replica's last forward of that lease is a
 third of its etcd ttl old, when the replica does not track the lease yet (the
 forward also tells whether it exists: 0 if not), after a gap of more than half
-the kvx ttl since its last renewal here, and for ``TAKEOVER_S`` after taking a
-lease over. ``keep_alive_many`` costs one round trip per lease so forwarded and
-none for the rest: at 100,000 agents renewing every ttl/3, etcd hears about
+the kvx ttl since its last renewal here, and for the kvx ttl plus
+``TAKEOVER_EXTRA_S`` after taking a lease over (so that a forward of ours lands
+in etcd more than its 1 s granularity after the old replica's last one, before
+that replica's check: at the agent's pace of ttl/3, whatever the ttl). Only
+leases of ours are forwarded: tracked ones, and those holding a key under the
+prefix (the mirror's records tell; else LeaseTimeToLive with its keys, one
+more round trip): any other id, another application's etcd lease included,
+is answered 0 and never renewed, tracked or revoked. At most ``FORWARDS_MAX``
+leases are forwarded or checked at once; a batch that would pass it is refused
+with StoreError (UNAVAILABLE to the client, which retries) rather than answered
+0 (which would make a live agent register again). ``keep_alive_many`` costs one
+round trip per lease so forwarded and none for the rest: at 100,000 agents
+renewing every ttl/3, etcd hears about
 one renewal per lease per backstop/3 instead of every one. When a tracked
 lease's kvx deadline passes unrenewed here (plus ``EXPIRY_GRACE_S``), the
 replica asks etcd (LeaseTimeToLive): if the lease's remaining etcd ttl is more
 than it can be had nobody forwarded a renewal since our last one, the agent
 renews at another replica now, and this replica stops tracking it; otherwise
-it revokes the lease (its records go, as before). ``lease_ttl`` answers the kvx
+it revokes the lease (its records go, as before), if it still holds a key
+under the prefix (else it is left to its etcd ttl). ``lease_ttl`` answers the kvx
 remaining time for a tracked lease (at least 1 s past its deadline, until the
 check decides) and etcd's remaining time for others: up to the backstop,
 since only the replica renewing it knows its kvx deadline. What this changes:
@@ -74,9 +87,11 @@ since only the replica renewing it knows its kvx deadline. What this changes:
   up to etcd's remaining time (the backstop at most) for its name, not its ttl;
 * while etcd is unreachable renewals fail as before (the mirror is not
   synced then, and every renewal is forwarded);
-* with the shortest ttls (2 s) a move in the first second after the old
-  replica's last forward can look like a death: the lease is revoked, the
-  agent registers again (its renewal answers 0).
+* after an etcd leader change (etcd resets every lease's remaining ttl) the
+  check cannot tell a move from a death for a while: agents that died then
+  linger until the backstop;
+* a move costs up to (ttl + ``TAKEOVER_EXTRA_S``) / (ttl / 3) + 1 forwards
+  (5 at ttl 10), once.
 
 ``expired_leases`` counts the distinct revisions (one per expired lease) of
 the DELETE events this instance's watches (the mirror's included) see that its
@@ -90,6 +105,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import hashlib
 import logging
 import math
 import secrets
@@ -120,13 +136,21 @@ WATCH_IDLE_CHECK_S = 10.0
 # The etcd lease behind a kvx lease lives at least this long unless renewed
 # (``EtcdStore(backstop_s=...)``, ``kvx metadata --etcd-lease-backstop-s``).
 BACKSTOP_S = 60
-# A replica that starts tracking a lease renewed elsewhere before (a takeover)
-# forwards every renewal of it for this long, so that the replica that tracked
-# it before sees, through the etcd lease's remaining ttl, that it moved.
-TAKEOVER_S = 2.0
 # A tracked lease is checked this long after its kvx deadline passed unrenewed.
 EXPIRY_GRACE_S = 1.0
 EXPIRY_TICK_S = 0.25
+# A replica that starts tracking a lease renewed elsewhere before (a takeover)
+# forwards every renewal of it for its kvx ttl plus this: until past the check of
+# the replica that tracked it before (due at the second after its deadline + the
+# grace, run at the next tick), which then sees the lease move through the etcd
+# lease's remaining ttl.
+TAKEOVER_EXTRA_S = EXPIRY_GRACE_S + 1 + EXPIRY_TICK_S
+# Leases being forwarded to etcd (or checked there) at once, by all callers; a
+# batch that would pass it is refused with StoreError (UNAVAILABLE: the client
+# retries), so that random ids cannot pin memory or delay real forwards past the
+# timeout (which drops the connection). One full batch (1,025 ids) fits; 2,048
+# round trips take about 0.4 s on a 2-core machine.
+FORWARDS_MAX = 2048
 # LeaseTimeToLive checks of expired-looking leases in flight at once.
 EXPIRY_CHECKS_MAX = 256
 # Leases one replica tracks; past it, renewals of other leases are forwarded
@@ -137,9 +161,11 @@ MIRROR_QUEUE_RESPONSES = 10_000
 # Names written here whose change the mirror has not seen yet; past it the
 # mirror reloads (reads go to etcd meanwhile).
 PENDING_WRITES_MAX = 65_536
-# The kvx ttl rides in bits 1-9 of the lease ids we grant (see grant_lease).
+# The kvx ttl rides in bits 1-9 of the lease ids we grant (see grant_lease), and
+# bit 62 tells such ids from those of older kvx versions (62 random bits or etcd's).
 _TTL_BITS = 9
 _TTL_MASK = (1 << _TTL_BITS) - 1
+_TTL_MARK = 1 << 62
 # Gets per transaction of a names watch's snapshot: etcd's default --max-txn-ops is 128.
 _TXN_GETS = 128
 # gRPC codes after which the connection is dropped and the next call reconnects.
@@ -215,6 +241,7 @@ class EtcdStore(Store):
         self._next_due = 0
         self.renewals = 0  # kvx renewals asked of this store
         self.forwarded_keep_alives = 0  # etcd LeaseKeepAlives they cost
+        self._forwards = 0  # leases being forwarded or checked now (FORWARDS_MAX)
         # The read mirror: every record under the prefix, fed by a watch.
         self._mirror: dict[str, AgentRecord] = {}
         self._mirror_synced = False
@@ -269,7 +296,7 @@ class EtcdStore(Store):
         for _ in range(4):  # a clash of two random 52-bit ids is all but impossible; bounded anyway
             # The kvx ttl rides in the id (0: too long to fit), so that a replica the
             # agent moves to knows which ttl to enforce; 52 random bits stay secret.
-            lease_id = secrets.randbits(62 - _TTL_BITS - 1) << (_TTL_BITS + 1)
+            lease_id = secrets.randbits(62 - _TTL_BITS - 1) << (_TTL_BITS + 1) | _TTL_MARK
             lease_id |= (ttl_s if 0 < ttl_s <= _TTL_MASK else 0) << 1 | 1
             try:
                 response = await self._call(
@@ -321,24 +348,64 @@ class EtcdStore(Store):
         healthy = self._healthy()
         for i, lease_id in enumerate(lease_ids):
             lease = self._leases.get(lease_id)
-            if lease is None or not healthy or lease.must_forward(now, TAKEOVER_S):
+            if lease is None or not healthy or lease.must_forward(now, TAKEOVER_EXTRA_S):
                 forward.setdefault(lease_id, []).append(i)
             else:
                 self._renewed(lease, now)
                 ttls[i] = lease.ttl_s
-        if forward:
-            ids = list(forward)
-            self.forwarded_keep_alives += len(ids)
+        if not forward:
+            return ttls
+        if self._forwards + len(forward) > FORWARDS_MAX:
+            raise StoreError(
+                f"{self._forwards} lease renewals wait for etcd already (at most {FORWARDS_MAX}); "
+                "retry in a moment"
+            )
+        self._forwards += len(forward)
+        try:
+            replies = await self._forward(list(forward), healthy)
+        finally:
+            self._forwards -= len(forward)
+        replied = time.monotonic()
+        for lease_id, etcd_ttl_s in replies.items():
+            ttl = self._forwarded(lease_id, etcd_ttl_s, now, replied)
+            for i in forward[lease_id]:
+                ttls[i] = ttl
+        return ttls
+
+    async def _forward(self, ids: list[int], healthy: bool) -> dict[int, int]:
+        """etcd's ttl for each lease of ``ids`` after a LeaseKeepAlive, 0 for those that
+        do not exist. Only leases of ours are renewed: those tracked here and those
+        holding a key under our prefix. Any other id (another application's lease on
+        the same etcd, or a guess) is answered 0 and left alone."""
+        out = dict.fromkeys(ids, 0)
+        ours = [i for i in ids if i in self._leases or (healthy and i in self._lease_names)]
+        unsure = [i for i in ids if i not in self._leases and not (healthy and i in self._lease_names)]
+        if unsure:  # not in the mirror (yet: maybe registered at another replica a moment ago)
+            held = await self._call(
+                "lease check",
+                lambda c, rpc: asyncio.gather(*(self._holds_our_keys(c, rpc, i) for i in unsure)),
+            )
+            ours += [i for i, ok in zip(unsure, held, strict=True) if ok]
+        if ours:
+            self.forwarded_keep_alives += len(ours)
             replies = await self._call(
                 "lease keep-alive",
-                lambda c, rpc: asyncio.gather(*(self._renewals.renew(c, rpc, i) for i in ids)),
+                lambda c, rpc: asyncio.gather(*(self._renewals.renew(c, rpc, i) for i in ours)),
             )
-            replied = time.monotonic()
-            for lease_id, etcd_ttl_s in zip(ids, replies, strict=True):
-                ttl = self._forwarded(lease_id, etcd_ttl_s, now, replied)
-                for i in forward[lease_id]:
-                    ttls[i] = ttl
-        return ttls
+            out.update(zip(ours, replies, strict=True))
+        return out
+
+    async def _holds_our_keys(self, client, rpc, lease_id: int) -> bool:
+        """Whether lease ``lease_id`` exists and holds a key under our prefix."""
+        try:
+            response = await client.leasestub.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True)
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return response.TTL > 0 and any(key.startswith(self._prefix) for key in response.keys)
 
     async def revoke_lease(self, lease_id: int) -> None:
         self._untrack(lease_id)
@@ -582,7 +649,8 @@ class EtcdStore(Store):
         if lease_id not in self._leases and len(self._leases) >= LEASES_TRACKED_MAX:
             return None
         lease = TrackedLease(lease_id, ttl_s, etcd_ttl_s, now)
-        lease.takeover_until = now + TAKEOVER_S if takeover else 0.0
+        if takeover:
+            lease.take_over(now, TAKEOVER_EXTRA_S)
         self._untrack(lease_id)
         self._leases[lease_id] = lease
         self._renewed(lease, now)
@@ -632,9 +700,11 @@ class EtcdStore(Store):
 
     def _kvx_ttl(self, lease_id: int, etcd_ttl_s: int) -> int:
         ttl_s = (lease_id >> 1) & _TTL_MASK
-        # The id of a lease granted with a shorter backstop, or by an older kvx (whose
-        # etcd ttl was the kvx ttl), may carry no ttl: the etcd ttl bounds it then.
-        if 0 < ttl_s <= etcd_ttl_s and etcd_ttl_s >= self._backstop_s:
+        # Only ids we grant carry a ttl (and the mark): ids of an older kvx (whose etcd
+        # ttl was the kvx ttl) do not, nor does a lease granted with another backstop
+        # (its etcd ttl is not max(ttl, backstop)): the etcd ttl is the kvx ttl then,
+        # never shorter than the agent renews at.
+        if lease_id & _TTL_MARK and 0 < ttl_s <= etcd_ttl_s and etcd_ttl_s in (ttl_s, self._backstop_s):
             return ttl_s
         return etcd_ttl_s
 
@@ -663,34 +733,51 @@ class EtcdStore(Store):
         try:
             response = await self._call(
                 "lease ttl",
-                lambda c, rpc: c.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id)),
+                lambda c, rpc: c.leasestub.LeaseTimeToLive(
+                    rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True)
+                ),
             )
             remaining_s, granted_s = int(response.TTL), int(response.grantedTTL)
+            ours = any(key.startswith(self._prefix) for key in response.keys)
         except StoreError as e:
             if _code(e.__cause__) != "NOT_FOUND":
                 if self._leases.get(lease_id) is lease and not lease.due:
                     self._schedule(lease, math.ceil(time.monotonic()) + 1)  # etcd is away: ask again
                 return
             remaining_s = granted_s = -1
+            ours = False
         if self._leases.get(lease_id) is not lease or lease.deadline + EXPIRY_GRACE_S > time.monotonic():
             return  # renewed here meanwhile
         self._untrack(lease_id)
         if remaining_s <= 0:
             return  # gone already
+        if not ours:  # none of our keys (any more): never revoke what may be another's
+            logger.debug("%s holds no record; left to its etcd ttl", self._label(lease_id))
+            return
         # Nobody else renewed it since our last forward: etcd's remaining time is at
         # most this (truncated, and etcd reset it before our forward's reply came).
         if remaining_s > granted_s - (sent - lease.forwarded):
-            logger.debug("lease %#x is renewed at another replica now", lease_id)
+            logger.debug("%s is renewed at another replica now", self._label(lease_id))
             return
-        logger.info("lease %#x expired", lease_id)
+        logger.info("%s expired", self._label(lease_id))
         self.expired_leases += 1  # before its records' DELETE events reach any watcher
         try:
             await self.revoke_lease(lease_id)
         except StoreError as e:
-            logger.warning("could not revoke expired lease %#x (%s); asking again", lease_id, e)
+            logger.warning("could not revoke expired %s (%s); asking again", self._label(lease_id), e)
             self.expired_leases -= 1
             self._leases.setdefault(lease_id, lease)
             self._schedule(lease, math.ceil(time.monotonic()) + 1)
+
+    def _label(self, lease_id: int) -> str:
+        """A lease for the logs: its records' names, or a tag; never its id (a lease
+        id is its holder's proof: whoever reads it could take the holder's names)."""
+        names = sorted(self._lease_names.get(lease_id, ()))
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            return f"the lease of {', '.join(map(repr, names[:3]))}{more}"
+        tag = hashlib.blake2s(lease_id.to_bytes(8, "little", signed=True), digest_size=4).hexdigest()
+        return f"lease tag {tag}"
 
     # Internals.
 

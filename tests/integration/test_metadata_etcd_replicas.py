@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import secrets
 import time
 
 import pytest
 
-from kvx.metadata.etcd import EXPIRY_GRACE_S, TAKEOVER_S, EtcdStore
-from kvx.metadata.store import AgentRecord
+from kvx.metadata.etcd import EXPIRY_GRACE_S, FORWARDS_MAX, TAKEOVER_EXTRA_S, EtcdStore
+from kvx.metadata.store import AgentRecord, StoreError
 from tests.conftest import native_pass_only
 
 pytestmark = [pytest.mark.slow, native_pass_only]
@@ -170,23 +172,32 @@ def test_renewals_reach_etcd_a_few_times_per_backstop(etcd_server):
 def test_keep_alive_many_answers_gone_and_duplicate_leases(etcd_server):
     async def body():
         async with replicas(etcd_server, count=2, backstop_s=20) as (a, b):
-            live, gone = await a.grant_lease(6), await a.grant_lease(6)
+            live, gone = await a.grant_lease(2), await a.grant_lease(2)
+            await a.put_if(record("live"), live, 0)
             await a.revoke_lease(gone)
+            await until(lambda: live in b._lease_names, 5, "b's mirror to see live")
             forwarded = b.forwarded_keep_alives
-            # b tracks neither: one etcd round trip for each distinct lease, none for repeats.
-            assert await b.keep_alive_many([live, gone, live, 0x7777_0000_0001]) == [6, 0, 6, 0]
-            assert b.forwarded_keep_alives - forwarded == 3
-            await asyncio.sleep(
-                TAKEOVER_S + 0.2
-            )  # b forwards every renewal of a lease it took over for a while
-            assert await b.keep_alive_many([live, live]) == [6, 6]
-            assert b.forwarded_keep_alives - forwarded == 3  # tracked now, answered here
-            assert 0 < await b.lease_ttl(live) <= 6 and await b.lease_ttl(gone) == 0
+            # b tracks neither: one etcd round trip for each distinct lease of ours, none
+            # for repeats, none for an id that is not a lease (or not ours).
+            assert await b.keep_alive_many([live, gone, live, 0x7777_0000_0001]) == [2, 0, 2, 0]
+            assert b.forwarded_keep_alives - forwarded == 1
+            # b forwards every renewal of a lease it took over for its ttl and a bit more.
+            started = time.monotonic()
+            while time.monotonic() - started < 2 + TAKEOVER_EXTRA_S + 0.3:
+                assert await b.keep_alive(live) == 2
+                await asyncio.sleep(0.5)
+            forwarded = b.forwarded_keep_alives
+            assert await b.keep_alive_many([live, live]) == [2, 2]
+            assert b.forwarded_keep_alives == forwarded  # tracked now, answered here
+            assert 0 < await b.lease_ttl(live) <= 2 and await b.lease_ttl(gone) == 0
+            assert a.expired_leases == 0 and live not in a._leases  # a saw it move
 
     run(body())
 
 
-def test_unrenewed_lease_expires_at_its_replica_long_before_the_backstop(etcd_server):
+def test_unrenewed_lease_expires_at_its_replica_long_before_the_backstop(etcd_server, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvx.metadata.etcd")
+
     async def body():
         async with replicas(etcd_server, backstop_s=60) as (a, b):
             kept, dying = await a.grant_lease(2), await a.grant_lease(2)
@@ -204,6 +215,11 @@ def test_unrenewed_lease_expires_at_its_replica_long_before_the_backstop(etcd_se
             assert await a.keep_alive(dying) == 0 and await b.keep_alive(dying) == 0
             assert await a.lease_ttl(dying) == 0 and await b.lease_ttl(dying) == 0
             assert [r.name for r in await b.list()] == ["kept"]
+            # The logs name the expired lease by its record, never by its id (the
+            # holder's proof: a reader of the logs could take the name with it).
+            assert "'dying' expired" in caplog.text
+            for lease in (kept, dying):
+                assert f"{lease:x}" not in caplog.text.lower() and str(lease) not in caplog.text
 
     run(body())
 
@@ -227,6 +243,117 @@ def test_lease_renewed_only_at_another_replica_is_not_revoked(etcd_server):
                 await asyncio.sleep(0.6)
             assert lease not in b._leases and b.expired_leases == 0
             assert await b.get("mover") is not None
+
+    run(body())
+
+
+def test_lease_moved_right_after_its_grant_is_not_revoked_at_the_default_ttl(etcd_server):
+    """Registered at one replica, renewed at another from the start (the client's
+    renewer has its own channel, which a load balancer may send elsewhere), at the
+    client's pace of ttl/3 with the default ttl and backstop."""
+
+    async def body():
+        async with replicas(etcd_server) as (a, b):
+            lease = await a.grant_lease(10)  # a tracks it from the grant
+            await a.put_if(record("split"), lease, 0)
+            answers = []
+            started = time.monotonic()
+            while time.monotonic() - started < 10 + EXPIRY_GRACE_S + 5:  # past a's check
+                answers.append(await b.keep_alive(lease))
+                assert answers[-1] == 10, f"the lease was lost: {answers}"
+                await asyncio.sleep(10 / 3)
+            assert a.expired_leases == 0 and lease not in a._leases  # a let it go
+            assert await a.get("split") is not None and await b.get("split") is not None
+
+    run(body())
+
+
+async def _raw(store: EtcdStore, what: str, fn):
+    return await store._call(what, lambda client, rpc: fn(client, rpc))
+
+
+def test_foreign_etcd_lease_is_never_renewed_or_revoked(etcd_server):
+    """Another application's lease on the same etcd, whose id looks like one of ours
+    (mark and kvx ttl bits): renewals of it are answered 0, and its key stays."""
+
+    async def body():
+        async with replicas(etcd_server, backstop_s=20) as (a, b):
+            foreign = 1 << 62 | secrets.randbits(52) << 10 | 2 << 1 | 1  # "kvx ttl 2"
+            await _raw(
+                a, "grant", lambda c, rpc: c.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=30, ID=foreign))
+            )
+            await _raw(a, "put", lambda c, rpc: c.kvstub.Put(
+                rpc.PutRequest(key=b"/other-app/key", value=b"v", lease=foreign)))  # fmt: skip
+            # A lease of ours that holds only another application's key is not revoked either.
+            bare = await a.grant_lease(2)
+            await _raw(a, "put", lambda c, rpc: c.kvstub.Put(
+                rpc.PutRequest(key=b"/other-app/bare", value=b"v", lease=bare)))  # fmt: skip
+            started = time.monotonic()
+            while time.monotonic() - started < 2 + EXPIRY_GRACE_S + 3:  # past any check of a kvx ttl 2
+                assert await b.keep_alive_many([foreign, foreign]) == [0, 0]
+                assert await a.keep_alive(foreign) == 0
+                await asyncio.sleep(0.6)
+            assert foreign not in a._leases and foreign not in b._leases
+            assert a.expired_leases == 0 and b.expired_leases == 0
+            for key in (b"/other-app/key", b"/other-app/bare"):
+                got = await _raw(a, "get", lambda c, rpc, k=key: c.kvstub.Range(rpc.RangeRequest(key=k)))
+                assert got.kvs, f"{key!r} was deleted"
+            ttl = await _raw(a, "ttl", lambda c, rpc: c.leasestub.LeaseTimeToLive(
+                rpc.LeaseTimeToLiveRequest(ID=foreign)))  # fmt: skip
+            assert 0 < ttl.TTL <= 30 - 5 + 1, "the foreign lease was renewed"
+
+    run(body())
+
+
+def test_flood_of_random_lease_ids_stays_bounded(etcd_server):
+    """One caller sends many batches of random ids at once: at most FORWARDS_MAX
+    are checked in etcd at a time, the rest refused at once; renewals of real
+    leases are still answered and the etcd connection is kept."""
+
+    async def body():
+        async with replicas(etcd_server, backstop_s=20) as (a, b):
+            moved = await a.grant_lease(30)
+            await a.put_if(record("moved"), moved, 0)
+            local = await b.grant_lease(30)
+            await b.put_if(record("local"), local, 0)
+            in_flight = [0, 0]  # now, peak
+
+            def counted(fn):
+                async def wrapper(*args):
+                    in_flight[0] += 1
+                    in_flight[1] = max(in_flight)
+                    try:
+                        return await fn(*args)
+                    finally:
+                        in_flight[0] -= 1
+
+                return wrapper
+
+            b._renewals.renew = counted(b._renewals.renew)  # type: ignore[method-assign]
+            b._holds_our_keys = counted(b._holds_our_keys)  # type: ignore[method-assign]
+            client = b._client
+            refused = answered = 0
+
+            async def flood():
+                nonlocal refused, answered
+                for _ in range(2):
+                    ids = [secrets.randbits(62) | 1 for _ in range(1024)]
+                    try:
+                        assert await b.keep_alive_many(ids) == [0] * len(ids)
+                        answered += 1
+                    except StoreError:
+                        refused += 1
+                        await asyncio.sleep(0.05)
+
+            batches = FORWARDS_MAX // 1024 + 2
+            floods = [asyncio.create_task(flood()) for _ in range(batches)]
+            while not all(task.done() for task in floods):
+                assert await b.keep_alive(local) == 30  # answered here, no etcd round trip
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*floods)
+            assert in_flight[1] <= FORWARDS_MAX and refused > 0 and answered > 0, (in_flight, refused)
+            assert b._client is client and b.mirror_synced, b._dropped_for  # no forward timed out
+            assert await b.keep_alive(moved) == 30  # a real forward still goes through
 
     run(body())
 
