@@ -554,6 +554,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="registered agents at most; a new name past it is refused (default: 100000; the memory store holds 100,000 agents in about 450 MiB)",
     )
     meta.add_argument(
+        "--max-registry-bytes",
+        type=_positive,
+        default=512 * 1024 * 1024,
+        help="the registered records' bytes in all, memory store; a registration past it is "
+        "refused (default: 536870912, 512 MiB: with 100,000 agents of a few KiB each, the service "
+        "stays under 2 GiB)",
+    )
+    meta.add_argument(
         "--max-watch-streams",
         type=_positive,
         default=4096,
@@ -740,6 +748,7 @@ def _run_metadata(args: argparse.Namespace) -> int:
         limits=ServiceLimits(
             default_ttl_s=args.default_ttl_s,
             max_agents=args.max_agents,
+            max_registry_bytes=args.max_registry_bytes,
             max_watch_streams=args.max_watch_streams,
         ),
     )

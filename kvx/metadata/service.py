@@ -75,6 +75,11 @@ class ServiceLimits:
     max_agents:         registered agents; one more new name is refused with
                         RESOURCE_EXHAUSTED (approximate under concurrent
                         registrations of new names: they may overshoot by their number).
+    max_registry_bytes: the registered records' encoded bytes, in all, where the
+                        store counts them (memory; etcd has its own quota): a
+                        registration that would go past it is refused with
+                        RESOURCE_EXHAUSTED. Without it, max_agents records of
+                        max_record_bytes each could be made to hold 25 GiB.
     max_watch_streams:  WatchAgents streams open at once; one more is refused
                         with RESOURCE_EXHAUSTED. Sized for one per agent
                         that resolves peers: an idle watch of a few names
@@ -110,6 +115,7 @@ class ServiceLimits:
     max_page_bytes: int = 4 * 1024 * 1024
     max_list_scan: int = 10_000
     max_agents: int = 100_000
+    max_registry_bytes: int = 512 * 1024 * 1024
     max_watch_streams: int = 4096
     watch_queue_events: int = 1000
 
@@ -297,6 +303,17 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     f"{self.limits.max_agents} agents are registered, the most this service takes "
                     "(kvx metadata --max-agents); unregister some, or raise the limit",
                 )
+            held = await self.store.record_bytes()
+            if held is not None:
+                size = record.ByteSize()
+                grows = size - (current.ByteSize() if current is not None else 0)
+                if grows > 0 and held + grows > self.limits.max_registry_bytes:
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the registry holds {held} bytes of records; this one of {size} bytes "
+                        f"would take it past {self.limits.max_registry_bytes} (kvx metadata "
+                        "--max-registry-bytes); unregister some, or raise the limit",
+                    )
             lease_id = await self.store.grant_lease(ttl)
             stored = metadata_pb2.AgentRecord()
             stored.CopyFrom(record)

@@ -121,6 +121,11 @@ class Store(abc.ABC):
     async def count(self) -> int:
         """How many records there are."""
 
+    async def record_bytes(self) -> int | None:
+        """The records' encoded bytes, in all; None where the store does not count
+        them (etcd bounds its own size: --quota-backend-bytes)."""
+        return None
+
     async def count_by_role(self) -> dict[int, int]:
         """How many records there are of each role (``Role`` values; absent: none).
         Read a page at a time here; stores that can keep the counts override it."""
@@ -196,6 +201,7 @@ class MemoryStore(Store):
         # dropped in the same step as the record, so never older than it.
         self._answers: dict[str, bytes] = {}
         self._by_role: dict[int, int] = {}  # records of each role
+        self._bytes = 0  # the records' encoded bytes (as stored, with lease id and revision)
         self._leases: dict[int, _Lease] = {}
         # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
         # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
@@ -282,6 +288,9 @@ class MemoryStore(Store):
     async def count(self) -> int:
         return len(self._records)
 
+    async def record_bytes(self) -> int | None:
+        return self._bytes
+
     async def count_by_role(self) -> dict[int, int]:
         # Kept as records come and go: a /metrics scrape of 100,000 agents must not copy
         # them all on the event loop that answers lookups.
@@ -311,7 +320,9 @@ class MemoryStore(Store):
             bisect.insort(self._names, record.name)
         else:
             self._by_role[current.role] -= 1
+            self._bytes -= current.ByteSize()
         self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
+        self._bytes += stored.ByteSize()
         self._records[record.name] = stored
         self._answers[record.name] = answer
         lease.names.add(record.name)
@@ -397,6 +408,7 @@ class MemoryStore(Store):
         del self._answers[name]
         del self._names[bisect.bisect_left(self._names, name)]
         self._by_role[record.role] -= 1
+        self._bytes -= record.ByteSize()
         lease = self._leases.get(record.lease_id)
         if lease is not None:
             lease.names.discard(name)

@@ -103,3 +103,52 @@ def test_a_metrics_scrape_counts_roles_without_reading_the_records():
         assert metrics.store_collector.by_role == {"prefill": 0, "decode": 0, "other": 0, "unspecified": 0}
 
     asyncio.run(main())
+
+
+def _big_record(name, regions):
+    rec = _record(name)
+    for r in range(regions):
+        rec.metadata.regions.add(id=r + 1, size_bytes=1 << 30, address=0x7F0000000000 + r, remote_read=True)
+    return rec
+
+
+def test_big_records_cannot_fill_the_memory_of_the_service():
+    """An unauthenticated registrant sends the largest records it may: the registry
+    stops at max_registry_bytes, not at max_agents x max_record_bytes, and an agent
+    already registered still refreshes its record and is found."""
+    import grpc
+
+    from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer
+    from kvx.v1 import metadata_pb2_grpc
+
+    limits = ServiceLimits(max_registry_bytes=2 * 1024 * 1024)
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as srv,
+        grpc.insecure_channel(srv.address) as channel,
+    ):
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        honest = stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("honest")), timeout=10)
+        refused = None
+        for i in range(40):  # 40 x ~100 KiB: twice the bound
+            try:
+                stub.RegisterAgent(
+                    metadata_pb2.RegisterAgentRequest(record=_big_record(f"big-{i}", 3000)), timeout=10
+                )
+            except grpc.RpcError as exc:
+                refused = exc
+                break
+        assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-registry-bytes" in refused.details()
+        assert srv.call(srv.server.store.record_bytes()) <= limits.max_registry_bytes
+        # The honest agent refreshes (same size) and is still found.
+        again = stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=_record("honest"), lease_id=honest.lease_id), timeout=10
+        )
+        assert again.lease_id
+        assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="honest"), timeout=10).record.name == "honest"
+        # Room comes back as records go.
+        for i in range(3):
+            srv.call(srv.server.store.revoke_lease(srv.call(srv.server.store.get(f"big-{i}")).lease_id))
+        stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=_big_record("big-late", 3000)), timeout=10
+        )
