@@ -660,9 +660,11 @@ class MetadataServer:
             ("grpc.keepalive_permit_without_calls", 1),
             # Their pings arrive bunched when either side is short of CPU (a loaded host, a
             # registration storm): a 5 s pinger must not be cut off for two pings that land
-            # 4 s apart, which took every stream of that connection down with it. A client
-            # pinging more often than once a second is still cut off.
+            # 4 s apart, which took every stream of that connection down with it.
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            # A service starved of CPU for seconds reads a client's pings of that time
+            # together; three such bunches (gRPC's default of 2 strikes) cut it off.
+            ("grpc.http2.max_ping_strikes", 10),
         ]
         self._server = aio.server(options=options)
         self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
