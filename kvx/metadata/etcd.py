@@ -437,8 +437,13 @@ class EtcdStore(Store):
         return self._decode(response.kvs[0]) if response.kvs else None
 
     async def count(self) -> int:
-        if self._healthy() and not self._pending:  # the mirror has every write of ours
-            return len(self._mirror)
+        # The mirror, and our writes of new names it has not seen yet: approximate (a
+        # write of another replica a moment ago is missing), as max_agents is. A count
+        # range makes etcd read every key, and it came once per registration of a new
+        # name while our writes were in flight: through a whole registration storm.
+        # A pending name the mirror holds may be one of our deletes: then etcd counts.
+        if self._healthy() and not any(name in self._mirror for name in self._pending):
+            return len(self._mirror) + len(self._pending)
         response = await self._call(
             "count", lambda c, rpc: c.kvstub.Range(rpc.RangeRequest(
                 key=self._prefix, range_end=self._range_end, count_only=True))
@@ -469,6 +474,12 @@ class EtcdStore(Store):
         if not response.succeeded:
             return None
         self._wrote(record.name, response.header.revision)
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            # Its registrant learns the lease only from the answer to this write: its ttl runs
+            # from now, not from the grant. With etcd slow (a storm), the write can come
+            # later than the ttl, and the lease was revoked before its first renewal could.
+            self._renewed(lease, time.monotonic())
         return response.header.revision
 
     async def delete_if(self, name: str, expect_revision: int) -> bool:

@@ -397,3 +397,45 @@ def test_replica_restart_loses_no_renewed_record(etcd_server):
             await store.close()
 
     run(body())
+
+
+def test_a_lease_runs_from_the_write_its_registrant_hears_of(etcd_server):
+    """A registration whose write reaches etcd later than the lease's ttl after the
+    grant (etcd slow in a storm): the registrant learns the lease only then, so the
+    replica must not revoke it before its first renewal could come."""
+
+    async def body():
+        async with replicas(etcd_server, count=1, backstop_s=60) as (a,):
+            lease = await a.grant_lease(2)
+            await asyncio.sleep(2 + EXPIRY_GRACE_S + 0.5)  # the write is slow
+            assert await a.put_if(record("late"), lease, 0)
+            await asyncio.sleep(1.5)  # the registrant's first renewal, ttl/3 later at most
+            assert await a.keep_alive(lease) == 2, "the lease was revoked before its registrant heard of it"
+            assert await a.get("late") is not None
+            assert a.expired_leases == 0
+
+    run(body())
+
+
+def test_counting_agents_during_a_storm_reads_no_etcd_range(etcd_server):
+    async def body():
+        async with replicas(etcd_server, count=1, slow_mirror_s=0.5) as (a,):
+            lease = await a.grant_lease(30)
+            for i in range(3):
+                await a.put_if(record(f"n{i}"), lease, 0)
+            ranges = 0
+            call = a._call
+
+            async def counting(what, fn):
+                nonlocal ranges
+                ranges += what == "count"
+                return await call(what, fn)
+
+            a._call = counting
+            await until(lambda: not a._pending, 10, "the mirror to see the first writes")
+            await a.put_if(record("fresh"), lease, 0)  # the mirror sees it 0.5 s late
+            assert a._pending
+            assert await a.count() == 4
+            assert ranges == 0
+
+    run(body())
