@@ -318,8 +318,8 @@ class EtcdStore(Store):
 
     async def lease_ttl(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
-        if lease is not None:  # its kvx deadline; past it, at least 1 s until the check decides
-            return max(1, math.ceil(lease.deadline - time.monotonic()))
+        if lease is not None:  # its kvx deadline; past it, the name is free (as in the memory store)
+            return max(0, math.ceil(lease.deadline - time.monotonic()))
         # Untracked here: renewed at another replica, or at none. Only etcd's remaining
         # time bounds it (up to the backstop): the replica renewing it knows better.
         try:

@@ -439,3 +439,19 @@ def test_counting_agents_during_a_storm_reads_no_etcd_range(etcd_server):
             assert ranges == 0
 
     run(body())
+
+
+def test_a_lease_past_its_deadline_frees_its_name_before_the_check(etcd_server):
+    """A killed agent's restart asks for its name just after the old lease's deadline:
+    the replica's expiry check comes a second or more later, but the name is free
+    now (the memory store answers the same), or the restarted agent gives up."""
+
+    async def body():
+        async with replicas(etcd_server, count=1, backstop_s=60) as (a,):
+            lease = await a.grant_lease(2)
+            await a.put_if(record("killed"), lease, 0)
+            await asyncio.sleep(2.3)  # past the deadline; the check is due at about 3.25 s
+            assert await a.get("killed") is not None  # not revoked yet
+            assert await a.lease_ttl(lease) == 0
+
+    run(body())
