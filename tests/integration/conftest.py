@@ -1,4 +1,5 @@
-"""Fixtures for the integration tests: a real etcd on loopback.
+"""Fixtures for the integration tests: a real etcd on loopback, and a
+metadata service (memory store) on loopback as ``service``.
 
 ``etcd_server`` runs /usr/bin/etcd (Debian package ``etcd-server``, which
 scripts/test.sh installs in CI) on free ports with a temporary data dir, and
@@ -136,3 +137,12 @@ def etcd_server(tmp_path):
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+def service():
+    """A metadata service with the memory store, on a free loopback port."""
+    from kvx.metadata.service import MetadataServer, ThreadedServer
+
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        yield srv

@@ -20,26 +20,13 @@ from kvx.metadata.client import MetadataClient, Watcher
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer, TlsConfig
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record, stub
 
 pytestmark = native_pass_only
 
+_record, _stub = agent_record, stub
+
 Event = metadata_pb2.WatchAgentsResponse
-
-
-@pytest.fixture
-def service():
-    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
-        yield srv
-
-
-def _record(name, epoch=7, started=1000, role=metadata_pb2.ROLE_PREFILL, **labels):
-    rec = metadata_pb2.AgentRecord(name=name, epoch=epoch, role=role, labels=labels, started_unix_ms=started)
-    rec.metadata.name, rec.metadata.epoch = name, epoch
-    return rec
-
-
-def _stub(address):
-    return metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
 
 
 def _code(call):

@@ -6,7 +6,6 @@ import logging
 import threading
 import types
 
-import grpc
 import numpy as np
 import pytest
 
@@ -15,30 +14,15 @@ from kvx.metadata import service as service_module
 from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, Watcher
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.metadata.store import StoreError
-from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record, stub
 
 pytestmark = native_pass_only
 
+_record, _stub = agent_record, stub
+
 Event = metadata_pb2.WatchAgentsResponse
-
-
-@pytest.fixture
-def service():
-    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
-        yield srv
-
-
-def _record(name, epoch=7):
-    rec = metadata_pb2.AgentRecord(
-        name=name, epoch=epoch, role=metadata_pb2.ROLE_PREFILL, started_unix_ms=1000
-    )
-    rec.metadata.name, rec.metadata.epoch = name, epoch
-    return rec
-
-
-def _stub(address):
-    return metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
 
 
 def _until(predicate, timeout_s=10.0):

@@ -1,6 +1,7 @@
 """The metadata service on a real etcd: nothing lost on restart, not-ready
 while etcd is down, several replicas serving one cluster."""
 
+import functools
 import time
 
 import grpc
@@ -15,8 +16,11 @@ from kvx.metadata.etcd import EtcdStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record
 
 pytestmark = [pytest.mark.slow, native_pass_only]
+
+_record = functools.partial(agent_record, epoch=5, role=metadata_pb2.ROLE_OTHER, started=1)
 
 
 def _until(predicate, timeout_s=10.0):
@@ -106,12 +110,6 @@ def test_two_replicas_on_one_etcd(etcd_server):
             5,
         )
         watcher.stop()
-
-
-def _record(name):
-    rec = metadata_pb2.AgentRecord(name=name, epoch=5, role=metadata_pb2.ROLE_OTHER, started_unix_ms=1)
-    rec.metadata.name, rec.metadata.epoch = name, 5
-    return rec
 
 
 def test_a_names_watch_through_another_replica(etcd_server):

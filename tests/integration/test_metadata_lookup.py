@@ -3,6 +3,8 @@ answers it keeps per record never carry a lease id, never outlive the record
 they were made from, and go through the same checks (token, request bytes)
 as every other call."""
 
+import functools
+
 import grpc
 import pytest
 
@@ -10,25 +12,13 @@ import kvx
 from kvx.metadata.service import SERVICE_NAME, MetadataServer, ThreadedServer
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record
 
 pytestmark = native_pass_only
 
+_record = functools.partial(agent_record, role=metadata_pb2.ROLE_DECODE, started=1)
+
 TOKEN = "lookup-token-0123456789"
-
-
-@pytest.fixture
-def service():
-    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
-        yield srv
-
-
-def _record(name, epoch, *region_ids, **labels):
-    rec = metadata_pb2.AgentRecord(name=name, epoch=epoch, role=metadata_pb2.ROLE_DECODE, started_unix_ms=1)
-    rec.labels.update(labels)
-    rec.metadata.name, rec.metadata.epoch = name, epoch
-    for region_id in region_ids:
-        rec.metadata.regions.add(id=region_id, size_bytes=4096)
-    return rec
 
 
 def _varint(value: int) -> bytes:

@@ -5,6 +5,7 @@ MemoryStore expiry that does not scan every lease."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import types
@@ -16,31 +17,17 @@ from kvx.metadata import store as store_module
 from kvx.metadata.client import MetadataClient, MetadataOptions, Registration, _Renewer
 from kvx.metadata.service import MAX_KEEP_ALIVE_LEASES, MetadataServer, ServiceLimits, ThreadedServer
 from kvx.metadata.store import MemoryStore
-from kvx.v1 import metadata_pb2, metadata_pb2_grpc
+from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record, stub
 
 pytestmark = native_pass_only
 
+_record = functools.partial(agent_record, role=metadata_pb2.ROLE_DECODE)
+_stub = stub
+
 TOKEN = "renew-token-0123456789"
 UNKNOWN = 0x1234_5678_9ABC_DEF1  # odd and 62-bit like real ids, but granted to nobody
-
-
-@pytest.fixture
-def service():
-    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
-        yield srv
-
-
-def _record(name, epoch=7):
-    rec = metadata_pb2.AgentRecord(
-        name=name, epoch=epoch, role=metadata_pb2.ROLE_DECODE, started_unix_ms=1000
-    )
-    rec.metadata.name, rec.metadata.epoch = name, epoch
-    return rec
-
-
-def _stub(address):
-    return metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
 
 
 def _metric(srv, name):

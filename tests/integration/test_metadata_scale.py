@@ -11,14 +11,13 @@ from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.store import STALL_S, MemoryStore
 from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only
+from tests.integration.metadata_util import agent_record
 
 pytestmark = native_pass_only
 
 
 def _record(name, role=metadata_pb2.ROLE_PREFILL):
-    rec = metadata_pb2.AgentRecord(name=name, epoch=1, role=role, started_unix_ms=1)
-    rec.metadata.name, rec.metadata.epoch = name, 1
-    return rec
+    return agent_record(name, 1, role=role, started=1)
 
 
 def test_a_stall_of_the_service_does_not_cost_a_lease():

@@ -50,12 +50,6 @@ def kvx(*args, timeout=COMMAND_TIMEOUT_S):
 
 
 @pytest.fixture
-def service():
-    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
-        yield srv
-
-
-@pytest.fixture
 def registry(service):
     client = MetadataClient(service.address)
     epochs = iter(range(0x1000, 0x2000))
