@@ -39,7 +39,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from kvx.connectors.vllm.connector import KvxConnector  # noqa: E402
-from kvx.connectors.vllm.stats import KvxConnectorStats, KvxPromMetrics  # noqa: E402
+from kvx.connectors.vllm.stats import MAX_EVENTS_PER_BATCH, KvxConnectorStats, KvxPromMetrics  # noqa: E402
 from tests.vllm_scheduler.conftest import make_request, make_scheduler, make_vllm_config  # noqa: E402
 
 KV_CONFIG = KVTransferConfig(
@@ -79,6 +79,19 @@ def test_a_batch_is_taken_once_then_starts_over() -> None:
     assert stats.is_empty() and stats.data == KvxConnectorStats().data
     stats.record_transfer(0.25, 10, 1)
     assert taken.data["bytes_transferred"] == [1000], "the taken batch must not see later records"
+
+
+def test_a_batch_nobody_takes_stops_growing() -> None:
+    stats = KvxConnectorStats()
+    for _ in range(MAX_EVENTS_PER_BATCH + 10):
+        stats.record_transfer(0.001, 1, 1)
+        stats.record_failed_transfer()
+        stats.record_kv_expired_req()
+        stats.record_backend("tcp")
+    assert {len(v) for v in stats.data.values()} == {MAX_EVENTS_PER_BATCH}
+    stats.clone_and_reset()
+    stats.record_failed_transfer()
+    assert stats.data["num_failed_transfers"] == [1], "a taken batch starts over"
 
 
 @pytest.mark.parametrize(

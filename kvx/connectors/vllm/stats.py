@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,12 @@ TRANSFER_KEYS = ("transfer_duration", "bytes_transferred", "num_descriptors")
 COUNT_KEYS = ("num_failed_transfers", "num_kv_expired_reqs")
 BACKEND_KEY = "backends"  # the transport chosen for each prefill rank this engine connected to
 KEYS = (*TRANSFER_KEYS, *COUNT_KEYS, BACKEND_KEY)
+# vLLM takes a worker's batch every step, and a step moves far fewer; the bound keeps a
+# worker whose batches are never taken (a vLLM that does not ask) from growing without end.
+MAX_EVENTS_PER_BATCH = 1 << 16
+
+logger = logging.getLogger(__name__)
+_warned_full = False
 
 # Upper bounds of the histograms' buckets.
 TIME_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
@@ -56,21 +63,40 @@ class KvxConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: [] for key in KEYS}
 
+    def _full(self, key: str) -> bool:
+        global _warned_full
+        if len(self.data[key]) < MAX_EVENTS_PER_BATCH:
+            return False
+        if not _warned_full:  # once per process: the condition persists
+            _warned_full = True
+            logger.warning(
+                "kvx stats: %d %s events since vLLM last took them; dropping more (this vLLM does "
+                "not call get_kv_connector_stats each step)",
+                MAX_EVENTS_PER_BATCH,
+                key,
+            )
+        return True
+
     def record_transfer(self, duration_s: float, nbytes: int, descriptors: int) -> None:
+        if self._full("transfer_duration"):
+            return
         self.data["transfer_duration"].append(float(duration_s))
         self.data["bytes_transferred"].append(int(nbytes))
         self.data["num_descriptors"].append(int(descriptors))
 
     def record_failed_transfer(self) -> None:
         """A read that ended in an error, or a load that failed before its read was posted."""
-        self.data["num_failed_transfers"].append(1)
+        if not self._full("num_failed_transfers"):
+            self.data["num_failed_transfers"].append(1)
 
     def record_kv_expired_req(self) -> None:
         """Prefill freed a request's blocks because decode did not read them within the lease."""
-        self.data["num_kv_expired_reqs"].append(1)
+        if not self._full("num_kv_expired_reqs"):
+            self.data["num_kv_expired_reqs"].append(1)
 
     def record_backend(self, backend: str) -> None:
-        self.data[BACKEND_KEY].append(str(backend))
+        if not self._full(BACKEND_KEY):
+            self.data[BACKEND_KEY].append(str(backend))
 
     def clone_and_reset(self) -> KvxConnectorStats:
         old = copy.copy(self)
