@@ -35,6 +35,7 @@ _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 129, 200, 300, 383)]
 # The oracle's self-check: same last token, different context.
 ORACLE_PAIR = [list(range(5, 74)) + [74], [7] * 69 + [74]]
+BLOCK_SIZE = 128  # vLLM's CPU backend's default
 
 
 def kvx_config(role: str, **extra: Any) -> dict[str, Any]:
@@ -308,13 +309,87 @@ def test_same_request_id_on_both_legs(cluster: dict[str, Any]) -> None:
         assert "kvx-e2e-rid-1" in cluster[name].log.read_text(errors="replace"), name
 
 
+KVX_SERIES = {
+    "transfers": "vllm:kvx_xfer_time_seconds_count",
+    "bytes": "vllm:kvx_bytes_transferred_sum",
+    "descriptors": "vllm:kvx_num_descriptors_sum",
+    "failed": "vllm:kvx_num_failed_transfers_total",
+    "expired": "vllm:kvx_num_kv_expired_reqs_total",
+}
+
+
+def kvx_counters(engine: Engine) -> dict[str, float]:
+    """The engine's ``vllm:kvx_*`` series, from vLLM's own /metrics."""
+    return {key: engine.metric(name) for key, name in KVX_SERIES.items()}
+
+
+def block_bytes(model: Path) -> int:
+    """The bytes of one KV-cache block of the tiny model, all layers, K and V (bfloat16)."""
+    c = json.loads((model / "config.json").read_text())
+    return c["num_hidden_layers"] * 2 * BLOCK_SIZE * c["num_key_value_heads"] * c["head_dim"] * 2
+
+
+def test_kvx_metrics_in_vllm_equal_what_moved(cluster: dict[str, Any], tiny_model: Path) -> None:
+    """vLLM's /metrics carries the connector's vllm:kvx_* series, and they count exactly
+    the bytes, descriptors and transfers of the requests sent."""
+    decode, prefill = cluster["decode"], cluster["prefill"]
+    before, prefill_before = kvx_counters(decode), kvx_counters(prefill)
+    # Fresh prompts (no prefix of them is cached on decode), so decode reads every block.
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (100, 257, 383)]
+    blocks = 0
+    for prompt in prompts:
+        params = prefill_leg(cluster, prompt)
+        assert len(params["remote_block_ids"][0]) == -(-len(prompt) // BLOCK_SIZE)
+        blocks += len(params["remote_block_ids"][0])
+        assert complete(decode.url, prompt, kv=params).status_code == 200
+    assert blocks == 1 + 3 + 3
+    # A request's numbers reach vLLM with its "finished receiving", ahead of its first token;
+    # the front end records them from the same step's stats: wait for them, then compare exactly.
+    wait_until(
+        lambda: kvx_counters(decode)["transfers"] >= before["transfers"] + len(prompts),
+        30,
+        "decode's vllm:kvx_xfer_time_seconds_count counted the reads",
+    )
+    after = kvx_counters(decode)
+    delta = {key: after[key] - before[key] for key in after}
+    # One read per request (both engines have tensor parallelism 1).
+    c = json.loads((tiny_model / "config.json").read_text())
+    assert delta == {
+        "transfers": len(prompts),
+        "bytes": blocks * block_bytes(tiny_model),
+        # One descriptor per block, layer, plane (K, V) and head.
+        "descriptors": blocks * c["num_hidden_layers"] * 2 * c["num_key_value_heads"],
+        "failed": 0,
+        "expired": 0,
+    }, (before, after)
+    # Every read decode made so far succeeded (the fault tests run later).
+    assert after["failed"] == 0
+    # Prefill serves the reads: it made none itself, and every lease ended with decode's "done".
+    assert kvx_counters(prefill) == prefill_before
+    assert prefill_before["transfers"] == prefill_before["expired"] == 0
+    # Backend in use: decode reads over shm (same host, "auto"), decode_recompute over tcp (forced).
+    assert decode.metric("vllm:kvx_backend_info", backend="shm") == 1
+    assert decode.metric("vllm:kvx_backend_info", backend="tcp") == 0
+    assert cluster["decode_recompute"].metric("vllm:kvx_backend_info", backend="tcp") == 1
+    assert cluster["decode_recompute"].metric("vllm:kvx_backend_info", backend="shm") == 0
+
+
 def test_unread_blocks_are_freed_when_the_lease_ends(cluster: dict[str, Any]) -> None:
     wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 5, "prefill idle")
+    expired = cluster["prefill"].metric(KVX_SERIES["expired"])
     prefill_leg(cluster, PROMPTS[4])  # decode never comes
     held_at = time.monotonic()
     assert prefill_blocks_in_use(cluster) > 0, "prefill did not hold the blocks for decode"
     wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 10, "the lease freed the blocks")
     assert time.monotonic() - held_at >= LEASE_S * 0.8, "freed before the lease ended"
+    # vLLM's /metrics on prefill counts the expiry, once.
+    wait_until(
+        lambda: cluster["prefill"].metric(KVX_SERIES["expired"]) >= expired + 1,
+        30,
+        "prefill's vllm:kvx_num_kv_expired_reqs counted the expiry",
+    )
+    assert cluster["prefill"].metric(KVX_SERIES["expired"]) == expired + 1
 
 
 def test_a_prefix_hit_on_decode_still_releases_prefill(
@@ -345,6 +420,7 @@ def test_prefill_killed_mid_transfer(cluster: dict[str, Any], reference: dict[in
     fail_params = prefill_leg(cluster, PROMPTS[4])
     recompute_params = prefill_leg(cluster, PROMPTS[5])
     prefill = cluster["prefill"]
+    failed = {name: cluster[name].metric(KVX_SERIES["failed"]) for name in ("decode", "decode_recompute")}
     prefill.signal(signal.SIGSTOP)  # frozen: decode's reads hang on it...
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         fail = pool.submit(complete, cluster["decode"].url, PROMPTS[4], kv=fail_params)
@@ -359,6 +435,14 @@ def test_prefill_killed_mid_transfer(cluster: dict[str, Any], reference: dict[in
     assert fail_resp.status_code >= 500, fail_resp.text  # kv_load_failure_policy "fail"
     assert token_ids(recompute_resp) == reference[5]  # "recompute": computed locally instead
     assert fail_s < 15 and recompute_s < 20, (fail_s, recompute_s)
+    # vLLM's /metrics on each decode engine counts its one failed read, exactly.
+    series = KVX_SERIES["failed"]
+    wait_until(
+        lambda: all(cluster[n].metric(series) >= failed[n] + 1 for n in failed),
+        30,
+        "each decode engine counted its failed read",
+    )
+    assert {n: cluster[n].metric(series) - failed[n] for n in failed} == dict.fromkeys(failed, 1)
     # Both decode engines keep serving.
     for name in ("decode", "decode_recompute"):
         assert token_ids(complete(cluster[name].url, PROMPTS[1])) == reference[1]

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvx.connectors.vllm.stats import KvxConnectorStats
+
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_NOTES = 65536
@@ -78,6 +80,8 @@ class KvxWorker:
             get_tensor_model_parallel_world_size,
         )
 
+        from kvx.connectors.vllm.stats import KvxConnectorStats
+
         self.cfg = cfg
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
@@ -99,6 +103,9 @@ class KvxWorker:
         self._failed_recv: set[str] = set()
         self._load_errors: set[int] = set()
         self._done_send: set[str] = set()
+        # What moved since vLLM last asked; guarded by _lock and recorded before the request
+        # is reported finished, so a request's numbers reach vLLM no later than its completion.
+        self._stats = KvxConnectorStats()
         self._held: dict[str, _Held] = {}
         # Notes that came before the scheduler told us of the hold: request -> (notes so far, expiry).
         self._early: dict[str, tuple[_Held, float]] = {}
@@ -233,6 +240,7 @@ class KvxWorker:
                     )
                     del self._held[req_id]
                     self._done_send.add(req_id)
+                    self._stats.record_kv_expired_req()
             for req_id, (_, expiry) in list(self._early.items()):
                 if now >= expiry:
                     del self._early[req_id]
@@ -246,6 +254,13 @@ class KvxWorker:
                 sorted(failed),
             )
         return sending, recving | failed, failed
+
+    def take_stats(self) -> KvxConnectorStats | None:
+        """The stats since the last call (None when nothing happened); they start over."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            return self._stats.clone_and_reset()
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -306,6 +321,9 @@ class KvxWorker:
                 )
             self._read(req, engine, remote_id)
         except Exception as exc:  # every failure becomes a failed receive, never a stuck request
+            if not req.release_only:
+                with self._lock:
+                    self._stats.record_failed_transfer()  # failed before its read was posted
             self._fail(req, exc)
 
     def _read(self, req: RecvRequest, engine: _RemoteEngine, remote_id: str) -> None:
@@ -337,11 +355,13 @@ class KvxWorker:
         done_note = note("done", remote_id, self.tp_size)
         renew_note = note("renew", remote_id, self.tp_size)
         transfers: list[Transfer] = []
+        descriptors: dict[int, int] = {}  # id(transfer) -> its descriptor count, for the stats
         for rank, (local, remote) in plans.items():
             # Renew the lease just ahead of the read (on one stream, prefill handles it first), so
             # the blocks cannot be freed under the read unless the read outlives a whole lease.
             engine.peers[rank].notify(renew_note)
             transfers.append(engine.peers[rank].read(local, remote, notify=done_note))
+            descriptors[id(transfers[-1])] = len(local)
         for rank, peer in engine.peers.items():
             if rank not in plans:
                 peer.notify(done_note)
@@ -350,6 +370,11 @@ class KvxWorker:
         lock = threading.Lock()
 
         def finished(t: Transfer) -> None:
+            with self._lock:
+                if t.error is None:
+                    self._stats.record_transfer(t.duration_s or 0.0, t.bytes, descriptors[id(t)])
+                else:
+                    self._stats.record_failed_transfer()
             with lock:
                 if t.error is not None:
                     errors.append(t.error)
@@ -493,6 +518,9 @@ class KvxWorker:
                 f"{[r['tp_rank'] for r in ranks]}"
             )
         peers = {int(r["tp_rank"]): self.agent.add_peer(base64.b64decode(r["agent_metadata"])) for r in ranks}
+        with self._lock:
+            for peer in peers.values():
+                self._stats.record_backend(peer.backend)
         return _RemoteEngine(engine_id, tp_size, RankCache.from_json(ranks[0]["cache"]), peers)
 
     def shutdown(self) -> None:
