@@ -584,7 +584,12 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'\n'
         "example:\n"
         "  kvx proxy --listen 0.0.0.0:8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
-        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url",
+        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url\n"
+        "KV-aware routing (vLLM started with --kv-events-config "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'):\n'
+        "  kvx proxy --prefill http://10.0.0.1:8100 --prefill-kv-events http://10.0.0.1:8100=tcp://10.0.0.1:5557 \\\n"
+        "            --prefill http://10.0.0.3:8100 --prefill-kv-events http://10.0.0.3:8100=tcp://10.0.0.3:5557 \\\n"
+        "            --decode http://10.0.0.2:8200",
     )
     proxy.add_argument(
         "--listen",
@@ -663,6 +668,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         default=60.0,
         help="longest wait for a client's whole request body; then 408 (default: 60)",
+    )
+    proxy.add_argument(
+        "--prefill-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="KV-aware routing: subscribe to the KV cache events of the prefill instance URL "
+        "(also given with --prefill), published by its vLLM on ENDPOINT (tcp://host:port of "
+        "--kv-events-config), and send each prompt to the prefill instance with the longest cached "
+        "prefix, balanced against load (repeatable; default: route by load only)",
+    )
+    proxy.add_argument(
+        "--kv-alpha",
+        type=float,
+        metavar="WEIGHT",
+        default=1.0,
+        help="KV-aware routing: an instance scores cached_tokens - WEIGHT * queued_tokens (the prompt "
+        "tokens it still computes for requests in flight); the highest wins (default: 1)",
     )
     return parser
 
@@ -757,6 +780,15 @@ def _run_metadata(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_events_pair(text: str) -> tuple[str, str]:
+    url, sep, endpoint = text.partition("=")
+    if not sep:
+        raise KvxError(
+            f"--prefill-kv-events {text!r}: expected URL=ENDPOINT, e.g. http://p1:8100=tcp://p1:5557"
+        )
+    return url, endpoint
+
+
 def _run_proxy(args: argparse.Namespace) -> int:
     from kvx.metadata.client import MetadataOptions
     from kvx.proxy import ProxyConfig, serve
@@ -779,6 +811,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        prefill_kv_events=tuple(_kv_events_pair(text) for text in args.prefill_kv_events),
+        kv_alpha=args.kv_alpha,
     )
     with contextlib.suppress(KeyboardInterrupt):
         serve(config)
