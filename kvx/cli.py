@@ -574,11 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible router: prefill on one vLLM instance, decode on another",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serves /v1/completions and /v1/chat/completions (streamed or not),\n"
-        "/v1/models and /healthz. Each completion goes first to a prefill instance with\n"
+        "/v1/models, /healthz and /metrics. Each completion goes first to a prefill instance with\n"
         "max_tokens=1 and kv_transfer_params.do_remote_decode, then, with the\n"
         "kv_transfer_params that returns, to a decode instance, which pulls the KV cache\n"
         "and answers the client. The instance with the fewest requests in flight gets\n"
-        "each leg; one that cannot be reached is skipped for --cooldown-s.",
+        "each leg; one that cannot be reached is skipped for --cooldown-s. With\n"
+        "--prefill-kv-events, prefill goes where the prompt's prefix is cached (balanced\n"
+        "against load); with --decode-kv-usage, equally loaded decode instances go by free KV cache.",
         epilog="vLLM instances need a KV connector, e.g.\n"
         "  vllm serve MODEL --port 8100 --kv-transfer-config "
         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'\n'
@@ -686,6 +688,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="KV-aware routing: an instance scores cached_tokens - WEIGHT * queued_tokens (the prompt "
         "tokens it still computes for requests in flight); the highest wins (default: 1)",
+    )
+    proxy.add_argument(
+        "--decode-kv-usage",
+        action="store_true",
+        help="read each decode instance's vllm:kv_cache_usage_perc from its /metrics every "
+        "--refresh-s; of the decode instances with the fewest requests in flight, the one with "
+        "the most free KV cache gets the request (default: off)",
     )
     return parser
 
@@ -813,6 +822,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout_s,
         prefill_kv_events=tuple(_kv_events_pair(text) for text in args.prefill_kv_events),
         kv_alpha=args.kv_alpha,
+        decode_kv_usage=args.decode_kv_usage,
     )
     with contextlib.suppress(KeyboardInterrupt):
         serve(config)

@@ -10,6 +10,7 @@ the client as it comes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,7 +29,7 @@ from kvx.errors import ConfigError, ProtocolError
 from kvx.proxy._body import parse_object
 from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
-from kvx.proxy._kv_routing import Choice, KvRouting, prompt_tokens, tokenize_request
+from kvx.proxy._kv_routing import Choice, DecodeUsage, KvRouting, prompt_tokens, tokenize_request
 from kvx.proxy._metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class _Router:
             else None
         )
         self.client: Any = None
+        self._usage_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         httpx = self.httpx
@@ -172,6 +174,11 @@ class _Router:
             await self.discovery.start()
         if self.kv is not None:
             self.kv.start()
+        if self.config.decode_kv_usage:
+            usage = DecodeUsage(
+                self.pools, self.client, httpx, self.config.refresh_s, self.config.kv_tokenize_timeout_s
+            )
+            self._usage_task = asyncio.create_task(usage.run(), name="kvx-proxy-decode-usage")
         logger.info(
             "kvx proxy: prefill %s; decode %s%s",
             ", ".join(i.url for i in self.pools["prefill"].instances()) or "none yet",
@@ -180,6 +187,10 @@ class _Router:
         )
 
     async def stop(self) -> None:
+        if self._usage_task is not None:
+            self._usage_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._usage_task
         if self.kv is not None:
             await anyio.to_thread.run_sync(self.kv.stop)
         if self.discovery is not None:
@@ -279,6 +290,15 @@ class _Router:
             reason = "load"
             logger.debug(
                 "request %s: %s on %s (load: %d in flight)", request_id, leg, instance.url, instance.in_flight
+            )
+        elif choice.reason == "load":
+            reason = choice.reason
+            self.metrics.cached_tokens.observe(0)
+            logger.info(
+                "request %s: prefill on %s (load: no cached prefix known; %d in flight there)",
+                request_id,
+                instance.url,
+                instance.in_flight,
             )
         else:
             reason = choice.reason
@@ -621,7 +641,13 @@ def build_app(config: ProxyConfig) -> FastAPI:
 
     app.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics: routing choices and KV events")
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics: routing choices and KV events",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {}}}}},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -62,6 +62,9 @@ class ProxyConfig:
     kv_max_blocks:   blocks remembered per instance; the oldest go first beyond.
     kv_max_message_bytes: largest KV event frame accepted (larger ones cut the
                      publisher off until it reconnects).
+    decode_kv_usage: read each decode instance's ``vllm:kv_cache_usage_perc``
+                     from its ``/metrics`` every ``refresh_s``; equally loaded
+                     decode instances then go by free KV cache.
     kv_tokenize_timeout_s: longest wait for a prefill instance's ``/tokenize``
                      (then that request is routed by load).
     """
@@ -88,6 +91,7 @@ class ProxyConfig:
     kv_max_blocks: int = 262144
     kv_max_message_bytes: int = 16 * MiB
     kv_tokenize_timeout_s: float = 5.0
+    decode_kv_usage: bool = False
 
     def __post_init__(self) -> None:
         # Normalized, deduplicated, in the order given: the first ones win ties at start.

@@ -35,6 +35,7 @@ class Instance:
     source: str  # "static" (given on the command line) or "metadata" (discovered)
     in_flight: int = 0
     queued_tokens: int = 0  # prompt tokens of its prefill legs in flight, less what was cached
+    kv_usage: float | None = None  # decode: the engine's KV cache in use, 0 to 1, when read
     cooldown_until_s: float = 0.0  # time.monotonic(); skipped until then while another one is ready
     requests: int = 0
     failures: int = 0
@@ -48,6 +49,7 @@ class Instance:
             "source": self.source,
             "in_flight": self.in_flight,
             "queued_tokens": self.queued_tokens,
+            "kv_usage": self.kv_usage,
             "requests": self.requests,
             "failures": self.failures,
             "cooling_down": self.cooling_down(now_s),
@@ -103,7 +105,8 @@ class InstancePool:
         # min() keeps the first of equals: rotating the start makes ties round robin.
         rotated = ready[start:] + ready[:start]
         if choose is None:
-            instance, queued_tokens = min(rotated, key=lambda i: i.in_flight), 0
+            # Equally loaded: the most free KV cache, where the engines' usage is read (decode).
+            instance, queued_tokens = min(rotated, key=lambda i: (i.in_flight, i.kv_usage or 0.0)), 0
         else:
             instance, queued_tokens = choose(rotated)
         instance.in_flight += 1

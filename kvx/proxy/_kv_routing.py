@@ -12,10 +12,15 @@ score is minus the tokens the instance would compute before this prompt is
 done, up to the prompt's own length. The highest score wins; ties go to
 fewer requests in flight, then round robin. Without a cached prefix
 anywhere, or without a tokenized prompt, the choice is by load as before.
+
+Decode goes by load (requests in flight); with ``decode_kv_usage`` ties go to
+the instance whose engine reports the lowest ``vllm:kv_cache_usage_perc``
+(``DecodeUsage``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -138,3 +143,64 @@ def tokenize_request(path: str, body: dict[str, Any]) -> dict[str, Any] | list[i
         if key in body:
             request[key] = body[key]
     return request
+
+
+USAGE_METRIC = "vllm:kv_cache_usage_perc"
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # an engine's /metrics is tens of KiB
+
+
+def kv_usage(text: str) -> float | None:
+    """The highest ``vllm:kv_cache_usage_perc`` (0 to 1) of an engine's ``/metrics``
+    (one line per engine core under data parallelism); None without one."""
+    found: float | None = None
+    for line in text.splitlines():
+        if not line.startswith(USAGE_METRIC) or line[len(USAGE_METRIC) : len(USAGE_METRIC) + 1] not in (
+            "{",
+            " ",
+        ):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if 0.0 <= value <= 1.0:
+            found = value if found is None else max(found, value)
+    return found
+
+
+class DecodeUsage:
+    """Reads each decode instance's KV-cache usage from its ``/metrics`` every ``refresh_s``,
+    into ``Instance.kv_usage``: among decode instances with equally many requests in flight,
+    the one with the most free KV cache goes first. An instance that does not answer in
+    ``timeout_s`` keeps no usage (None, counted as empty)."""
+
+    def __init__(
+        self, pools: dict[str, Any], client: Any, httpx: Any, refresh_s: float, timeout_s: float
+    ) -> None:
+        self.pools = pools
+        self.client = client
+        self.httpx = httpx
+        self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+
+    async def run(self) -> None:
+        while True:
+            for instance in self.pools["decode"].instances():
+                instance.kv_usage = await self._read(instance.url)
+            await asyncio.sleep(self.refresh_s)
+
+    async def _read(self, url: str) -> float | None:
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with self.client.stream("GET", url + "/metrics", timeout=self.timeout_s) as response:
+                if response.status_code != 200:
+                    return None
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > MAX_METRICS_BYTES:
+                        return None
+                    chunks.append(chunk)
+        except self.httpx.RequestError:
+            return None
+        return kv_usage(b"".join(chunks).decode("utf-8", "replace"))

@@ -16,13 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from kvx.errors import ConfigError
 from kvx.proxy import ProxyConfig, build_app
 from kvx.proxy._instances import Instance
 from kvx.proxy._kv_events import MAX_EVENTS_PER_BATCH, KvEventSubscriber, PrefixIndex
-from kvx.proxy._kv_routing import KvRouting
+from kvx.proxy._kv_routing import MAX_METRICS_BYTES, KvRouting, kv_usage
 from kvx.proxy._metrics import ProxyMetrics
 from tests.conftest import native_pass_only, wait_until
 from tests.integration.test_proxy import Served
@@ -273,8 +273,9 @@ def test_a_rogue_publisher_is_dropped_and_counted_never_fatal(publisher, subscri
         msgspec.msgpack.encode([0.0, [stored({"a": 1}, None, [1, 2, 3, 4])], 0]),
         msgspec.msgpack.encode([0.0, [removed("nope")], 0]),
         msgspec.msgpack.encode([0.0, [42], 0]),
-        # A batch over the event limit, of one-byte events: within the frame limit.
-        msgspec.msgpack.encode([0.0, [[]] * (MAX_EVENTS_PER_BATCH + 1), 0]),
+        # A batch over the event limit, of 3-byte events (of a type unknown here, so each
+        # alone would be skipped, not refused): within the frame limit.
+        msgspec.msgpack.encode([0.0, [["X"]] * (MAX_EVENTS_PER_BATCH + 1), 0]),
     ]
     for payload in attacks:
         publisher.send_payload(payload)
@@ -321,8 +322,10 @@ class FakeEngine:
         self.name, self.role = name, role
         self.completions: list[dict] = []
         self.tokenized = 0
+        self.metrics_text = ""
         app = FastAPI()
         app.post("/tokenize")(self.tokenize)
+        app.get("/metrics")(self.metrics)
         app.post("/v1/completions")(self.complete)
         self.served = Served(app)
         self.url = self.served.url
@@ -332,6 +335,9 @@ class FakeEngine:
         self.tokenized += 1
         tokens = [int(word) for word in body["prompt"].split()]
         return {"tokens": tokens, "count": len(tokens), "max_model_len": 4096}
+
+    async def metrics(self) -> Response:
+        return Response(self.metrics_text, media_type="text/plain")
 
     async def complete(self, request: Request) -> dict:
         body = await request.json()
@@ -347,6 +353,7 @@ def engines():
         "p0": FakeEngine("p0", "prefill"),
         "p1": FakeEngine("p1", "prefill"),
         "d0": FakeEngine("d0", "decode"),
+        "d1": FakeEngine("d1", "decode"),
     }
     yield made
     for engine in made.values():
@@ -445,3 +452,42 @@ def test_kv_events_config_is_checked():
         ProxyConfig(prefill_urls=("http://a:1",), prefill_kv_events=(("http://a:1", "http://a:2"),))
     with pytest.raises(ConfigError, match="kv_alpha"):
         ProxyConfig(kv_alpha=-1.0)
+
+
+def test_kv_usage_is_read_from_vllm_metrics():
+    text = (
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5\n'
+        "vllm:kv_cache_usage_perc_other 0.9\n"
+        'vllm:kv_cache_usage_perc{engine="2"} 7\n'  # out of range: ignored
+        'vllm:kv_cache_usage_perc{engine="3"} nan-ish\n'
+    )
+    assert kv_usage(text) == 0.5
+    assert kv_usage("vllm:num_requests_running 3\n") is None
+
+
+def test_equally_loaded_decode_goes_to_the_most_free_kv_cache(engines):
+    p0, d0, d1 = engines["p0"], engines["d0"], engines["d1"]
+    d0.metrics_text = 'vllm:kv_cache_usage_perc{engine="0"} 0.9\n'
+    d1.metrics_text = 'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
+    config = ProxyConfig(
+        prefill_urls=(p0.url,), decode_urls=(d0.url, d1.url), decode_kv_usage=True, refresh_s=0.2
+    )
+    served = Served(build_app(config), config)
+    try:
+        client = httpx.Client(base_url=served.url, timeout=10)
+
+        def usage() -> dict[str, Any]:
+            return {i["url"]: i["kv_usage"] for i in client.get("/healthz").json()["decode"]}
+
+        assert wait_until(lambda: usage() == {d0.url: 0.9, d1.url: 0.1}, WAIT_S)
+        for _ in range(3):  # by load alone they would alternate
+            assert client.post("/v1/completions", json={"prompt": "1 2 3"}).json()["served_by"] == "d1"
+        # An engine whose /metrics is over the limit, or says nothing usable, counts as unknown.
+        d1.metrics_text = "x" * (MAX_METRICS_BYTES + 1)
+        d0.metrics_text = "garbage {{{ \n"
+        assert wait_until(lambda: usage() == {d0.url: None, d1.url: None}, WAIT_S)
+        client.close()
+    finally:
+        served.stop()
