@@ -675,11 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-kv-events",
         action="append",
         default=[],
-        metavar="URL=ENDPOINT",
+        metavar="URL=ENDPOINT[,REPLAY]",
         help="KV-aware routing: subscribe to the KV cache events of the prefill instance URL "
         "(also given with --prefill), published by its vLLM on ENDPOINT (tcp://host:port of "
-        "--kv-events-config), and send each prompt to the prefill instance with the longest cached "
-        "prefix, balanced against load (repeatable; default: route by load only)",
+        "--kv-events-config; REPLAY: that of its replay_endpoint, asked for missed batches), and "
+        "send each prompt to the prefill instance with the longest cached prefix, balanced "
+        "against load (repeatable; default: route by load only)",
     )
     proxy.add_argument(
         "--kv-alpha",

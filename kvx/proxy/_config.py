@@ -55,8 +55,10 @@ class ProxyConfig:
     max_connections: open upstream connections, all instances together.
     prefill_kv_events: (prefill URL, ZMQ endpoint) pairs: subscribe to that
                      instance's vLLM KV cache events (``tcp://host:port`` of its
-                     ``--kv-events-config`` publisher) and route prefill by the
-                     prompt's cached prefix there (KV-aware routing; off when empty).
+                     ``--kv-events-config`` publisher, then optionally
+                     ``,tcp://host:port`` of its ``replay_endpoint``, asked for
+                     missed batches) and route prefill by the prompt's cached
+                     prefix there (KV-aware routing; off when empty).
     kv_alpha:        weight of an instance's queued prompt tokens against its
                      cached ones: score = cached_tokens - kv_alpha * queued_tokens.
     kv_max_blocks:   blocks remembered per instance; the oldest go first beyond.
@@ -148,10 +150,14 @@ class ProxyConfig:
                 )
             if url in pairs:
                 raise ConfigError(f"--prefill-kv-events {url}: given twice; one endpoint per instance")
-            if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) <= len("tcp://"):
+            parts = endpoint.split(",")
+            if len(parts) > 2 or not all(
+                p.startswith(("tcp://", "ipc://")) and len(p) > len("tcp://") for p in parts
+            ):
                 raise ConfigError(
                     f"--prefill-kv-events {url}: endpoint {endpoint!r}: expected tcp://host:port "
-                    "(the instance's --kv-events-config endpoint, with its host for *)"
+                    "(the instance's --kv-events-config endpoint, with its host for *), optionally "
+                    "followed by ,tcp://host:port of its replay_endpoint"
                 )
             pairs[url] = endpoint
         object.__setattr__(self, "prefill_kv_events", tuple(pairs.items()))

@@ -50,6 +50,9 @@ MAX_BLOCKS_PER_EVENT = 65536  # 1M tokens at block size 16
 MAX_BLOCK_SIZE = 4096  # tokens per block; vLLM's are 16 to a few hundred
 MAX_HASH_BYTES = 64  # vLLM's hashes are 8-byte ints or 32-byte digests
 MAX_FRAMES = 3  # topic, seq, payload
+REPLAY_TIMEOUT_S = 2.0  # a replay not complete by then is given up: the gap stays
+MAX_REPLAY_BATCHES = 10_000  # vLLM's buffer_steps default; a longer gap is not replayed
+END_SEQ = -1  # vLLM's end-of-replay marker
 POLL_MS = 200  # how often the subscriber thread looks at its stop flag
 RECONNECT_S = 1.0  # pause before a new connection to a publisher that was lost
 RCVHWM = 1000  # messages queued unread; ZMQ drops beyond (seen as a gap in seq)
@@ -282,7 +285,11 @@ class KvEventSubscriber:
     ``"applied"``, or why it was dropped (``"malformed"``, ``"frames"``);
     besides, ``"gap"`` before a batch applied after missed sequence numbers,
     ``"restart"`` when the index was cleared, ``"disconnected"`` when the
-    connection was lost (a new one follows after ``RECONNECT_S``).
+    connection was lost (a new one follows after ``RECONNECT_S``),
+    ``"replayed"`` for each missed batch recovered from ``replay_endpoint``
+    (vLLM's ``replay_endpoint``, a ROUTER socket), ``"replay_failed"`` when a
+    replay was given up. The replay blocks this thread for at most
+    ``REPLAY_TIMEOUT_S``; messages meanwhile wait in ZMQ's queue.
     """
 
     def __init__(
@@ -293,10 +300,13 @@ class KvEventSubscriber:
         max_message_bytes: int,
         on_batch: Callable[[str], None] = lambda outcome: None,
         topic: str = "",
+        replay_endpoint: str | None = None,
     ) -> None:
         self.zmq, msgspec = require_zmq()
         self.url = url
         self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._context: Any = None
         self.index = index
         self.max_message_bytes = max_message_bytes
         self.on_batch = on_batch
@@ -327,7 +337,7 @@ class KvEventSubscriber:
         }
 
     def _run(self) -> None:
-        context = self.zmq.Context()
+        context = self._context = self.zmq.Context()
         try:
             while not self._stop.is_set():
                 try:
@@ -376,16 +386,16 @@ class KvEventSubscriber:
             monitor.close(0)
             sock.close(0)
 
-    def _receive(self, sock: Any) -> list[bytes] | None:
-        """One message's frames, or None when it has more than MAX_FRAMES (the rest is read and dropped)."""
+    def _receive(self, sock: Any, count: int = MAX_FRAMES) -> list[bytes] | None:
+        """One message's frames, or None when it has not ``count`` of them (the rest is read and dropped)."""
         frames: list[bytes] = []
         more = True
         while more:
             frame = sock.recv(self.zmq.NOBLOCK)
-            if len(frames) <= MAX_FRAMES:
+            if len(frames) <= count:
                 frames.append(frame)
             more = bool(sock.getsockopt(self.zmq.RCVMORE))
-        return frames if len(frames) == MAX_FRAMES else None
+        return frames if len(frames) == count else None
 
     def _handle(self, frames: list[bytes] | None) -> None:
         if frames is None:
@@ -409,10 +419,48 @@ class KvEventSubscriber:
         elif self.last_seq is not None and seq > self.last_seq + 1:
             # Missed batches: a missed store only costs a hit; a missed removal routes to a miss.
             self.on_batch("gap")
+            if self.replay_endpoint is not None and seq - self.last_seq - 1 <= MAX_REPLAY_BATCHES:
+                self._replay(self.last_seq + 1, seq)
         self.last_seq = seq
         self.last_event_unix_s = time.time()
         apply(self.index, ops)
         self.on_batch("applied")
+
+    def _replay(self, start: int, end: int) -> None:
+        """Apply batches ``start`` to ``end - 1`` from the replay socket, in order; stop at
+        the first one missing, malformed or late (what was applied stays applied)."""
+        zmq = self.zmq
+        sock = self._context.socket(zmq.DEALER)
+        expected = start
+        try:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.replay_endpoint)
+            sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while expected < end:
+                wait_ms = int((deadline - time.monotonic()) * 1000)
+                if wait_ms <= 0 or not sock.poll(wait_ms):
+                    break
+                frames = self._receive(sock, count=4)  # b"", topic, seq, payload
+                if frames is None or len(frames[2]) != 8:
+                    break
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ or seq > expected:
+                    break  # the publisher's buffer no longer holds it
+                if seq < expected:
+                    continue
+                apply(self.index, parse_batch(frames[3], self._decode))
+                self.on_batch("replayed")
+                expected += 1
+        except (ProtocolError, zmq.ZMQError) as exc:
+            logger.warning(
+                "KV events from %s: replay from %s failed: %s", self.endpoint, self.replay_endpoint, exc
+            )
+        finally:
+            sock.close(0)
+        if expected < end:
+            self.on_batch("replay_failed")
 
     def _drop(self, outcome: str, why: str) -> None:
         self.dropped += 1

@@ -60,10 +60,11 @@ class KvRouting:
         self.subscribers = {
             url: KvEventSubscriber(
                 url,
-                endpoint,
+                endpoint.split(",")[0],
                 self.indexes[url],
                 max_message_bytes,
                 on_batch=self._counter(url),
+                replay_endpoint=endpoint.split(",")[1] if "," in endpoint else None,
             )
             for url, endpoint in endpoints.items()
         }

@@ -29,7 +29,8 @@ class ProxyMetrics:
             "kvx_proxy_kv_event_batches_total",
             "KV event batches from prefill instances, by outcome: applied, gap (batches were "
             "missed before it), restart (the index was cleared), malformed or frames (dropped), "
-            "disconnected (the publisher was lost or cut off; a new connection follows)",
+            "disconnected (the publisher was lost or cut off; a new connection follows), "
+            "replayed (a missed batch recovered from the replay endpoint), replay_failed",
             ["instance", "outcome"],
             registry=self.registry,
         )

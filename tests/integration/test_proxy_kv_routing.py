@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import threading
 import time
 from typing import Any
 
@@ -126,13 +127,25 @@ def subscribe():
     """subscribe(endpoint, **kw) -> a running KvEventSubscriber with outcomes counted in .outcomes."""
     running: list[KvEventSubscriber] = []
 
-    def make(endpoint: str, max_blocks: int = 1000, max_message_bytes: int = 1 << 20) -> KvEventSubscriber:
+    def make(
+        endpoint: str,
+        max_blocks: int = 1000,
+        max_message_bytes: int = 1 << 20,
+        replay_endpoint: str | None = None,
+    ) -> KvEventSubscriber:
         outcomes: dict[str, int] = {}
 
         def count(outcome: str) -> None:
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
-        sub = KvEventSubscriber("http://p", endpoint, PrefixIndex(max_blocks), max_message_bytes, count)
+        sub = KvEventSubscriber(
+            "http://p",
+            endpoint,
+            PrefixIndex(max_blocks),
+            max_message_bytes,
+            count,
+            replay_endpoint=replay_endpoint,
+        )
         sub.outcomes = outcomes  # type: ignore[attr-defined]
         sub.start()
         running.append(sub)
@@ -252,6 +265,83 @@ def test_a_sequence_that_restarts_clears_the_index(publisher, subscribe):
     publisher.publish()
     assert wait_until(lambda: sub.outcomes.get("restart") == 1, WAIT_S)
     assert sub.index.match(prompt) == 0
+
+
+class Replayer:
+    """vLLM's replay endpoint: a ROUTER that answers [b"", start seq] with each buffered
+    batch from start on, then the end marker; or, with ``garbage``, with that instead."""
+
+    def __init__(self, publisher: Publisher, garbage: list[list[bytes]] | None = None) -> None:
+        self.buffer: list[tuple[int, bytes]] = []
+        self.garbage = garbage
+        self.sock = publisher.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(100):
+                continue
+            client, _, start = self.sock.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            for frames in self.garbage or []:
+                self.sock.send_multipart([client, *frames])
+            for seq, payload in self.buffer if self.garbage is None else []:
+                if seq >= int.from_bytes(start, "big"):
+                    self.sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            self.sock.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(10)
+        self.sock.close(0)
+
+
+def test_missed_batches_are_replayed_from_the_replay_endpoint(publisher, subscribe):
+    replayer = Replayer(publisher)
+    try:
+        sub = subscribe(publisher.endpoint, replay_endpoint=replayer.endpoint)
+        publisher.sync(sub)
+        prompt = list(range(700, 712))
+        # Batches the subscriber never gets on PUB (as when ZMQ's queue overflowed):
+        # only the replay buffer has them.
+        for i in range(3):
+            seq = next(publisher.seq)
+            payload = msgspec.msgpack.encode(
+                [0.0, [chain(prompt[i * 4 : i * 4 + 4], 10 + i, None if i == 0 else 9 + i)], 0]
+            )
+            replayer.buffer.append((seq, payload))
+        seq = publisher.publish()
+        assert publisher.applied(sub, seq)
+        assert replayer.requests == [seq - 3]
+        assert sub.outcomes.get("replayed") == 3 and sub.index.match(prompt) == 12
+    finally:
+        replayer.close()
+
+
+def test_a_rogue_replay_endpoint_is_bounded(publisher, subscribe):
+    """Garbage, wrong frame counts and endless old batches from the replay socket: the
+    replay is given up within its time limit, and live batches go on."""
+    old = msgspec.msgpack.encode([0.0, [], 0])
+    garbage = [[b"only two"], [b"", b"", b"12345678", b"\xc1"]] + [
+        [b"", b"", (0).to_bytes(8, "big"), old]
+    ] * 2000
+    replayer = Replayer(publisher, garbage=garbage)
+    try:
+        sub = subscribe(publisher.endpoint, replay_endpoint=replayer.endpoint)
+        publisher.sync(sub)
+        next(publisher.seq)  # one missed
+        good = list(range(800, 804))
+        seq = publisher.publish(chain(good, 1))
+        assert publisher.applied(sub, seq) and sub.index.match(good) == 4
+        assert sub.outcomes.get("replay_failed") == 1 and not sub.outcomes.get("replayed")
+        assert sub._thread.is_alive()
+    finally:
+        replayer.close()
 
 
 def test_a_rogue_publisher_is_dropped_and_counted_never_fatal(publisher, subscribe):
