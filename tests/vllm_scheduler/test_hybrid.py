@@ -47,6 +47,7 @@ from tests.vllm_scheduler.conftest import (  # noqa: E402
     make_kv_cache_config,
     make_request,
     make_vllm_config,
+    model_output,
     prompt,
     remote_params,
     step,
@@ -255,3 +256,27 @@ def test_prefill_nulls_blocks_before_the_window_that_vllm_still_holds(prefill):
     delay, params = prefill.connector.request_finished_all_groups(request, (sliding, full))
     assert delay
     assert params["remote_block_ids"] == [[0] * WINDOW_START + sliding[WINDOW_START:], full]
+
+
+def test_vllm_refuses_block_level_load_errors_with_several_groups(decode):
+    # Block ids are unique only per group: vLLM stops the engine on block-level load errors
+    # from a model with several groups, which is why KvxWorker then reports only the request.
+    request = make_request("d1", prompt(PROMPT_LEN), kv_transfer_params=hybrid_params("prefill-d1"))
+    decode.add_request(request)
+    out, _ = step(decode)
+    (recv,) = meta_of(out).recv
+    out = decode.schedule()
+    report = model_output(
+        out, finished_recving={"d1"}, failed_recving={"d1"}, invalid_block_ids={recv.local_block_ids[1][0]}
+    )
+    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
+        decode.update_from_output(out, report)
+
+
+def test_a_failed_load_without_block_ids_ends_the_request(decode):
+    request = make_request("d1", prompt(PROMPT_LEN), kv_transfer_params=hybrid_params("prefill-d1"))
+    decode.add_request(request)
+    step(decode)
+    step(decode, finished_recving={"d1"}, failed_recving={"d1"})
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert not decode.requests and free_blocks(decode) == ALL_FREE

@@ -397,7 +397,10 @@ class KvxWorker:
             return
         with self._lock:
             self._failed_recv.add(req.request_id)
-            self._load_errors.update(int(b) for g in req.local_block_ids for b in g if b != NULL_BLOCK_ID)
+            # Block ids are unique only within a group: with several groups vLLM cannot map
+            # them back to requests and stops the engine on any; the request alone says it.
+            if len(req.local_block_ids) == 1:
+                self._load_errors.update(int(b) for b in req.local_block_ids[0] if b != NULL_BLOCK_ID)
         # Let prefill free the blocks now rather than at the lease's end (best effort).
         try:
             engine = self._engines_for(req.params)
