@@ -10,13 +10,15 @@
  *   vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
  *   vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
  *   memcpyv(dsts, srcs, lens) -> None      (this process: shared segments)
+ *   leased_copy(pid, writing, local_addrs, local_lens, descs, regions, lease, granted)
+ *       -> -1, or the index of the first descriptor refused (nothing moved)
  *
  * The four arguments are C-contiguous uint64 buffers; the local and remote
  * lists may be cut differently but must cover the same number of bytes.
  * Errors raise OSError with errno (EPERM: not allowed to access that
  * process; ESRCH: no such process; EFAULT: a range is not mapped there).
  *
- * The pure-Python twin is kvx/_cma_py.py; tests run both.
+ * The pure-Python twin is kvx/_datapath/cma_py.py; tests run both.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -86,6 +88,31 @@ static int total(const uint64_t *len, size_t count, uint64_t *out)
     return 0;
 }
 
+/* Move `total_bytes` between the local and remote lists (equal totals, checked
+ * by the caller) with process_vm_readv/writev, IOV_MAX at a time, partial
+ * transfers resumed. Call without the GIL. Returns 0 or an errno. */
+static int move_ranges(int pid, int writing, struct cursor *local, struct cursor *remote, uint64_t total_bytes,
+                       struct iovec *liov, struct iovec *riov)
+{
+    uint64_t moved = 0;
+    while (moved < total_bytes) {
+        size_t ln = fill(local, liov), rn = fill(remote, riov);
+        ssize_t n = writing ? process_vm_writev(pid, liov, ln, riov, rn, 0)
+                            : process_vm_readv(pid, liov, ln, riov, rn, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0) /* no progress: the next range is not accessible */
+            return EFAULT;
+        moved += (uint64_t)n;
+        advance(local, (size_t)n);
+        advance(remote, (size_t)n);
+    }
+    return 0;
+}
+
 static PyObject *cma(PyObject *args, int writing)
 {
     int pid;
@@ -112,27 +139,9 @@ static PyObject *cma(PyObject *args, int writing)
         PyErr_NoMemory();
         goto out;
     }
-    uint64_t moved = 0;
-    int err = 0;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    while (moved < lt) {
-        size_t ln = fill(&local, liov), rn = fill(&remote, riov);
-        ssize_t n = writing ? process_vm_writev(pid, liov, ln, riov, rn, 0)
-                            : process_vm_readv(pid, liov, ln, riov, rn, 0);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            err = errno;
-            break;
-        }
-        if (n == 0) { /* no progress: the next range is not accessible */
-            err = EFAULT;
-            break;
-        }
-        moved += (uint64_t)n;
-        advance(&local, (size_t)n);
-        advance(&remote, (size_t)n);
-    }
+    err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
@@ -232,12 +241,161 @@ static PyObject *kvx_descs_bad(PyObject *self, PyObject *args)
     return found == -2 ? NULL : PyLong_FromSsize_t(found);
 }
 
+/* Access bits of a lease, as kvx.memory names them (REMOTE_READ, REMOTE_WRITE). */
+#define LEASE_READ 2u
+#define LEASE_WRITE 4u
+
+/* Merge runs of (addr, len) pieces where the next starts where one ends, in
+ * place; zero-length pieces are dropped. Returns the new count. */
+static size_t merge(uint64_t *addr, uint64_t *len, size_t count)
+{
+    size_t out = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (len[i] == 0)
+            continue;
+        if (out && addr[out - 1] + len[out - 1] == addr[i] && len[i] <= UINT64_MAX - len[out - 1]) {
+            len[out - 1] += len[i];
+            continue;
+        }
+        addr[out] = addr[i];
+        len[out] = len[i];
+        out++;
+    }
+    return out;
+}
+
+/* The leased path of the shm backend in one call: every remote descriptor
+ * checked against the ranges the target leased (its region leased, the
+ * lease granting the access, the range inside the leased size, no address
+ * overflow), resolved to addresses in the target's process, adjacent
+ * pieces merged on both sides, then moved with the GIL released.
+ *
+ *   descs:   kvx.descs.DESC_DTYPE records (24 bytes: region, pad, offset, length)
+ *   regions: uint32, sorted, distinct: the leased region ids
+ *   lease:   uint64, (base, size) per region in that order, then anything
+ *            (the extras a pin's kind adds)
+ *   granted: LEASE_READ / LEASE_WRITE bits the target granted
+ *
+ * Returns -1 once every byte moved, or the index of the first descriptor
+ * refused, before any byte moved. Malformed buffers and unequal totals raise
+ * ValueError; the copy's failures OSError with errno, as vm_readv. */
+static PyObject *kvx_leased_copy(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int pid, writing;
+    unsigned int granted;
+    Py_buffer la, ll, db, rb, lb;
+    if (!PyArg_ParseTuple(args, "ipy*y*y*y*y*I:leased_copy", &pid, &writing, &la, &ll, &db, &rb, &lb, &granted))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *work = NULL;
+    struct iovec *liov = NULL, *riov = NULL;
+    size_t nregions = (size_t)rb.len / sizeof(uint32_t);
+    if (la.len % 8 || ll.len != la.len || db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 ||
+        lb.len % 8 || (size_t)lb.len / 8 < 2 * nregions) {
+        PyErr_SetString(PyExc_ValueError, "leased_copy: malformed address, descriptor, region or lease buffers");
+        goto out;
+    }
+    size_t nlocal = (size_t)la.len / 8, ndescs = (size_t)db.len / sizeof(struct kvx_desc);
+    const uint64_t *laddr = la.buf, *llen = ll.buf, *lease = lb.buf;
+    const uint32_t *ids = rb.buf;
+    const struct kvx_desc *d = db.buf;
+    for (size_t k = 1; k < nregions; k++) {
+        if (ids[k] <= ids[k - 1]) {
+            PyErr_SetString(PyExc_ValueError, "leased_copy: region ids must be sorted and distinct");
+            goto out;
+        }
+    }
+    /* One allocation: local then remote (addr, len) lists, merged in place. */
+    if (nlocal > (SIZE_MAX / 32) - ndescs) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
+    liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    if (work == NULL || liov == NULL || riov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
+    Py_ssize_t bad = -1;
+    int err = 0, unequal = 0;
+    unsigned int need = writing ? LEASE_WRITE : LEASE_READ;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t lt = 0, rt = 0;
+    for (size_t i = 0; i < nlocal; i++) {
+        if (llen[i] > UINT64_MAX - lt) {
+            unequal = 1;
+            break;
+        }
+        lt += llen[i];
+        l_addr[i] = laddr[i];
+        l_len[i] = llen[i];
+    }
+    size_t at = 0; /* the lease entry of the previous descriptor: runs name one region */
+    for (size_t i = 0; i < ndescs && !unequal; i++) {
+        uint32_t r = d[i].region;
+        if (at >= nregions || ids[at] != r) {
+            size_t lo = 0, hi = nregions; /* binary search over the sorted ids */
+            while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+                if (ids[mid] < r)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            at = lo;
+        }
+        uint64_t base = at < nregions ? lease[2 * at] : 0, size = at < nregions ? lease[2 * at + 1] : 0;
+        uint64_t off = d[i].offset, n = d[i].length;
+        if (at >= nregions || ids[at] != r || (granted & need) != need || off > size || n > size - off ||
+            base > UINT64_MAX - off || n > UINT64_MAX - (base + off) || n > UINT64_MAX - rt) {
+            bad = (Py_ssize_t)i;
+            break;
+        }
+        r_addr[i] = base + off;
+        r_len[i] = n;
+        rt += n;
+    }
+    if (bad < 0 && !unequal && lt != rt)
+        unequal = 1;
+    if (bad < 0 && !unequal) {
+        struct cursor local = {l_addr, l_len, merge(l_addr, l_len, nlocal), 0, 0};
+        struct cursor remote = {r_addr, r_len, merge(r_addr, r_len, ndescs), 0, 0};
+        err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        result = PyLong_FromSsize_t(bad);
+    } else if (unequal) {
+        PyErr_SetString(PyExc_ValueError, "local and remote ranges must cover the same number of bytes");
+    } else if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLong(-1);
+    }
+out:
+    PyMem_RawFree(work);
+    PyMem_RawFree(liov);
+    PyMem_RawFree(riov);
+    PyBuffer_Release(&la);
+    PyBuffer_Release(&ll);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"descs_bad", kvx_descs_bad, METH_VARARGS, "descs_bad(descs, flags, sizes, need) -> first bad index or -1"},
     {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"vm_writev", kvx_vm_writev, METH_VARARGS,
      "vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"memcpyv", kvx_memcpyv, METH_VARARGS, "memcpyv(dsts, srcs, lens)"},
+    {"leased_copy", kvx_leased_copy, METH_VARARGS,
+     "leased_copy(pid, writing, local_addrs, local_lens, descs, regions, lease, granted) -> -1 or bad index"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -698,7 +698,8 @@ class Peer:
             remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op
         )
         self._check_alive()
-        if len(local_a) > 1:
+        merges = self._channel.merges_ranges
+        if len(local_a) > 1 and not merges:
             local_a = Descs(local_a).coalesce().array
         addrs, lens, total, token = self.agent._regions.resolve(
             local_a,
@@ -733,7 +734,7 @@ class Peer:
         if checked is not None:
             transfer._verify = self._verifier(addrs, lens, checked, notify)
             notify = None  # it goes with the VERIFY, once the checksums match
-        if len(remote_a) > 1:
+        if len(remote_a) > 1 and not merges:
             remote_a = Descs(remote_a).coalesce().array
         try:
             self._channel.post(

@@ -60,6 +60,10 @@ def _move(fn, pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> N
     local, remote = _pairs(local_addrs, local_lens), _pairs(remote_addrs, remote_lens)
     if sum(n for _, n in local) != sum(n for _, n in remote):
         raise ValueError("local and remote ranges must cover the same number of bytes")
+    _move_ranges(fn, pid, local, remote)
+
+
+def _move_ranges(fn, pid: int, local: list[list[int]], remote: list[list[int]]) -> None:
     while local:
         liov, ln = _batch(local)
         riov, rn = _batch(remote)
@@ -112,3 +116,70 @@ def descs_bad(descs, flags, sizes, need: int) -> int:
         | (lengths > size - np.minimum(offsets, size))
     )
     return int(np.argmax(bad)) if bad.any() else -1
+
+
+# Access bits of a lease, as kvx.memory names them (REMOTE_READ, REMOTE_WRITE).
+_LEASE_READ, _LEASE_WRITE = 2, 4
+_U64_MAX = (1 << 64) - 1
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    """Join pieces where the next starts where one ends; drop empty ones."""
+    out: list[list[int]] = []
+    for addr, n in ranges:
+        if not n:
+            continue
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1][1] += n
+        else:
+            out.append([addr, n])
+    return out
+
+
+def leased_copy(pid: int, writing: bool, local_addrs, local_lens, descs, regions, lease, granted: int) -> int:
+    """The twin of the C leased_copy (csrc/kvx_cma.c): check every remote
+    descriptor against the lease (region leased, access granted, range inside
+    the leased size, no address overflow), resolve, merge adjacent pieces,
+    move. -1 once the bytes moved, else the index of the first descriptor
+    refused, before any byte moved."""
+    d = memoryview(descs).cast("B")
+    r = memoryview(regions).cast("B")
+    w = memoryview(lease).cast("B")
+    la, ll = memoryview(local_addrs).cast("B"), memoryview(local_lens).cast("B")
+    nregions = r.nbytes // 4
+    if (
+        la.nbytes % 8
+        or ll.nbytes != la.nbytes
+        or d.nbytes % 24
+        or r.nbytes % 4
+        or w.nbytes % 8
+        or w.nbytes // 8 < 2 * nregions
+    ):
+        raise ValueError("leased_copy: malformed address, descriptor, region or lease buffers")
+    ids = r.cast("I").tolist()
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise ValueError("leased_copy: region ids must be sorted and distinct")
+    words = w.cast("Q").tolist()
+    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
+    need = _LEASE_WRITE if writing else _LEASE_READ
+    # DESC_DTYPE records: region (u32), 4 bytes of padding, offset, length (u64).
+    fields = d.cast("Q").tolist()
+    remote: list[list[int]] = []
+    total = 0
+    for i in range(d.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        got = leased.get(region)
+        if got is None or granted & need != need:
+            return i
+        base, size = got
+        total += length
+        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
+            return i
+        remote.append([base + offset, length])
+    local = _pairs(local_addrs, local_lens)
+    if sum(n for _, n in local) != total:
+        raise ValueError("local and remote ranges must cover the same number of bytes")
+    _move_ranges(
+        _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
+    )
+    return -1

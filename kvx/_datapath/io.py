@@ -1,6 +1,7 @@
 """Selects the implementation of the native byte path: socket scatter-gather
 (sendv, recvv) and cross-memory attach to same-host processes (vm_readv,
-vm_writev).
+vm_writev, and leased_copy: the shm backend's check of descriptors against a
+lease, resolution and copy in one call).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -30,6 +31,7 @@ vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
 memcpyv: Callable[[Any, Any, Any], None]
 descs_bad: Callable[[Any, Any, Any, int], int]
+leased_copy: Callable[[int, bool, Any, Any, Any, Any, Any, int], int]
 
 
 def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
@@ -58,11 +60,11 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad
+    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad, leased_copy
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
-    descs_bad = cma.descs_bad
+    descs_bad, leased_copy = cma.descs_bad, cma.leased_copy
     return IMPL
 
 

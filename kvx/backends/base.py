@@ -81,6 +81,10 @@ class Unreachable(Exception):
 class Channel(abc.ABC):
     """A connected peer, over one backend, built on the peer's control link."""
 
+    # True when ``post`` merges adjacent ranges itself (shm does, in C): the
+    # agent then skips coalescing the descriptor lists before posting.
+    merges_ranges = False
+
     def __init__(self, link: Link) -> None:
         self._link = link
 

@@ -881,3 +881,36 @@ def test_reads_racing_a_deregister_get_the_bytes_or_an_error_never_garbage(make_
     # The peer's other leases (its pool) are untouched by the revocations.
     peer.read(local.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(10)
     assert pool.tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_a_lease_smaller_than_the_published_region_bounds_every_copy(make_worker, make_agent):
+    """The ranges a target leased, not the sizes it published, bound what the
+    initiator copies: a lease that shrank (or a target that lies in its
+    metadata) gets the descriptors past it refused, with no byte moved."""
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.zeros(4 * BLOCK, np.uint8)
+    local = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    remote = peer.regions[0]
+    peer.read(local.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(10)  # leased from here on
+    conn = peer._channel.link.conns[0]
+    key = (remote.id, False)
+    base, size, *rest = conn.leases[key]
+    assert size == remote.size_bytes
+    conn.leases[key] = (base, 2 * BLOCK, *rest)
+    pool[:] = 0xEE
+    blocks = Descs.build(remote.id, [0, 2 * BLOCK, BLOCK], BLOCK)  # the second lies past the lease
+    with pytest.raises(kvx.AccessError, match=r"descriptor 1 .*outside the region's 8192 bytes"):
+        peer.read(local.descs(0, 3 * BLOCK), blocks).wait(10)
+    assert (pool == 0xEE).all(), "a refused transfer moved bytes"
+    # A lease whose base would carry the copy past the top of the address space.
+    conn.leases[key] = ((1 << 64) - BLOCK, size, *rest)
+    with pytest.raises(kvx.AccessError, match="overflows"):
+        peer.read(local.descs(0, BLOCK), remote.descs(BLOCK, BLOCK)).wait(10)
+    assert (pool == 0xEE).all()
+    # The honest lease still copies, and the connection lives on.
+    conn.leases[key] = (base, size, *rest)
+    peer.read(local.descs(0, BLOCK), remote.descs(BLOCK, BLOCK)).wait(10)
+    assert pool[:BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
