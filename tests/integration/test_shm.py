@@ -914,3 +914,68 @@ def test_a_lease_smaller_than_the_published_region_bounds_every_copy(make_worker
     conn.leases[key] = (base, size, *rest)
     peer.read(local.descs(0, BLOCK), remote.descs(BLOCK, BLOCK)).wait(10)
     assert pool[:BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
+
+
+def _forged(rows):
+    out = np.zeros(len(rows), kvx.descs.DESC_DTYPE)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return Descs(out)
+
+
+def test_forged_local_descriptors_are_refused_on_the_leased_path(make_worker, make_agent):
+    """The one-call path (local resolve, lease check and copy in C) refuses
+    local ranges outside this agent's regions before any byte moves, and
+    names the descriptor, as the full path does; deregister still waits."""
+    worker = make_worker()
+    agent = make_agent()
+    buf = np.full(3 * BLOCK, 0xEE, np.uint8)  # two regions, then memory never registered
+    first, second = agent.register(buf[:BLOCK]), agent.register(buf[BLOCK : 2 * BLOCK])
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    remote = peer.regions[0].descs(0, BLOCK)
+    peer.read(first.descs(0, BLOCK), remote).wait(10)  # leased from here on
+    assert buf[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+    buf[:] = 0xEE
+    hostile = {
+        "past the end": [(first.id, BLOCK - 8, 16)],
+        "into the next region": [(first.id, 8, BLOCK)],
+        "overflow": [(second.id, 1, (1 << 64) - 1)],
+        "negative offset": [(second.id, (1 << 64) - 8, 8)],
+        "unknown region": [(second.id + 1, 0, 16)],
+        "second descriptor": [(first.id, 0, 8), (second.id, BLOCK, 8)],
+    }
+    for why, rows in hostile.items():
+        n = sum(length for _, _, length in rows) % (1 << 64)
+        remote_rows = [(peer.regions[0].id, 0, min(n, BLOCK))]
+        with pytest.raises(kvx.AccessError, match=f"descriptor {len(rows) - 1}") as err:
+            peer.read(_forged(rows), _forged(remote_rows)).wait(10)
+        assert (buf == 0xEE).all(), f"{why}: a refused read moved bytes ({err.value})"
+    # A region deregistered while reads into it run: each gets the bytes or
+    # is refused; deregister returns once none can touch it, and none does after.
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                peer.read(second.descs(0, BLOCK), remote).wait(10)
+                outcomes.append("ok")
+            except kvx.AccessError:
+                outcomes.append("refused")
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    time.sleep(0.05)
+    agent.deregister(second, timeout_s=10)
+    buf[BLOCK : 2 * BLOCK] = 0xEE
+    time.sleep(0.05)
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "ok" in outcomes and outcomes[-1] == "refused", outcomes[-5:]
+    assert (buf[BLOCK:] == 0xEE).all(), "a read landed in a deregistered region"
+    with pytest.raises(kvx.AccessError, match="unknown region"):
+        peer.read(second.descs(0, BLOCK), remote).wait(10)
+    peer.read(first.descs(0, BLOCK), remote).wait(10)  # the other region still works
+    assert buf[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()

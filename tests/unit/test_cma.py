@@ -223,3 +223,105 @@ def test_leased_copy_refuses_malformed_lists(impl, holder):
     with pytest.raises(OSError) as info:
         impl.leased_copy(pid, False, *one, descs, regions, _u64([4096, LEASE_BYTES, 0, 0]), READ)
     assert info.value.errno == 14
+
+
+# A local region table as kvx.memory.RegionTable keeps it: index = region id.
+VALID, LOCAL_WRITE, DEVICE = 1, 8, 16  # kvx.memory's flag bits
+
+
+def _table(local, flags=(VALID | LOCAL_WRITE,) * 2):
+    """Region 1: the first half of ``local``, region 2: the second half."""
+    half = len(local) // 2
+    bases = _u64([0, local.ctypes.data, local.ctypes.data + half])
+    return bases, _u64([0, half, half]), np.array((0, *flags), np.uint8)
+
+
+LOCAL_HOSTILE = [
+    pytest.param([(1, 4096 - 8, 16)], id="past-the-region-end"),
+    pytest.param([(1, 4000, 200)], id="spans-two-regions"),
+    pytest.param([(1, 1, (1 << 64) - 1)], id="offset-plus-length-overflows"),
+    pytest.param([(1, (1 << 64) - 8, 8)], id="negative-offset"),
+    pytest.param([(3, 0, 8)], id="unknown-region"),
+    pytest.param([(0, 0, 8)], id="region-zero"),
+    pytest.param([(1 << 31, 0, 8)], id="huge-region-id"),
+]
+
+
+@pytest.mark.parametrize("rows", LOCAL_HOSTILE)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_leased_post_refuses_local_ranges_outside_the_regions(impl, holder, rows):
+    pid, base, _ = holder
+    regions, lease = _lease(base)
+    local = np.full(8192 + 4096, 0xEE, np.uint8)  # 4096 bytes past region 2: must stay untouched
+    bases, sizes, flags = _table(local[:8192])
+    total = sum(n for _, _, n in rows) % (1 << 64)
+    remote = _descs([(3, 0, min(total, LEASE_BYTES))])
+    need = VALID | LOCAL_WRITE
+    got = impl.leased_post(
+        pid,
+        False,
+        _descs(rows),
+        bases,
+        sizes,
+        flags,
+        need,
+        need | DEVICE,
+        remote,
+        regions,
+        lease,
+        READ,
+        1 << 30,
+    )
+    assert got == (0, len(rows) - 1)
+    assert (local == 0xEE).all(), "a refused list moved bytes"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_leased_post_resolves_both_sides_and_copies(impl, holder):
+    pid, base, conn = holder
+    conn.send("dump")
+    expected = np.frombuffer(conn.recv(), np.uint8)
+    regions, lease = _lease(base)
+    local = np.zeros(8192, np.uint8)
+    bases, sizes, flags = _table(local)
+    need = VALID | LOCAL_WRITE
+    rows = [(1, 0, 100), (1, 100, 28), (2, 10, 128)]
+    remote = _descs([(3, 64, 128), (9, 0, 128)])
+    args = (bases, sizes, flags, need, need | DEVICE, remote, regions, lease, READ)
+    assert impl.leased_post(pid, False, _descs(rows), *args, 1 << 30) == 256
+    assert local[:128].tobytes() == expected[64:192].tobytes()
+    assert local[4096 + 10 : 4096 + 138].tobytes() == expected[LEASE_BYTES : LEASE_BYTES + 128].tobytes()
+    # Totals that differ, are 0 or exceed max_bytes: nothing moves.
+    local[:] = 0xEE
+    assert impl.leased_post(pid, False, _descs(rows[:2]), *args, 1 << 30) == (2, -1)
+    assert impl.leased_post(pid, False, _descs(rows), *args, 255) == (2, -1)
+    assert (local == 0xEE).all()
+    # A region without the needed flags (read only here, or GPU memory), a remote one not leased.
+    for bad_flags in ((VALID, VALID | LOCAL_WRITE), (VALID | LOCAL_WRITE | DEVICE, VALID | LOCAL_WRITE)):
+        b, z, f = _table(local, bad_flags)
+        got = impl.leased_post(
+            pid, False, _descs(rows), b, z, f, need, need | DEVICE, remote, regions, lease, READ, 1 << 30
+        )
+        assert got == (0, 0)
+    unleased = _descs([(3, 64, 128), (5, 0, 128)])
+    got = impl.leased_post(
+        pid,
+        False,
+        _descs(rows),
+        bases,
+        sizes,
+        flags,
+        need,
+        need | DEVICE,
+        unleased,
+        regions,
+        lease,
+        READ,
+        1 << 30,
+    )
+    assert got == (1, 1)
+    assert (local == 0xEE).all()
+    with pytest.raises(ValueError):
+        impl.leased_post(
+            pid, False, _descs(rows), bases, sizes[:2], flags, need, need, remote, regions, lease, READ, 9
+        )

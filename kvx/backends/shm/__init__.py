@@ -35,11 +35,11 @@ from kvx.backends.control.link import Link, region_ids
 from kvx.backends.control.serve import Fatal, Handler, InboundConnection
 from kvx.backends.control.wire import MsgType
 from kvx.backends.shm import owner, segments
-from kvx.backends.shm.copy import CmaCopy, SegmentCopy, cma_copy
+from kvx.backends.shm.copy import CmaCopy, SegmentCopy, cma_copy, copy_error
 from kvx.backends.tcp import TcpChannel
 from kvx.descs import Descs
 from kvx.errors import AccessError, KvxError, ProtocolError, TransferError
-from kvx.memory import SMALL_LIST
+from kvx.memory import DEVICE, REMOTE_READ, REMOTE_WRITE, SMALL_LIST
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -174,6 +174,8 @@ class ShmChannel(Channel):
         self.cma = cma
         self.segment_maps = segment_maps or {}
         self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
+        if cma:
+            self.copy_inline = self._copy_inline
         if self.segment_maps:
             maps = self.segment_maps
             link.when_closed(lambda: segments.close_all(maps))  # no copy can run any more
@@ -265,6 +267,56 @@ class ShmChannel(Channel):
             conn.unlease(rids)
         transfer.part_finished(error)
         return True
+
+    def _copy_inline(
+        self,
+        writing: bool,
+        local: np.ndarray,
+        table: tuple[Any, Any, Any],
+        need: int,
+        remote: np.ndarray,
+        max_bytes: int,
+    ) -> int | BaseException | None:
+        """A whole small host transfer in one C call (leased_post): the local
+        descriptors resolved against this agent's pinned region ``table``
+        (bases, sizes, flags; each region's flags carry ``need`` and no
+        DEVICE), the remote ones checked against what the peer leased, the
+        bytes moved. The bytes moved; the error of a copy that failed; None
+        when nothing was done (a region not leased yet, a descriptor refused,
+        totals that differ or exceed ``max_bytes`` or INLINE_COPY_BYTES): the
+        caller then takes the full path, which names any error."""
+        if len(remote) == 1:
+            rids = remote["region"].tolist()
+        elif len(remote) <= SMALL_LIST:
+            rids = sorted(set(remote["region"].tolist()))
+        else:
+            rids = region_ids(remote).tolist()
+        conn = self._link.conns[0]
+        pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
+        if pinned is None:
+            return None
+        try:
+            got = _io.leased_post(
+                self.pid,
+                writing,
+                local,
+                *table,
+                need,
+                need | DEVICE,
+                remote,
+                array.array("I", rids),
+                array.array("Q", pinned),
+                REMOTE_WRITE if writing else REMOTE_READ,
+                min(max_bytes, INLINE_COPY_BYTES),
+            )
+        except OSError as exc:
+            return copy_error(exc, self.pid, self._link.peer)
+        except Exception as exc:  # a bug: the transfer must still finish
+            logger.exception("copy to peer %s failed", self._link.peer)
+            return TransferError(f"internal error: {exc!r}")
+        finally:
+            conn.unlease(rids)
+        return got if type(got) is int else None
 
     def _in_segments(self, remote: np.ndarray) -> bool:
         if not len(self._segment_ids):
