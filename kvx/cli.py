@@ -664,6 +664,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="longest wait for a client's whole request body; then 408 (default: 60)",
     )
+    proxy.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="pull: prefill, then decode reads the KV cache; push: both legs at once, prefill "
+        'writes each layer into decode\'s blocks as it computes (engines with "mode": "push"; '
+        "the first request to each prefill instance runs in pull mode) (default: pull)",
+    )
     return parser
 
 
@@ -779,6 +787,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        mode=args.mode,
     )
     with contextlib.suppress(KeyboardInterrupt):
         serve(config)

@@ -5,7 +5,8 @@ decode (``max_tokens=1``, ``do_remote_decode``); its answer carries the
 ``kv_transfer_params`` that tell the decode instance where to pull the KV
 cache from. The decode leg gets the client's request unchanged but for those
 parameters, and its answer (JSON or a server-sent event stream) goes back to
-the client as it comes.
+the client as it comes. With ``mode="push"`` both legs go out at once
+(``kvx.proxy._push``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvx.errors import ConfigError, ProtocolError
 from kvx.proxy._body import parse_object
 from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
+from kvx.proxy._push import PushFlow
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,7 @@ class _Router:
             else None
         )
         self.client: Any = None
+        self.push = PushFlow(self) if config.mode == "push" else None
 
     async def start(self) -> None:
         httpx = self.httpx
@@ -291,6 +294,8 @@ class _Router:
                 )
             )
         logger.debug("request %s: prefilled on %s", request_id, url)
+        if self.push is not None:
+            self.push.learn(url, params)
         return params
 
     async def _decode_stream(
@@ -405,6 +410,10 @@ class _Router:
                 if not len(pool):
                     raise _LegFailed(self._no_instance(leg))
             headers = {**self._headers(request, request_id), "Content-Type": "application/json"}
+            if self.push is not None:
+                pushed = await self.push.complete(path, body, headers, request_id)
+                if pushed is not None:
+                    return pushed
             params = await self._prefill(path, body, headers, request_id)
             content = await _dumps({**body, "kv_transfer_params": params})
             if body.get("stream") is True:

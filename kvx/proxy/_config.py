@@ -53,6 +53,8 @@ class ProxyConfig:
                      refused before it is read when Content-Length says so).
     max_json_depth:  deepest nesting of arrays and objects in a request body (400 beyond).
     max_connections: open upstream connections, all instances together.
+    mode:            "pull" (prefill, then decode pulls) or "push" (both legs
+                     at once; prefill WRITEs into decode's blocks as it computes).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -71,6 +73,7 @@ class ProxyConfig:
     # OpenAI requests nest a few levels; tool schemas a few more.
     max_json_depth: int = 64
     max_connections: int = 1024
+    mode: str = "pull"
 
     def __post_init__(self) -> None:
         # Normalized, deduplicated, in the order given: the first ones win ties at start.
@@ -88,6 +91,8 @@ class ProxyConfig:
         for field in ("max_body_bytes", "max_json_depth", "max_connections"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
+        if self.mode not in ("pull", "push"):
+            raise ConfigError(f'ProxyConfig.mode must be "pull" or "push", not {self.mode!r}')
         if self.metadata_target is not None:
             try:
                 parse_address(self.metadata_target)
