@@ -152,6 +152,7 @@ class Engine(Proc):
         tmp: Path,
         kv_config: dict[str, Any] | None,
         extra_env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -178,6 +179,7 @@ class Engine(Proc):
             "--seed",
             "0",
         ]
+        argv += extra_args or []
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ, **engine_env(), **(extra_env or {}))

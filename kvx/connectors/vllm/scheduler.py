@@ -25,10 +25,12 @@ from kvx.connectors.vllm.meta import (
     digest,
     remote_params_ok,
 )
+from kvx.connectors.vllm.push import PushScheduler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -50,13 +52,14 @@ class KvxScheduler:
         self._last_renew = 0.0
         self._ranks: dict[int, KvxHandshakeMetadata] = {}
         self._server: SideChannelServer | None = None
+        self.push = PushScheduler(self) if cfg.mode == "push" else None
 
     # Handshake metadata from the workers (once, after their caches are registered).
 
     def set_handshake(self, ranks: dict[int, KvxHandshakeMetadata]) -> None:
         self._ranks.update(ranks)
-        if not self.is_producer:
-            return
+        if not self.is_producer and self.push is None:
+            return  # push: prefill finds a decode engine's agents through its side channel
         if self._server is None:
             self._server = SideChannelServer(self.cfg.host, self.cfg.side_channel_port)
             logger.info(
@@ -74,6 +77,8 @@ class KvxScheduler:
     # Decode side.
 
     def on_new_request(self, request: Request) -> None:
+        if self.push is not None and self.push.on_new_request(request):
+            return
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and remote_params_ok(params):
             self._waiting[request.request_id] = params
@@ -91,6 +96,9 @@ class KvxScheduler:
     ) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            return
+        if self.push is not None and self.push.after_alloc(request, blocks, num_external_tokens):
+            self._waiting.pop(request.request_id, None)
             return
         if remote_params_ok(params):
             if num_external_tokens > 0:
@@ -111,8 +119,10 @@ class KvxScheduler:
 
     # Both sides.
 
-    def build_connector_meta(self) -> KvxConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvxConnectorMetadata:
         meta = KvxConnectorMetadata(recv=self._recv, hold=self._hold)
+        if self.push is not None:
+            meta.push = self.push.take_meta(scheduler_output)
         now = time.monotonic()
         if self._waiting and now - self._last_renew >= self.cfg.lease_s / 4:
             meta.renew = list(self._waiting.values())
@@ -126,6 +136,10 @@ class KvxScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if self.push is not None:
+            answer = self.push.request_finished(request, block_ids)
+            if answer is not None:
+                return answer
         if params.get("do_remote_prefill"):
             # Finished before its blocks were allocated (aborted while queued): free prefill's blocks.
             self._waiting.pop(request.request_id, None)
