@@ -33,6 +33,7 @@ LEASE_S = 20.0
 CHUNK_TOKENS = 64  # --max-num-batched-tokens: a 700-token prompt is prefilled in 11 steps
 _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 200, 700)]
+LAYERS = 2  # tiny_model.py's
 ENGINE_ARGS = ["--max-num-batched-tokens", str(CHUNK_TOKENS), "--max-num-seqs", "8"]
 
 
@@ -178,6 +179,19 @@ def test_streaming_push_through_proxy(cluster: dict[str, Any], reference: dict[i
 
                 got += json.loads(line[6:])["choices"][0].get("token_ids") or []
     assert got == reference[3]
+
+
+def test_a_long_prompt_is_written_layer_by_layer_as_each_chunk_is_computed(cluster: dict[str, Any]) -> None:
+    """Prefill's WRITEs, counted in vLLM's /metrics: one per layer in every step that computed
+    a chunk of the prompt, so the transfer went out while prefill was still computing."""
+    prompt = [_rng.randrange(3, 1000) for _ in range(700)]  # in no cache yet
+    series = "vllm:kvx_xfer_time_seconds_count"
+    before = cluster["prefill"].metric(series)
+    got = token_ids(complete(cluster["proxy"], prompt))
+    steps = -(-len(prompt) // CHUNK_TOKENS)
+    wait_until(lambda: cluster["prefill"].metric(series) - before >= LAYERS * steps, 30, "the WRITEs counted")
+    assert cluster["prefill"].metric(series) - before == LAYERS * steps
+    assert got == token_ids(complete(cluster["prefill"].url, prompt))  # the single engine's answer
 
 
 def test_decode_abort_before_and_during_the_push_frees_both_sides(
