@@ -228,6 +228,27 @@ def test_decode_abort_before_and_during_the_push_frees_both_sides(
     assert token_ids(complete(cluster["proxy"], PROMPTS[2])) == reference[2]
 
 
+def test_a_push_that_never_comes_ends_within_the_lease(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
+    """Decode registers, its prefill leg never arrives: after prefill's lease (2 s here) decode
+    asks prefill to drop the push, and once prefill confirmed, fails the load; "recompute"
+    answers with the single engine's tokens. Nothing waits longer than lease plus one transfer
+    timeout."""
+    ident = pull_identity(cluster)
+    ident["kvx"]["lease_s"] = 2
+    released = log_count(cluster, "prefill", "released it before it started")
+    start = time.monotonic()
+    resp = complete(
+        cluster["decode"].url, PROMPTS[2], kv=decode_push_params(ident, f"lost-{uuid.uuid4().hex}")
+    )
+    assert token_ids(resp) == reference[2]
+    assert time.monotonic() - start < 2 + 10 + 15  # lease + decode's transfer_timeout_s + slack
+    assert log_count(cluster, "decode", "prefill did not push within the lease") >= 1
+    assert log_count(cluster, "prefill", "released it before it started") == released + 1
+    wait_until(lambda: usage(cluster, "decode") == 0, 30, "decode freed its blocks")
+
+
 def _side_channel(cluster: dict[str, Any], name: str) -> tuple[str, int]:
     import re
 

@@ -20,6 +20,7 @@ from kvx.connectors.vllm.push import (
     PUSH_WIRE_VERSION,
     PushWorker,
     _Send,
+    _wait_s,
     parse_push_note,
     push_id_of,
     push_note,
@@ -121,3 +122,11 @@ def test_unequal_tensor_parallelism_or_layers_are_refused() -> None:
         _worker(tp_size=2)._check_registration(_Send("r", "p", 3), _registration([1]), DECODE_AGENT)
     with pytest.raises(ConfigError, match="layers"):
         _worker(layers=3)._check_registration(_Send("r", "p", 3), _registration([1]), DECODE_AGENT)
+
+
+@pytest.mark.parametrize(
+    "value,expected", [(5, 5.0), ("7", 7.0), (1e9, 120.0), (float("nan"), 120.0), (-1, 120.0), (None, 120.0)]
+)
+def test_decode_waits_at_most_its_own_lease(value: Any, expected: float) -> None:
+    # The lease in kv_transfer_params comes from a client: it cannot make decode wait for ever.
+    assert _wait_s(value, 120.0) == expected

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 from collections import OrderedDict
@@ -99,6 +100,16 @@ def parse_push_note(data: bytes) -> dict[str, Any] | None:
     if not isinstance(d.get("push"), str) or not _PUSH_ID.fullmatch(d["push"]):
         raise ProtocolError("push notification without a valid push id")
     return d
+
+
+def _wait_s(prefill_lease_s: Any, own_lease_s: float) -> float:
+    """How long decode waits for a push: prefill's lease (it gives up then), at most decode's own.
+    The value comes from a client's kv_transfer_params: anything but a positive number is ignored."""
+    try:
+        value = float(prefill_lease_s)
+    except (TypeError, ValueError):
+        return own_lease_s
+    return min(value, own_lease_s) if math.isfinite(value) and value > 0 else own_lease_s
 
 
 def prompt_blocks(num_tokens: int, block_size: int) -> int:
@@ -714,7 +725,7 @@ class PushWorker:
                         raise ConfigError(
                             f"push {recv.push_id}: too many pushes, or a second one with its id"
                         )
-                    lease_s = float(recv.params["kvx"].get("lease_s") or self.w.cfg.lease_s)
+                    lease_s = _wait_s(recv.params["kvx"].get("lease_s"), self.w.cfg.lease_s)
                     r = _Recv(recv.request_id, recv.push_id, list(recv.local_block_ids), 0.0, engine)
                     r.lease_s = lease_s + self.w.cfg.transfer_timeout_s
                     r.deadline = time.monotonic() + r.lease_s
