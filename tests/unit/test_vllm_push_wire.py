@@ -130,3 +130,10 @@ def test_unequal_tensor_parallelism_or_layers_are_refused() -> None:
 def test_decode_waits_at_most_its_own_lease(value: Any, expected: float) -> None:
     # The lease in kv_transfer_params comes from a client: it cannot make decode wait for ever.
     assert _wait_s(value, 120.0) == expected
+
+
+def test_push_mode_refuses_pipeline_parallelism() -> None:
+    from kvx.connectors.vllm.push import PushScheduler
+
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 1"):
+        PushScheduler(SimpleNamespace(pp_size=2))  # type: ignore[arg-type]

@@ -102,6 +102,17 @@ def parse_push_note(data: bytes) -> dict[str, Any] | None:
     return d
 
 
+def warn_if_push(params: dict[str, Any] | None, request_id: str) -> None:
+    """An engine in pull mode got a push request: say what to change (the load then fails)."""
+    if params and ((isinstance(params.get("kvx"), dict) and "push" in params["kvx"]) or "kvx_push" in params):
+        logger.error(
+            'request %s is a push request, but this engine runs KvxConnector in "mode": "pull"; '
+            'set "mode": "push" in kv_connector_extra_config on both engines, or run kvx proxy '
+            "without --mode push",
+            request_id,
+        )
+
+
 def _wait_s(prefill_lease_s: Any, own_lease_s: float) -> float:
     """How long decode waits for a push: prefill's lease (it gives up then), at most decode's own.
     The value comes from a client's kv_transfer_params: anything but a positive number is ignored."""
@@ -155,6 +166,10 @@ class PushScheduler:
     """The scheduler side of push mode, for both roles."""
 
     def __init__(self, sched: KvxScheduler) -> None:
+        if sched.pp_size != 1:
+            raise ConfigError(
+                f'KvxConnector "mode": "push" needs pipeline_parallel_size 1, not {sched.pp_size}; use "pull"'
+            )
         self.sched = sched
         self._meta = PushMeta()
         self._sending: dict[

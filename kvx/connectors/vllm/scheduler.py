@@ -25,7 +25,7 @@ from kvx.connectors.vllm.meta import (
     digest,
     remote_params_ok,
 )
-from kvx.connectors.vllm.push import PushScheduler
+from kvx.connectors.vllm.push import PushScheduler, warn_if_push
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,7 +77,9 @@ class KvxScheduler:
     # Decode side.
 
     def on_new_request(self, request: Request) -> None:
-        if self.push is not None and self.push.on_new_request(request):
+        if self.push is None:
+            warn_if_push(request.kv_transfer_params, request.request_id)
+        elif self.push.on_new_request(request):
             return
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and remote_params_ok(params):
