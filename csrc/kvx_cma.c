@@ -1,22 +1,27 @@
 /*
  * kvx._datapath._cma: cross-memory attach for same-host peers (the shm backend).
  *
- * Byte work only: the caller has validated every range against the peer's
- * registered regions and checked that the peer process is the one it
- * authenticated. Moves bytes between this process and another with
+ * Byte work only: the caller has checked that the peer process is the one it
+ * authenticated; ranges are validated here against the tables the caller
+ * passes (its own regions, the peer's lease) or by the caller. Moves bytes between this process and another with
  * process_vm_readv/process_vm_writev, both iovec lists batched by IOV_MAX,
  * partial transfers resumed, with the GIL released.
  *
  *   vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
  *   vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens) -> None
  *   memcpyv(dsts, srcs, lens) -> None      (this process: shared segments)
+ *   leased_copy(pid, writing, local_addrs, local_lens, descs, regions, lease, granted)
+ *       -> -1, or the index of the first descriptor refused (nothing moved)
+ *   leased_post(pid, writing, local_descs, bases, sizes, flags, need, mask,
+ *               descs, regions, lease, granted, max_bytes)
+ *       -> bytes moved, or (side, index) of what was refused (nothing moved)
  *
  * The four arguments are C-contiguous uint64 buffers; the local and remote
  * lists may be cut differently but must cover the same number of bytes.
  * Errors raise OSError with errno (EPERM: not allowed to access that
  * process; ESRCH: no such process; EFAULT: a range is not mapped there).
  *
- * The pure-Python twin is kvx/_cma_py.py; tests run both.
+ * The pure-Python twin is kvx/_datapath/cma_py.py; tests run both.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -86,6 +91,31 @@ static int total(const uint64_t *len, size_t count, uint64_t *out)
     return 0;
 }
 
+/* Move `total_bytes` between the local and remote lists (equal totals, checked
+ * by the caller) with process_vm_readv/writev, IOV_MAX at a time, partial
+ * transfers resumed. Call without the GIL. Returns 0 or an errno. */
+static int move_ranges(int pid, int writing, struct cursor *local, struct cursor *remote, uint64_t total_bytes,
+                       struct iovec *liov, struct iovec *riov)
+{
+    uint64_t moved = 0;
+    while (moved < total_bytes) {
+        size_t ln = fill(local, liov), rn = fill(remote, riov);
+        ssize_t n = writing ? process_vm_writev(pid, liov, ln, riov, rn, 0)
+                            : process_vm_readv(pid, liov, ln, riov, rn, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0) /* no progress: the next range is not accessible */
+            return EFAULT;
+        moved += (uint64_t)n;
+        advance(local, (size_t)n);
+        advance(remote, (size_t)n);
+    }
+    return 0;
+}
+
 static PyObject *cma(PyObject *args, int writing)
 {
     int pid;
@@ -112,27 +142,9 @@ static PyObject *cma(PyObject *args, int writing)
         PyErr_NoMemory();
         goto out;
     }
-    uint64_t moved = 0;
-    int err = 0;
+    int err;
     Py_BEGIN_ALLOW_THREADS
-    while (moved < lt) {
-        size_t ln = fill(&local, liov), rn = fill(&remote, riov);
-        ssize_t n = writing ? process_vm_writev(pid, liov, ln, riov, rn, 0)
-                            : process_vm_readv(pid, liov, ln, riov, rn, 0);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            err = errno;
-            break;
-        }
-        if (n == 0) { /* no progress: the next range is not accessible */
-            err = EFAULT;
-            break;
-        }
-        moved += (uint64_t)n;
-        advance(&local, (size_t)n);
-        advance(&remote, (size_t)n);
-    }
+    err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
     Py_END_ALLOW_THREADS
     if (err) {
         errno = err;
@@ -232,12 +244,298 @@ static PyObject *kvx_descs_bad(PyObject *self, PyObject *args)
     return found == -2 ? NULL : PyLong_FromSsize_t(found);
 }
 
+/* Access bits of a lease, as kvx.memory names them (REMOTE_READ, REMOTE_WRITE). */
+#define LEASE_READ 2u
+#define LEASE_WRITE 4u
+
+/* Merge runs of (addr, len) pieces where the next starts where one ends, in
+ * place; zero-length pieces are dropped. Returns the new count. */
+static size_t merge(uint64_t *addr, uint64_t *len, size_t count)
+{
+    size_t out = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (len[i] == 0)
+            continue;
+        if (out && addr[out - 1] + len[out - 1] == addr[i] && len[i] <= UINT64_MAX - len[out - 1]) {
+            len[out - 1] += len[i];
+            continue;
+        }
+        addr[out] = addr[i];
+        len[out] = len[i];
+        out++;
+    }
+    return out;
+}
+
+/* Check every remote descriptor against the leased ranges (its region
+ * leased, the access granted, the range inside the leased size, no address
+ * overflow) and resolve it into (r_addr, r_len); *total gets the bytes.
+ * Returns -1, or the index of the first descriptor refused. No GIL needed. */
+static Py_ssize_t lease_resolve(const struct kvx_desc *d, size_t ndescs, const uint32_t *ids, size_t nregions,
+                                const uint64_t *lease, int allowed, uint64_t *r_addr, uint64_t *r_len,
+                                uint64_t *total)
+{
+    uint64_t rt = 0;
+    size_t at = 0; /* the lease entry of the previous descriptor: runs name one region */
+    for (size_t i = 0; i < ndescs; i++) {
+        uint32_t r = d[i].region;
+        if (at >= nregions || ids[at] != r) {
+            size_t lo = 0, hi = nregions; /* binary search over the sorted ids */
+            while (lo < hi) {
+                size_t mid = lo + (hi - lo) / 2;
+                if (ids[mid] < r)
+                    lo = mid + 1;
+                else
+                    hi = mid;
+            }
+            at = lo;
+        }
+        uint64_t base = at < nregions ? lease[2 * at] : 0, size = at < nregions ? lease[2 * at + 1] : 0;
+        uint64_t off = d[i].offset, n = d[i].length;
+        if (at >= nregions || ids[at] != r || !allowed || off > size || n > size - off ||
+            base > UINT64_MAX - off || n > UINT64_MAX - (base + off) || n > UINT64_MAX - rt)
+            return (Py_ssize_t)i;
+        r_addr[i] = base + off;
+        r_len[i] = n;
+        rt += n;
+    }
+    *total = rt;
+    return -1;
+}
+
+/* The leased path of the shm backend in one call: every remote descriptor
+ * checked against the ranges the target leased (its region leased, the
+ * lease granting the access, the range inside the leased size, no address
+ * overflow), resolved to addresses in the target's process, adjacent
+ * pieces merged on both sides, then moved with the GIL released.
+ *
+ *   descs:   kvx.descs.DESC_DTYPE records (24 bytes: region, pad, offset, length)
+ *   regions: uint32, sorted, distinct: the leased region ids
+ *   lease:   uint64, (base, size) per region in that order, then anything
+ *            (the extras a pin's kind adds)
+ *   granted: LEASE_READ / LEASE_WRITE bits the target granted
+ *
+ * Returns -1 once every byte moved, or the index of the first descriptor
+ * refused, before any byte moved. Malformed buffers and unequal totals raise
+ * ValueError; the copy's failures OSError with errno, as vm_readv. */
+static PyObject *kvx_leased_copy(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int pid, writing;
+    unsigned int granted;
+    Py_buffer la, ll, db, rb, lb;
+    if (!PyArg_ParseTuple(args, "ipy*y*y*y*y*I:leased_copy", &pid, &writing, &la, &ll, &db, &rb, &lb, &granted))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *work = NULL;
+    struct iovec *liov = NULL, *riov = NULL;
+    size_t nregions = (size_t)rb.len / sizeof(uint32_t);
+    if (la.len % 8 || ll.len != la.len || db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 ||
+        lb.len % 8 || (size_t)lb.len / 8 < 2 * nregions) {
+        PyErr_SetString(PyExc_ValueError, "leased_copy: malformed address, descriptor, region or lease buffers");
+        goto out;
+    }
+    size_t nlocal = (size_t)la.len / 8, ndescs = (size_t)db.len / sizeof(struct kvx_desc);
+    const uint64_t *laddr = la.buf, *llen = ll.buf, *lease = lb.buf;
+    const uint32_t *ids = rb.buf;
+    const struct kvx_desc *d = db.buf;
+    for (size_t k = 1; k < nregions; k++) {
+        if (ids[k] <= ids[k - 1]) {
+            PyErr_SetString(PyExc_ValueError, "leased_copy: region ids must be sorted and distinct");
+            goto out;
+        }
+    }
+    /* One allocation: local then remote (addr, len) lists, merged in place. */
+    if (nlocal > (SIZE_MAX / 32) - ndescs) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
+    liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    if (work == NULL || liov == NULL || riov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
+    Py_ssize_t bad = -1;
+    int err = 0, unequal = 0;
+    unsigned int need = writing ? LEASE_WRITE : LEASE_READ;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t lt = 0, rt = 0;
+    for (size_t i = 0; i < nlocal; i++) {
+        if (llen[i] > UINT64_MAX - lt) {
+            unequal = 1;
+            break;
+        }
+        lt += llen[i];
+        l_addr[i] = laddr[i];
+        l_len[i] = llen[i];
+    }
+    if (!unequal)
+        bad = lease_resolve(d, ndescs, ids, nregions, lease, (granted & need) == need, r_addr, r_len, &rt);
+    if (bad < 0 && !unequal && lt != rt)
+        unequal = 1;
+    if (bad < 0 && !unequal) {
+        struct cursor local = {l_addr, l_len, merge(l_addr, l_len, nlocal), 0, 0};
+        struct cursor remote = {r_addr, r_len, merge(r_addr, r_len, ndescs), 0, 0};
+        err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
+    }
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        result = PyLong_FromSsize_t(bad);
+    } else if (unequal) {
+        PyErr_SetString(PyExc_ValueError, "local and remote ranges must cover the same number of bytes");
+    } else if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromLong(-1);
+    }
+out:
+    PyMem_RawFree(work);
+    PyMem_RawFree(liov);
+    PyMem_RawFree(riov);
+    PyBuffer_Release(&la);
+    PyBuffer_Release(&ll);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
+/* Resolve local descriptors against this process's region table (bases,
+ * sizes: uint64; flags: uint8; indexed by region id): each region's flags,
+ * masked by `mask`, equal `need`, each range inside its region, no address
+ * overflow. Fills (l_addr, l_len) and *total. Returns -1, or the index of
+ * the first descriptor refused. No GIL needed. */
+static Py_ssize_t table_resolve(const struct kvx_desc *d, size_t ndescs, const uint64_t *bases,
+                                const uint64_t *sizes, const uint8_t *flags, size_t top, unsigned int need,
+                                unsigned int mask, uint64_t *l_addr, uint64_t *l_len, uint64_t *total)
+{
+    uint64_t lt = 0;
+    for (size_t i = 0; i < ndescs; i++) {
+        uint32_t r = d[i].region;
+        if (r >= top || (flags[r] & mask) != need)
+            return (Py_ssize_t)i;
+        uint64_t base = bases[r], size = sizes[r], off = d[i].offset, n = d[i].length;
+        if (off > size || n > size - off || base > UINT64_MAX - off || n > UINT64_MAX - (base + off) ||
+            n > UINT64_MAX - lt)
+            return (Py_ssize_t)i;
+        l_addr[i] = base + off;
+        l_len[i] = n;
+        lt += n;
+    }
+    *total = lt;
+    return -1;
+}
+
+/* leased_post: a whole small shm transfer in one call. The local
+ * descriptors resolved against this process's region table (as
+ * table_resolve), the remote ones checked against the lease (as
+ * leased_copy), the totals compared (equal, above 0, at most max_bytes),
+ * adjacent pieces merged, the bytes moved with the GIL released.
+ *
+ * Returns the bytes moved once every byte moved; else, with nothing moved, a pair
+ * (side, index): (0, i) local descriptor i refused, (1, i) remote
+ * descriptor i refused, (2, -1) the totals differ, are 0 or exceed
+ * max_bytes. The copy's failures raise OSError with errno; malformed
+ * buffers ValueError. */
+static PyObject *kvx_leased_post(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int pid, writing;
+    unsigned int need, mask, granted;
+    unsigned long long max_bytes;
+    Py_buffer ld, bb, sb, fb, db, rb, lb;
+    if (!PyArg_ParseTuple(args, "ipy*y*y*y*IIy*y*y*IK:leased_post", &pid, &writing, &ld, &bb, &sb, &fb, &need,
+                          &mask, &db, &rb, &lb, &granted, &max_bytes))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *work = NULL;
+    struct iovec *liov = NULL, *riov = NULL;
+    size_t nregions = (size_t)rb.len / sizeof(uint32_t), top = (size_t)fb.len;
+    if (ld.len % (Py_ssize_t)sizeof(struct kvx_desc) || bb.len != fb.len * 8 || sb.len != bb.len ||
+        db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 || lb.len % 8 ||
+        (size_t)lb.len / 8 < 2 * nregions) {
+        PyErr_SetString(PyExc_ValueError, "leased_post: malformed descriptor, table, region or lease buffers");
+        goto out;
+    }
+    const uint32_t *ids = rb.buf;
+    for (size_t k = 1; k < nregions; k++) {
+        if (ids[k] <= ids[k - 1]) {
+            PyErr_SetString(PyExc_ValueError, "leased_post: region ids must be sorted and distinct");
+            goto out;
+        }
+    }
+    size_t nlocal = (size_t)ld.len / sizeof(struct kvx_desc), ndescs = (size_t)db.len / sizeof(struct kvx_desc);
+    if (nlocal > (SIZE_MAX / 32) - ndescs) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
+    liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
+    if (work == NULL || liov == NULL || riov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
+    Py_ssize_t lbad, rbad = -1;
+    int err = 0, totals = 0;
+    unsigned int access = writing ? LEASE_WRITE : LEASE_READ;
+    uint64_t lt = 0, rt = 0;
+    Py_BEGIN_ALLOW_THREADS
+    lbad = table_resolve(ld.buf, nlocal, bb.buf, sb.buf, fb.buf, top, need, mask, l_addr, l_len, &lt);
+    if (lbad < 0)
+        rbad = lease_resolve(db.buf, ndescs, ids, nregions, lb.buf, (granted & access) == access, r_addr,
+                             r_len, &rt);
+    if (lbad < 0 && rbad < 0) {
+        totals = lt != rt || lt == 0 || lt > (uint64_t)max_bytes;
+        if (!totals) {
+            struct cursor local = {l_addr, l_len, merge(l_addr, l_len, nlocal), 0, 0};
+            struct cursor remote = {r_addr, r_len, merge(r_addr, r_len, ndescs), 0, 0};
+            err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (lbad >= 0) {
+        result = Py_BuildValue("(in)", 0, lbad);
+    } else if (rbad >= 0) {
+        result = Py_BuildValue("(in)", 1, rbad);
+    } else if (totals) {
+        result = Py_BuildValue("(in)", 2, (Py_ssize_t)-1);
+    } else if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = PyLong_FromUnsignedLongLong((unsigned long long)lt);
+    }
+out:
+    PyMem_RawFree(work);
+    PyMem_RawFree(liov);
+    PyMem_RawFree(riov);
+    PyBuffer_Release(&ld);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"descs_bad", kvx_descs_bad, METH_VARARGS, "descs_bad(descs, flags, sizes, need) -> first bad index or -1"},
     {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"vm_writev", kvx_vm_writev, METH_VARARGS,
      "vm_writev(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
     {"memcpyv", kvx_memcpyv, METH_VARARGS, "memcpyv(dsts, srcs, lens)"},
+    {"leased_copy", kvx_leased_copy, METH_VARARGS,
+     "leased_copy(pid, writing, local_addrs, local_lens, descs, regions, lease, granted) -> -1 or bad index"},
+    {"leased_post", kvx_leased_post, METH_VARARGS,
+     "leased_post(pid, writing, local_descs, bases, sizes, flags, need, mask, descs, regions, lease, granted, "
+     "max_bytes) -> bytes moved or (side, index)"},
     {NULL, NULL, 0, NULL},
 };
 

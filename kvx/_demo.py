@@ -7,20 +7,22 @@ finding them in the metadata service, each a child process in its own process
 group, on free loopback ports, with a cluster secret in a private temporary
 directory. Whatever happens (the report, a failure, Ctrl-C, SIGTERM), every
 child is stopped before ``run`` returns: SIGTERM to its group, then SIGKILL
-to whatever of the group is left after ``STOP_TIMEOUT_S``. On Linux a child
-also gets SIGKILL when the demo itself is killed (``PR_SET_PDEATHSIG``).
+to whatever of the group is left after ``STOP_TIMEOUT_S`` (at once on a
+second signal). The signal handlers only note the signal; the demo stops at its
+next poll (see ``StopRequest``). On Linux a child also gets SIGKILL when the
+demo itself is killed (``PR_SET_PDEATHSIG``).
 
 ``kvx demo --agents`` is the agent-level demo: two agents, no daemons.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import math
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -28,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
@@ -71,6 +74,45 @@ _WORDS = (
 
 class DemoError(KvxError):
     """The cluster did not start, a child died, or an answer was wrong."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopRequest:
+    """Ctrl-C, SIGTERM or SIGHUP, noted by a handler that only stores the signal's
+    number; ``check()``, called where the demo polls, raises ``_Stopped`` from there.
+
+    A handler that raises (as Python's own for Ctrl-C does) raises at whatever
+    bytecode the main thread is at, which may be inside a library's ``with lock:``
+    after the lock was taken and before the block began (``threading.Condition``'s
+    ``__enter__`` is Python code): the lock is then held for good. The demo hung so
+    at its exit, the interpreter joining worker threads blocked on such a lock.
+
+    A second signal does not wait for the next check: ``on_again`` (the cluster
+    sets it) SIGKILLs every child, so every wait on them ends at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.on_again: Callable[[], None] = lambda: None
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        # No locks, no raising: it runs between any two bytecodes of the main thread.
+        if self.signum:
+            self.on_again()
+        else:
+            self.signum = signum
+
+    def check(self) -> None:
+        if self.signum:
+            raise _Stopped(self.signum)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -132,9 +174,13 @@ class Child:
             f"the {self.label} (pid {self.pid}) {self.exited()} {when}; the end of its log:\n{self.tail()}"
         )
 
-    def wait_for(self, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
-        """The first match of ``pattern`` in the log, which the child writes once it is up."""
+    def wait_for(
+        self, pattern: re.Pattern[str], deadline: float, check: Callable[[], None] = lambda: None
+    ) -> re.Match[str]:
+        """The first match of ``pattern`` in the log, which the child writes once it is up;
+        ``check`` runs at each poll (it raises to stop waiting)."""
         while True:
+            check()
             found = pattern.search(self.log())
             if found:
                 return found
@@ -183,6 +229,7 @@ class LocalCluster:
         num_blocks: int | None = None,
         daemon_args: tuple[str, ...] = (),
         say: Callable[[str], None] = lambda text: None,
+        stop: StopRequest | None = None,
     ) -> None:
         if model_shape not in PRESETS:
             raise ConfigError(f"--model-shape must be one of {', '.join(PRESETS)}, not {model_shape!r}")
@@ -190,6 +237,8 @@ class LocalCluster:
         self.num_blocks = num_blocks
         self.daemon_args = daemon_args
         self.say = say
+        self.stop_request = stop or StopRequest()
+        self.stop_request.on_again = self.kill
         self.dir = ""
         self.children: dict[str, Child] = {}
         self.metadata = self.proxy_url = ""
@@ -223,7 +272,7 @@ class LocalCluster:
         meta = self._spawn(
             "metadata", "metadata service", ["metadata", "--listen", "127.0.0.1:0", "--admin-listen", "off"]
         )
-        self.metadata = meta.wait_for(_METADATA_RE, deadline).group(1)
+        self.metadata = meta.wait_for(_METADATA_RE, deadline, self.stop_request.check).group(1)
         self.say(f"  metadata service  pid {meta.pid:<7} {self.metadata} (memory store)")
         deadline = time.monotonic() + START_TIMEOUT_S
         common = ["--metadata", self.metadata, "--secret-file", secret_file, "--model-shape", self.shape.name]
@@ -241,13 +290,13 @@ class LocalCluster:
         )
         for role in ("prefill", "decode"):
             child = self.children[role]
-            found = child.wait_for(_DAEMON_RE, deadline)
+            found = child.wait_for(_DAEMON_RE, deadline, self.stop_request.check)
             self.api_url[role], self.admin_url[role] = found.group(1), found.group(2)
             self.say(
                 f"  {role + ' daemon':<17} pid {child.pid:<7} API {self.api_url[role]}, "
                 f"admin {self.admin_url[role]}"
             )
-        self.proxy_url = proxy.wait_for(_PROXY_RE, deadline).group(1)
+        self.proxy_url = proxy.wait_for(_PROXY_RE, deadline, self.stop_request.check).group(1)
         self._wait_discovered(deadline)
         self.say(
             f"  kvx proxy         pid {proxy.pid:<7} {self.proxy_url}: found prefill-0 and decode-0 "
@@ -281,6 +330,8 @@ class LocalCluster:
         return str(exc)
 
     def check_alive(self, when: str) -> None:
+        """Raises _Stopped once a stop was asked for, DemoError for a child that died."""
+        self.stop_request.check()
         for child in self.children.values():
             if child.exited() is not None:
                 raise child.died(when)
@@ -289,6 +340,11 @@ class LocalCluster:
     def pids(self) -> dict[str, int]:
         return {key: child.pid for key, child in self.children.items()}
 
+    def kill(self) -> None:
+        """SIGKILL to every child's group, now (safe in a signal handler: no locks)."""
+        for child in list(self.children.values()):
+            child.signal_group(signal.SIGKILL)
+
     def stop(self) -> None:
         """Proxy and daemons first (they unregister as they go), the metadata service last."""
         children = self.children
@@ -296,8 +352,7 @@ class LocalCluster:
             stop_children([children[k] for k in ("proxy", "decode", "prefill") if k in children])
             stop_children([children[k] for k in ("metadata",) if k in children])
         except BaseException:
-            for child in children.values():  # a second Ctrl-C: no more waiting
-                child.signal_group(signal.SIGKILL)
+            self.kill()  # an error while stopping: no more waiting
             raise
         finally:
             if self.dir:
@@ -488,70 +543,83 @@ def send_batch(
     max_tokens: int,
     progress: Progress | None,
 ) -> list[Answer]:
-    """Every prompt through the proxy, ``concurrency`` at a time; stops at the first failure."""
+    """Every prompt through the proxy, ``concurrency`` at a time; stops at the first
+    failure, a dead child or a stop request.
+
+    The senders are daemon threads, not a ThreadPoolExecutor's: the interpreter
+    joins those at exit without a bound, so one stuck in a request (or on a lock)
+    would keep a stopped demo from exiting. The proxy's end (cluster.stop) ends
+    the requests still in flight."""
     import httpx
 
-    answers: list[Answer] = []
-    pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="kvx-demo")
     client = httpx.Client(
         trust_env=False,
         timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0),
         limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
     )
-    queue = iter(prompts)
-    pending: set[concurrent.futures.Future[Answer]] = set()
+    todo = iter(prompts)
+    todo_lock = threading.Lock()  # a generator is not safe to advance from two threads
+    # Each sender puts one answer at a time, then None when it is done: a small bound.
+    results: queue.Queue[Answer | None] = queue.Queue(concurrency)
+    done = threading.Event()  # stop sending: the run is over
+
+    def put(item: Answer | None) -> None:
+        while not done.is_set():
+            with contextlib.suppress(queue.Full):
+                results.put(item, timeout=0.5)
+                return
+
+    def sender() -> None:
+        while not done.is_set():
+            with todo_lock:
+                prompt = next(todo, None)
+            if prompt is None:
+                break
+            put(_ask(client, cluster, prompt, max_tokens))
+        put(None)
+
+    threads = [threading.Thread(target=sender, name=f"kvx-demo-{i}", daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    answers: list[Answer] = []
+    failed = 0
+    senders = len(threads)
     try:
-        for prompt in queue:
-            pending.add(pool.submit(_ask, client, cluster, prompt, max_tokens))
-            if len(pending) >= concurrency:
-                break
-        failed = False
-        while pending:
-            done, pending = concurrent.futures.wait(
-                pending, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            for future in done:
-                answers.append(future.result())
-                failed = failed or bool(answers[-1].error)
-                if not failed:
-                    for prompt in queue:
-                        pending.add(pool.submit(_ask, client, cluster, prompt, max_tokens))
+        while senders:
+            with contextlib.suppress(queue.Empty):
+                answer = results.get(timeout=0.5)
+                if answer is None:
+                    senders -= 1
+                else:
+                    answers.append(answer)
+                    failed += bool(answer.error)
+                    if progress is not None:
+                        progress.update(len(answers), failed)
+                    if failed:
                         break
-            if progress is not None and done:
-                progress.update(len(answers), sum(1 for a in answers if a.error))
             cluster.check_alive("during the run")
-            if failed:
-                break
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        if not pending:
+        done.set()
+        if not senders:
             client.close()
-        # else: threads still use it; the proxy's end (cluster.stop) ends their requests.
+        # else: senders may still use it; the proxy's end (cluster.stop) ends their requests.
     return answers
 
 
 # -- kvx demo ----------------------------------------------------------------------
 
 
-class _Stopped(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so the children are stopped."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Stopped(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+def _stop_on_signals(stop: StopRequest) -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP are noted in ``stop`` while the block runs; one
+    that came after the block's last check is raised as it ends."""
+    old = {s: signal.signal(s, stop.handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    stop.check()
 
 
 def run(
@@ -578,17 +646,19 @@ def run(
         f"{'K/V' if shape.planes == 2 else 'latent'} x {_fmt_bytes(shape.token_plane_bytes)} per token = "
         f"{_fmt_bytes(shape.token_bytes)} of KV per token)"
     )
-    cluster = LocalCluster(model_shape, say=say)
+    stop = StopRequest()
+    cluster = LocalCluster(model_shape, say=say, stop=stop)
     try:
-        with _stop_on_signals(), cluster:
+        with _stop_on_signals(stop), cluster:
             try:
                 code = _run_batch(cluster, requests, concurrency, max_tokens, say, err)
             except DemoError as exc:  # while the children's state and logs are still there
+                stop.check()  # a second signal killed the children: that is not a failure
                 raise DemoError(cluster.explain(exc)) from None
     except DemoError as exc:
         print(f"kvx demo: FAILED: {exc}", file=err, flush=True)
         code = 1
-    except (KeyboardInterrupt, _Stopped) as exc:
+    except (KeyboardInterrupt, _Stopped) as exc:  # KeyboardInterrupt: before the handlers are in
         signum = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
         print(f"\nkvx demo: stopped by {signal.Signals(signum).name}", file=err, flush=True)
         code = 128 + signum
@@ -658,6 +728,7 @@ def _run_batch(
         )
     deadline = time.monotonic() + 10.0
     while (held := leases_held(cluster.admin_url["prefill"])) and time.monotonic() < deadline:
+        cluster.stop_request.check()
         time.sleep(0.1)
     if held:
         problems.append(f"prefill still holds the KV of {held} request(s) that decode read")

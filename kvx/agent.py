@@ -573,6 +573,8 @@ class Peer:
         self._closed_error: Exception | None = None
         self._set_regions(md)
         self._slots = threading.Condition(threading.Lock())  # guards _inflight
+        # The channel's copy on the posting thread (shm through leases), or None.
+        self._inline = channel.copy_inline
         self._inflight = 0
 
     def _set_regions(self, md: agent_pb2.AgentMetadata) -> None:
@@ -688,6 +690,16 @@ class Peer:
 
     def _post(self, op: Op, local: Any, remote: Any, notify: bytes | None, verify: bool | None) -> Transfer:
         # The hot path: a few microseconds of Python for a short list.
+        if (
+            self._inline is not None
+            and notify is None
+            and verify is None
+            and type(local) is Descs
+            and type(remote) is Descs
+        ):
+            transfer = self._post_inline(op, local.array, remote.array)
+            if transfer is not None:
+                return transfer
         if notify is not None:
             notify = self._check_notify(notify)
         local_a = local.array if type(local) is Descs else Descs(local).array
@@ -698,7 +710,8 @@ class Peer:
             remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op
         )
         self._check_alive()
-        if len(local_a) > 1:
+        merges = self._channel.merges_ranges
+        if len(local_a) > 1 and not merges:
             local_a = Descs(local_a).coalesce().array
         addrs, lens, total, token = self.agent._regions.resolve(
             local_a,
@@ -733,7 +746,7 @@ class Peer:
         if checked is not None:
             transfer._verify = self._verifier(addrs, lens, checked, notify)
             notify = None  # it goes with the VERIFY, once the checksums match
-        if len(remote_a) > 1:
+        if len(remote_a) > 1 and not merges:
             remote_a = Descs(remote_a).coalesce().array
         try:
             self._channel.post(
@@ -743,6 +756,48 @@ class Peer:
             transfer.fail_unposted(exc)  # releases its slot and its hold on the regions
             raise
         return transfer
+
+    def _post_inline(self, op: Op, local_a: np.ndarray, remote_a: np.ndarray) -> Transfer | None:
+        """The latency path of a small host transfer on a channel that copies
+        on this thread through leases it holds (shm): one C call checks the
+        local descriptors against this agent's regions (pinned meanwhile, so
+        ``deregister`` waits) and the remote ones against the lease, and
+        copies. None when it does not apply or refuses something, with
+        nothing moved: ``_post`` then takes the full path, which checks
+        again and names the error."""
+        agent = self.agent
+        if (
+            agent._closed
+            or self._closed_error is not None
+            or agent.verify
+            or self._table[2] is not None  # the peer has GPU regions: the full path sorts them out
+            or not local_a.flags.c_contiguous
+            or not remote_a.flags.c_contiguous
+        ):
+            return None
+        if self._inflight >= agent.limits.max_inflight_per_peer:
+            return None  # the full path waits for a slot
+        # No slot taken: the transfer is finished before this returns, so
+        # the posting threads themselves bound the copies under way here.
+        posted_at = time.monotonic()
+        regions = agent._regions
+        pin = regions.pin_table()
+        try:
+            got = self._inline(  # type: ignore[misc]
+                op is Op.WRITE,
+                local_a,
+                pin[1:],
+                LOCAL_WRITE | VALID if op is Op.READ else VALID,
+                remote_a,
+                agent.limits.max_transfer_bytes,
+            )
+        finally:
+            regions.release(pin[0])
+        if got is None:
+            return None
+        if type(got) is int:
+            return Transfer.finished(op, self.name, got, posted_at, None)
+        return Transfer.finished(op, self.name, total_bytes(local_a), posted_at, got)
 
     def _check_verify(self, remote: np.ndarray, local_device: int, remote_device: int) -> None:
         if local_device >= 0 or remote_device >= 0:

@@ -574,17 +574,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible router: prefill on one vLLM instance, decode on another",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serves /v1/completions and /v1/chat/completions (streamed or not),\n"
-        "/v1/models and /healthz. Each completion goes first to a prefill instance with\n"
+        "/v1/models, /healthz and /metrics. Each completion goes first to a prefill instance with\n"
         "max_tokens=1 and kv_transfer_params.do_remote_decode, then, with the\n"
         "kv_transfer_params that returns, to a decode instance, which pulls the KV cache\n"
         "and answers the client. The instance with the fewest requests in flight gets\n"
-        "each leg; one that cannot be reached is skipped for --cooldown-s.",
+        "each leg; one that cannot be reached is skipped for --cooldown-s. With\n"
+        "--prefill-kv-events, prefill goes where the prompt's prefix is cached (balanced\n"
+        "against load); with --decode-kv-usage, equally loaded decode instances go by free KV cache.",
         epilog="vLLM instances need a KV connector, e.g.\n"
         "  vllm serve MODEL --port 8100 --kv-transfer-config "
         '\'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'\n'
         "example:\n"
         "  kvx proxy --listen 0.0.0.0:8000 --prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200\n"
-        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url",
+        "  kvx proxy --metadata 10.0.0.9:50051    # instances whose agents publish engine_info api_url\n"
+        "KV-aware routing (vLLM started with --kv-events-config "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'):\n'
+        "  kvx proxy --prefill http://10.0.0.1:8100 --prefill-kv-events http://10.0.0.1:8100=tcp://10.0.0.1:5557 \\\n"
+        "            --prefill http://10.0.0.3:8100 --prefill-kv-events http://10.0.0.3:8100=tcp://10.0.0.3:5557 \\\n"
+        "            --decode http://10.0.0.2:8200",
     )
     proxy.add_argument(
         "--listen",
@@ -671,6 +678,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="pull: prefill, then decode reads the KV cache; push: both legs at once, prefill "
         'writes each layer into decode\'s blocks as it computes (engines with "mode": "push"; '
         "the first request to each prefill instance runs in pull mode) (default: pull)",
+    )
+    proxy.add_argument(
+        "--prefill-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[,REPLAY]",
+        help="KV-aware routing: subscribe to the KV cache events of the prefill instance URL "
+        "(also given with --prefill), published by its vLLM on ENDPOINT (tcp://host:port of "
+        "--kv-events-config; REPLAY: that of its replay_endpoint, asked for missed batches), and "
+        "send each prompt to the prefill instance with the longest cached prefix, balanced "
+        "against load (repeatable; default: route by load only)",
+    )
+    proxy.add_argument(
+        "--kv-alpha",
+        type=float,
+        metavar="WEIGHT",
+        default=1.0,
+        help="KV-aware routing: an instance scores cached_tokens - WEIGHT * queued_tokens (the prompt "
+        "tokens it still computes for requests in flight); the highest wins (default: 1)",
+    )
+    proxy.add_argument(
+        "--decode-kv-usage",
+        action="store_true",
+        help="read each decode instance's vllm:kv_cache_usage_perc from its /metrics every "
+        "--refresh-s; of the decode instances with the fewest requests in flight, the one with "
+        "the most free KV cache gets the request (default: off)",
     )
     return parser
 
@@ -765,6 +798,15 @@ def _run_metadata(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_events_pair(text: str) -> tuple[str, str]:
+    url, sep, endpoint = text.partition("=")
+    if not sep:
+        raise KvxError(
+            f"--prefill-kv-events {text!r}: expected URL=ENDPOINT, e.g. http://p1:8100=tcp://p1:5557"
+        )
+    return url, endpoint
+
+
 def _run_proxy(args: argparse.Namespace) -> int:
     from kvx.metadata.client import MetadataOptions
     from kvx.proxy import ProxyConfig, serve
@@ -788,6 +830,9 @@ def _run_proxy(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         mode=args.mode,
+        prefill_kv_events=tuple(_kv_events_pair(text) for text in args.prefill_kv_events),
+        kv_alpha=args.kv_alpha,
+        decode_kv_usage=args.decode_kv_usage,
     )
     with contextlib.suppress(KeyboardInterrupt):
         serve(config)

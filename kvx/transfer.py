@@ -86,6 +86,24 @@ class Transfer:
         # Run when the transfer finishes, before waiters wake (releases pins); set by the agent.
         self._cleanup: Callable[[], None] | None = None
 
+    @classmethod
+    def finished(
+        cls, op: Op, peer: str, nbytes: int, posted_at: float, error: BaseException | None
+    ) -> Transfer:
+        """A transfer already done (or failed with ``error``) when it is
+        returned: the one the caller's thread copied at once. No parts, no
+        cleanup; ``wait`` returns (or raises) at once."""
+        t = cls.__new__(cls)
+        t.op, t.peer, t.bytes, t.posted_at = op, peer, nbytes, posted_at
+        t.completed_at = time.monotonic()
+        t._state = TransferState.DONE if error is None else TransferState.FAILED
+        t._error = error
+        t._parts_left = 0
+        t._lock = t._done = threading.Lock()  # never held: the transfer is not pending
+        t._callbacks = t._on_parts_done = t._verify = t._cleanup = None
+        t._default_timeout_s = 0.0
+        return t
+
     @property
     def state(self) -> TransferState:
         return self._state

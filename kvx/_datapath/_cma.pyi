@@ -20,3 +20,30 @@ def vm_writev(
 ) -> None: ...
 def memcpyv(dsts: ReadableBuffer, srcs: ReadableBuffer, lens: ReadableBuffer, /) -> None: ...
 def descs_bad(descs: ReadableBuffer, flags: ReadableBuffer, sizes: ReadableBuffer, need: int, /) -> int: ...
+def leased_copy(
+    pid: int,
+    writing: bool,
+    local_addrs: ReadableBuffer,
+    local_lens: ReadableBuffer,
+    descs: ReadableBuffer,
+    regions: ReadableBuffer,
+    lease: ReadableBuffer,
+    granted: int,
+    /,
+) -> int: ...
+def leased_post(
+    pid: int,
+    writing: bool,
+    local_descs: ReadableBuffer,
+    bases: ReadableBuffer,
+    sizes: ReadableBuffer,
+    flags: ReadableBuffer,
+    need: int,
+    mask: int,
+    descs: ReadableBuffer,
+    regions: ReadableBuffer,
+    lease: ReadableBuffer,
+    granted: int,
+    max_bytes: int,
+    /,
+) -> int | tuple[int, int]: ...

@@ -60,6 +60,10 @@ def _move(fn, pid: int, local_addrs, local_lens, remote_addrs, remote_lens) -> N
     local, remote = _pairs(local_addrs, local_lens), _pairs(remote_addrs, remote_lens)
     if sum(n for _, n in local) != sum(n for _, n in remote):
         raise ValueError("local and remote ranges must cover the same number of bytes")
+    _move_ranges(fn, pid, local, remote)
+
+
+def _move_ranges(fn, pid: int, local: list[list[int]], remote: list[list[int]]) -> None:
     while local:
         liov, ln = _batch(local)
         riov, rn = _batch(remote)
@@ -112,3 +116,151 @@ def descs_bad(descs, flags, sizes, need: int) -> int:
         | (lengths > size - np.minimum(offsets, size))
     )
     return int(np.argmax(bad)) if bad.any() else -1
+
+
+# Access bits of a lease, as kvx.memory names them (REMOTE_READ, REMOTE_WRITE).
+_LEASE_READ, _LEASE_WRITE = 2, 4
+_U64_MAX = (1 << 64) - 1
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    """Join pieces where the next starts where one ends; drop empty ones."""
+    out: list[list[int]] = []
+    for addr, n in ranges:
+        if not n:
+            continue
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1][1] += n
+        else:
+            out.append([addr, n])
+    return out
+
+
+def leased_copy(pid: int, writing: bool, local_addrs, local_lens, descs, regions, lease, granted: int) -> int:
+    """The twin of the C leased_copy (csrc/kvx_cma.c): check every remote
+    descriptor against the lease (region leased, access granted, range inside
+    the leased size, no address overflow), resolve, merge adjacent pieces,
+    move. -1 once the bytes moved, else the index of the first descriptor
+    refused, before any byte moved."""
+    d = memoryview(descs).cast("B")
+    r = memoryview(regions).cast("B")
+    w = memoryview(lease).cast("B")
+    la, ll = memoryview(local_addrs).cast("B"), memoryview(local_lens).cast("B")
+    nregions = r.nbytes // 4
+    if (
+        la.nbytes % 8
+        or ll.nbytes != la.nbytes
+        or d.nbytes % 24
+        or r.nbytes % 4
+        or w.nbytes % 8
+        or w.nbytes // 8 < 2 * nregions
+    ):
+        raise ValueError("leased_copy: malformed address, descriptor, region or lease buffers")
+    ids = r.cast("I").tolist()
+    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise ValueError("leased_copy: region ids must be sorted and distinct")
+    words = w.cast("Q").tolist()
+    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
+    need = _LEASE_WRITE if writing else _LEASE_READ
+    # DESC_DTYPE records: region (u32), 4 bytes of padding, offset, length (u64).
+    fields = d.cast("Q").tolist()
+    remote: list[list[int]] = []
+    total = 0
+    for i in range(d.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        got = leased.get(region)
+        if got is None or granted & need != need:
+            return i
+        base, size = got
+        total += length
+        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
+            return i
+        remote.append([base + offset, length])
+    local = _pairs(local_addrs, local_lens)
+    if sum(n for _, n in local) != total:
+        raise ValueError("local and remote ranges must cover the same number of bytes")
+    _move_ranges(
+        _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
+    )
+    return -1
+
+
+def leased_post(
+    pid: int,
+    writing: bool,
+    local_descs,
+    bases,
+    sizes,
+    flags,
+    need: int,
+    mask: int,
+    descs,
+    regions,
+    lease,
+    granted: int,
+    max_bytes: int,
+) -> int | tuple[int, int]:
+    """The twin of the C leased_post (csrc/kvx_cma.c): the local descriptors
+    resolved against this process's region table (``flags`` masked by
+    ``mask`` equal ``need``, each range inside its region), the remote ones
+    checked against the lease (as ``leased_copy``), the totals compared
+    (equal, above 0, at most ``max_bytes``), then the bytes moved. The bytes
+    moved once they moved; else, with nothing moved, (0, i): local descriptor i
+    refused, (1, i): remote descriptor i refused, (2, -1): the totals."""
+    ld = memoryview(local_descs).cast("B")
+    b, z, f = memoryview(bases).cast("B"), memoryview(sizes).cast("B"), memoryview(flags).cast("B")
+    d, r, w = memoryview(descs).cast("B"), memoryview(regions).cast("B"), memoryview(lease).cast("B")
+    nregions = r.nbytes // 4
+    if (
+        ld.nbytes % 24
+        or b.nbytes != f.nbytes * 8
+        or z.nbytes != b.nbytes
+        or d.nbytes % 24
+        or r.nbytes % 4
+        or w.nbytes % 8
+        or w.nbytes // 8 < 2 * nregions
+    ):
+        raise ValueError("leased_post: malformed descriptor, table, region or lease buffers")
+    ids = r.cast("I").tolist()
+    if any(y <= x for x, y in zip(ids, ids[1:], strict=False)):
+        raise ValueError("leased_post: region ids must be sorted and distinct")
+    base_of, size_of, flags_of = b.cast("Q"), z.cast("Q"), f
+    fields = ld.cast("Q").tolist()
+    local: list[list[int]] = []
+    total = 0
+    for i in range(ld.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        if region >= len(flags_of) or flags_of[region] & mask != need:
+            return 0, i
+        base, size = base_of[region], size_of[region]
+        total += length
+        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
+            return 0, i
+        local.append([base + offset, length])
+    words = w.cast("Q").tolist()
+    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
+    access = _LEASE_WRITE if writing else _LEASE_READ
+    fields = d.cast("Q").tolist()
+    remote: list[list[int]] = []
+    remote_total = 0
+    for i in range(d.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        got = leased.get(region)
+        if got is None or granted & access != access:
+            return 1, i
+        base, size = got
+        remote_total += length
+        if (
+            offset > size
+            or length > size - offset
+            or base + offset + length > _U64_MAX
+            or remote_total > _U64_MAX
+        ):
+            return 1, i
+        remote.append([base + offset, length])
+    if total != remote_total or total == 0 or total > max_bytes:
+        return 2, -1
+    _move_ranges(
+        _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
+    )
+    return total

@@ -1,6 +1,8 @@
 """Selects the implementation of the native byte path: socket scatter-gather
 (sendv, recvv) and cross-memory attach to same-host processes (vm_readv,
-vm_writev).
+vm_writev, and leased_copy: the shm backend's check of descriptors against a
+lease, resolution and copy in one call; leased_post: the same with the local
+descriptors resolved against this agent's regions in that call too).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -30,6 +32,10 @@ vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
 memcpyv: Callable[[Any, Any, Any], None]
 descs_bad: Callable[[Any, Any, Any, int], int]
+leased_copy: Callable[[int, bool, Any, Any, Any, Any, Any, int], int]
+leased_post: Callable[
+    [int, bool, Any, Any, Any, Any, int, int, Any, Any, Any, int, int], int | tuple[int, int]
+]
 
 
 def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
@@ -58,11 +64,11 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad
+    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad, leased_copy, leased_post
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
-    descs_bad = cma.descs_bad
+    descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
     return IMPL
 
 

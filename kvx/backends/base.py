@@ -81,6 +81,14 @@ class Unreachable(Exception):
 class Channel(abc.ABC):
     """A connected peer, over one backend, built on the peer's control link."""
 
+    # True when ``post`` merges adjacent ranges itself (shm does, in C): the
+    # agent then skips coalescing the descriptor lists before posting.
+    merges_ranges = False
+    # Set by a channel that can move a small host transfer at once, on the
+    # posting thread, through what the peer already leased (shm's
+    # ``copy_inline``); None sends every transfer through ``post``.
+    copy_inline: Callable[..., Any] | None = None
+
     def __init__(self, link: Link) -> None:
         self._link = link
 

@@ -45,7 +45,16 @@ A name the mirror lacks is read from etcd before ``None`` is answered (it may
 have been registered at another replica a moment ago), and so is a name this
 instance wrote (``put_if``, ``delete_if``, ``revoke_lease``) until the
 mirror has seen that write: a get right after our own write sees it. Another
-replica's change reaches the mirror within the watch's delay (milliseconds).
+replica's change reaches the mirror within the watch's delay (milliseconds;
+longer while this replica is short of CPU): until then a get of a name the
+mirror holds answers the record as the mirror has it, one another replica
+updated or deleted meanwhile included. Gets are thus current for names
+created anywhere and for our own writes, eventually current for other
+replicas' updates and deletes. A ``put_if`` or ``delete_if`` that fails its
+compare shows that the mirror may lag for that name: its reads go to etcd
+too until the mirror has seen etcd's revision of it (deleted: any change of
+it), so that the caller's retry (a get, then the write again) meets what etcd
+holds rather than the same stale record. ``count`` is as current as the mirror.
 While the mirror is not synced (starting, etcd unreachable, the watch cut
 off, after which it loads again) every read goes to etcd, as do
 ``list_page`` and ``watch``.
@@ -246,7 +255,8 @@ class EtcdStore(Store):
         self._mirror: dict[str, AgentRecord] = {}
         self._mirror_synced = False
         self._mirror_revision = 0
-        self._pending: dict[str, int] = {}  # name -> revision of our write the mirror lacks
+        # name -> revision of its change the mirror lacks (our write, or one a failed compare revealed)
+        self._pending: dict[str, int] = {}
         self._lease_names: dict[int, set[str]] = {}  # the mirror's records by lease
         self.etcd_reads = 0  # gets the mirror could not answer
 
@@ -472,6 +482,7 @@ class EtcdStore(Store):
                 raise StoreError(f"lease {lease_id:#x} does not exist (expired?)") from e.__cause__
             raise
         if not response.succeeded:
+            self._refuted(record.name, response)
             return None
         self._wrote(record.name, response.header.revision)
         lease = self._leases.get(lease_id)
@@ -493,7 +504,10 @@ class EtcdStore(Store):
             )  # fmt: skip
         finally:
             self._deleting -= 1
-        if not response.succeeded or not response.responses[0].response_delete_range.deleted:
+        if not response.succeeded:
+            self._refuted(name, response)
+            return False
+        if not response.responses[0].response_delete_range.deleted:
             return False
         self._own_deletes.append(response.header.revision)
         self._wrote(name, response.header.revision)
@@ -592,6 +606,24 @@ class EtcdStore(Store):
         of that name go to etcd (a get right after our put_if/delete_if must see it)."""
         if revision <= self._mirror_revision and self._mirror_synced:
             return
+        self._pend(name, revision)
+
+    def _refuted(self, name: str, response) -> None:
+        """A put_if/delete_if of ``name`` failed its compare: the caller's revision,
+        most often from a get answered by the mirror, is not etcd's. If the mirror lags
+        behind etcd for that name (another replica changed it), reads of it go to etcd
+        until the mirror has seen that change: the caller's retry (a get, then the write
+        again) must not meet the same stale record every time."""
+        kvs = response.responses[0].response_range.kvs if response.responses else ()
+        if kvs:
+            self._wrote(name, kvs[0].mod_revision)  # nothing to do if the mirror has that revision
+        elif (held := self._mirror.get(name)) is not None and held.revision < response.header.revision:
+            # Deleted in etcd, still in the mirror: its DELETE is newer than the record held.
+            # (A record newer than the failed compare was made after it: the mirror is ahead.)
+            self._pend(name, held.revision + 1)
+
+    def _pend(self, name: str, revision: int) -> None:
+        """Reads of ``name`` go to etcd until the mirror sees a change of it at ``revision`` or later."""
         if len(self._pending) >= PENDING_WRITES_MAX:  # the mirror does not keep up: reload it
             self._mirror_synced = False
             self._pending.clear()
@@ -851,7 +883,11 @@ class EtcdStore(Store):
             compare = rpc.Compare(
                 key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=expect_revision
             )
-            return client.kvstub.Txn(rpc.TxnRequest(compare=[compare], success=[op(rpc, key)]))
+            # On a failed compare, the key's revision now: see _refuted.
+            failure = rpc.RequestOp(request_range=rpc.RangeRequest(key=key, keys_only=True))
+            return client.kvstub.Txn(
+                rpc.TxnRequest(compare=[compare], success=[op(rpc, key)], failure=[failure])
+            )
 
         return await self._call(what, txn)
 

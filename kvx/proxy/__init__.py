@@ -7,6 +7,9 @@ the ``kv_transfer_params`` the prefill returned (it pulls the KV cache and
 generates). Both instances run vLLM with a KV connector (``kv_producer`` or
 ``kv_both`` on prefill, ``kv_consumer`` or ``kv_both`` on decode). The
 instance with the fewest requests in flight gets each leg; ties go round robin.
+With ``prefill_kv_events`` the prefill leg goes instead to the instance where
+the prompt's longest prefix is cached, balanced against load: the proxy reads
+each engine's vLLM KV cache events (``_kv_events``, ``_kv_routing``).
 
 Endpoints:
 
@@ -15,6 +18,7 @@ Endpoints:
     GET  /v1/models             from a decode instance
     GET  /healthz, /health      200 with the instances and their requests in
                                 flight; 503 without a prefill or a decode instance
+    GET  /metrics               Prometheus: routing choices, KV event batches
 
 Both legs carry the client's ``X-Request-Id`` (or a new one, returned in the
 answer) and its ``Authorization``. Errors are OpenAI-style

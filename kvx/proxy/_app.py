@@ -11,6 +11,7 @@ the client as it comes. With ``mode="push"`` both legs go out at once
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from kvx._version import __version__
@@ -28,6 +30,8 @@ from kvx.errors import ConfigError, ProtocolError
 from kvx.proxy._body import parse_object
 from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
+from kvx.proxy._kv_routing import Choice, DecodeUsage, KvRouting, prompt_tokens, tokenize_request
+from kvx.proxy._metrics import ProxyMetrics
 from kvx.proxy._push import PushFlow
 
 logger = logging.getLogger(__name__)
@@ -142,8 +146,21 @@ class _Router:
             if config.metadata_target
             else None
         )
+        self.metrics = ProxyMetrics()
+        self.kv = (
+            KvRouting(
+                dict(config.prefill_kv_events),
+                self.metrics,
+                config.kv_alpha,
+                config.kv_max_blocks,
+                config.kv_max_message_bytes,
+            )
+            if config.prefill_kv_events
+            else None
+        )
         self.client: Any = None
         self.push = PushFlow(self) if config.mode == "push" else None
+        self._usage_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         httpx = self.httpx
@@ -158,6 +175,13 @@ class _Router:
         )
         if self.discovery is not None:
             await self.discovery.start()
+        if self.kv is not None:
+            self.kv.start()
+        if self.config.decode_kv_usage:
+            usage = DecodeUsage(
+                self.pools, self.client, httpx, self.config.refresh_s, self.config.kv_tokenize_timeout_s
+            )
+            self._usage_task = asyncio.create_task(usage.run(), name="kvx-proxy-decode-usage")
         logger.info(
             "kvx proxy: prefill %s; decode %s%s",
             ", ".join(i.url for i in self.pools["prefill"].instances()) or "none yet",
@@ -166,6 +190,12 @@ class _Router:
         )
 
     async def stop(self) -> None:
+        if self._usage_task is not None:
+            self._usage_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._usage_task
+        if self.kv is not None:
+            await anyio.to_thread.run_sync(self.kv.stop)
         if self.discovery is not None:
             await self.discovery.stop()
         if self.client is not None:
@@ -204,22 +234,32 @@ class _Router:
         request_id: str,
         content: bytes | None = None,
         stream: bool = False,
-    ) -> tuple[Instance, Any]:
-        """Send to the least loaded instance of ``leg``, moving on to another
-        while one cannot be reached. The instance comes back acquired: release it."""
+        prompt: list[int] | None = None,
+        first: tuple[Instance, Choice | None] | None = None,
+    ) -> tuple[Instance, Any, int]:
+        """Send to the least loaded instance of ``leg`` (for prefill with a
+        ``prompt`` and KV events: the one with the best score, see
+        ``_kv_routing``), moving on to another while one cannot be reached. The
+        instance comes back acquired, with the queued tokens to release it with.
+        ``first``: an instance already acquired (with its choice) to try first."""
         pool = self.pools[leg]
         tried: list[Instance] = []
         failure: JSONResponse | None = None
         while len(tried) < MAX_CONNECT_ATTEMPTS:
-            instance = pool.acquire(exclude=tried)
+            instance: Instance | None
+            if first is not None:
+                (instance, choice), first = first, None
+            else:
+                instance, choice = self.acquire(leg, prompt, tried)
             if instance is None:
                 break
+            queued = choice.queued_tokens if choice else 0
             request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
             try:
-                return instance, await self.client.send(request, stream=stream)
+                response = await self.client.send(request, stream=stream)
             except (self.httpx.ConnectError, self.httpx.ConnectTimeout) as exc:
                 # Nothing reached the instance, so another one may take the request.
-                pool.release(instance)
+                pool.release(instance, queued)
                 pool.cool_down(instance)
                 tried.append(instance)
                 failure = self._transport_error(exc, leg, instance.url)
@@ -231,16 +271,65 @@ class _Router:
                     exc,
                     pool.cooldown_s,
                 )
+                continue
             except self.httpx.RequestError as exc:
-                pool.release(instance)
+                pool.release(instance, queued)
                 if not isinstance(exc, self.httpx.TimeoutException):
                     pool.cool_down(instance)
                 logger.warning("request %s: %s instance %s failed: %r", request_id, leg, instance.url, exc)
                 raise _LegFailed(self._transport_error(exc, leg, instance.url)) from None
             except BaseException:
-                pool.release(instance)
+                pool.release(instance, queued)
                 raise
+            self._count_choice(leg, instance, choice, request_id)
+            return instance, response, queued
         raise _LegFailed(failure or self._no_instance(leg))
+
+    def acquire(
+        self, leg: str, prompt: list[int] | None, exclude: list[Instance] | None = None
+    ) -> tuple[Instance | None, Choice | None]:
+        """An instance of ``leg``, acquired: the least loaded one, or for prefill with KV events
+        the best scored (see ``_kv_routing``), and that KV-aware choice. Both modes pick here."""
+        kv = self.kv if leg == "prefill" else None
+        choices: list[Choice] = []
+
+        def choose(candidates: list[Instance]) -> tuple[Instance, int]:
+            assert kv is not None
+            choices.append(kv.choose(candidates, prompt))
+            return choices[-1].instance, choices[-1].queued_tokens
+
+        instance = self.pools[leg].acquire(exclude=exclude or [], choose=choose if kv is not None else None)
+        return instance, (choices[-1] if choices and instance is not None else None)
+
+    def _count_choice(self, leg: str, instance: Instance, choice: Choice | None, request_id: str) -> None:
+        if choice is None:
+            reason = "load"
+            logger.debug(
+                "request %s: %s on %s (load: %d in flight)", request_id, leg, instance.url, instance.in_flight
+            )
+        elif choice.reason == "load":
+            reason = choice.reason
+            self.metrics.cached_tokens.observe(0)
+            logger.info(
+                "request %s: prefill on %s (load: no cached prefix known; %d in flight there)",
+                request_id,
+                instance.url,
+                instance.in_flight,
+            )
+        else:
+            reason = choice.reason
+            self.metrics.cached_tokens.observe(choice.cached_tokens)
+            logger.info(
+                "request %s: prefill on %s (%s: %d prompt tokens cached there, %d at best; "
+                "%d tokens queued there, this prompt's included)",
+                request_id,
+                instance.url,
+                reason,
+                choice.cached_tokens,
+                choice.best_cached_tokens,
+                instance.queued_tokens,
+            )
+        self.metrics.route.labels(leg, reason).inc()
 
     def _no_instance(self, leg: str) -> JSONResponse:
         source = f" and none registered at {self.config.metadata_target}" if self.discovery else ""
@@ -254,10 +343,14 @@ class _Router:
         headers: dict[str, str],
         request_id: str,
         content: bytes | None = None,
+        prompt: list[int] | None = None,
+        first: tuple[Instance, Choice | None] | None = None,
     ) -> tuple[str, Any]:
         """One whole exchange; an HTTP error status from the instance becomes the client's answer."""
-        instance, response = await self.send(leg, method, path, headers, request_id, content)
-        self.pools[leg].release(instance)
+        instance, response, queued = await self.send(
+            leg, method, path, headers, request_id, content, prompt=prompt, first=first
+        )
+        self.pools[leg].release(instance, queued)
         if response.status_code >= 400:
             logger.warning(
                 "request %s: %s instance %s answered %s", request_id, leg, instance.url, response.status_code
@@ -266,10 +359,21 @@ class _Router:
         return instance.url, response
 
     async def _prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        request_id: str,
+        prompt: list[int] | None,
+        first: tuple[Instance, Choice | None] | None = None,
     ) -> dict[str, Any]:
-        content = await _dumps(prefill_body(body))
-        url, response = await self._call("prefill", "POST", path, headers, request_id, content)
+        try:
+            content = await _dumps(prefill_body(body))
+        except BaseException:
+            if first is not None:  # acquired by the caller: ours to release
+                self.pools["prefill"].release(first[0], first[1].queued_tokens if first[1] else 0)
+            raise
+        url, response = await self._call("prefill", "POST", path, headers, request_id, content, prompt, first)
         try:
             answer = response.json()
         except ValueError:
@@ -301,7 +405,7 @@ class _Router:
     async def _decode_stream(
         self, path: str, content: bytes, headers: dict[str, str], request_id: str
     ) -> Response:
-        instance, response = await self.send(
+        instance, response, _ = await self.send(
             "decode", "POST", path, headers, request_id, content, stream=True
         )
 
@@ -347,6 +451,40 @@ class _Router:
             logger.warning("request %s: decode stream from %s broke: %r", request_id, url, exc)
             failure = self._transport_error(exc, "decode", url)
             yield (b"" if at_boundary else b"\n\n") + b"data: " + failure.body + b"\n\n"
+
+    async def _prompt(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+    ) -> list[int] | None:
+        """The prompt's token ids for KV-aware routing, from a prefill instance's
+        ``/tokenize``; None (route by load) when nothing is cached anywhere yet,
+        or the prompt cannot be tokenized in ``kv_tokenize_timeout_s``."""
+        if self.kv is None or not self.kv.has_blocks():
+            return None
+        request = tokenize_request(path, body)
+        if request is None or isinstance(request, list):
+            return request
+        # Any prefill instance serves the same model; the least loaded one is asked, not counted.
+        instances = self.pools["prefill"].instances()
+        if not instances:
+            return None
+        instance = min(instances, key=lambda i: i.in_flight)
+        try:
+            response = await self.client.post(
+                instance.url + "/tokenize",
+                headers=headers,
+                content=await _dumps(request),
+                timeout=self.config.kv_tokenize_timeout_s,
+            )
+            tokens = prompt_tokens(response.json()) if response.status_code == 200 else None
+            why = f"HTTP {response.status_code}" if tokens is None else ""
+        except (self.httpx.RequestError, ValueError) as exc:
+            tokens, why = None, f"{type(exc).__name__}: {exc}"
+        if tokens is None:
+            self.metrics.tokenize_failures.inc()
+            logger.warning(
+                "request %s: %s/tokenize failed (%s); routing prefill by load", request_id, instance.url, why
+            )
+        return tokens
 
     # -- the routes -------------------------------------------------------
 
@@ -410,11 +548,17 @@ class _Router:
                 if not len(pool):
                     raise _LegFailed(self._no_instance(leg))
             headers = {**self._headers(request, request_id), "Content-Type": "application/json"}
+            # Push and pull pick the prefill instance the same way (see ``acquire``).
+            prompt = await self._prompt(path, body, headers, request_id)
+            first: tuple[Instance, Choice | None] | None = None
             if self.push is not None:
-                pushed = await self.push.complete(path, body, headers, request_id)
-                if pushed is not None:
-                    return pushed
-            params = await self._prefill(path, body, headers, request_id)
+                instance, choice = self.acquire("prefill", prompt)
+                if instance is None:
+                    raise _LegFailed(self._no_instance("prefill"))
+                if self.push.knows(instance.url):
+                    return await self.push.complete(path, body, headers, request_id, instance, choice)
+                first = (instance, choice)  # not known yet: pull there, which teaches the proxy
+            params = await self._prefill(path, body, headers, request_id, prompt, first)
             content = await _dumps({**body, "kv_transfer_params": params})
             if body.get("stream") is True:
                 return await self._decode_stream(path, content, headers, request_id)
@@ -438,6 +582,7 @@ class _Router:
             body["reason"] = " and ".join(f"no {role} instance" for role in missing)
         body.update({role: pool.to_json() for role, pool in self.pools.items()})
         body["metadata"] = self.discovery.to_json() if self.discovery else None
+        body["kv_events"] = self.kv.to_json() if self.kv else None
         return JSONResponse(body, status_code=503 if missing else 200)
 
 
@@ -534,4 +679,15 @@ def build_app(config: ProxyConfig) -> FastAPI:
         return router.health()
 
     app.add_api_route("/health", healthz, methods=["GET"], include_in_schema=False)
+
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics: routing choices and KV events",
+        response_class=Response,
+        responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {}}}}},
+    )
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     return app

@@ -55,6 +55,22 @@ class ProxyConfig:
     max_connections: open upstream connections, all instances together.
     mode:            "pull" (prefill, then decode pulls) or "push" (both legs
                      at once; prefill WRITEs into decode's blocks as it computes).
+    prefill_kv_events: (prefill URL, ZMQ endpoint) pairs: subscribe to that
+                     instance's vLLM KV cache events (``tcp://host:port`` of its
+                     ``--kv-events-config`` publisher, then optionally
+                     ``,tcp://host:port`` of its ``replay_endpoint``, asked for
+                     missed batches) and route prefill by the prompt's cached
+                     prefix there (KV-aware routing; off when empty).
+    kv_alpha:        weight of an instance's queued prompt tokens against its
+                     cached ones: score = cached_tokens - kv_alpha * queued_tokens.
+    kv_max_blocks:   blocks remembered per instance; the oldest go first beyond.
+    kv_max_message_bytes: largest KV event frame accepted (larger ones cut the
+                     publisher off until it reconnects).
+    decode_kv_usage: read each decode instance's ``vllm:kv_cache_usage_perc``
+                     from its ``/metrics`` every ``refresh_s``; equally loaded
+                     decode instances then go by free KV cache.
+    kv_tokenize_timeout_s: longest wait for a prefill instance's ``/tokenize``
+                     (then that request is routed by load).
     """
 
     prefill_urls: tuple[str, ...] = ()
@@ -74,6 +90,13 @@ class ProxyConfig:
     max_json_depth: int = 64
     max_connections: int = 1024
     mode: str = "pull"
+    prefill_kv_events: tuple[tuple[str, str], ...] = ()
+    kv_alpha: float = 1.0
+    # About 4 MiB of tokens at block size 16: ~64 bytes of key per block, a few hundred with overhead.
+    kv_max_blocks: int = 262144
+    kv_max_message_bytes: int = 16 * MiB
+    kv_tokenize_timeout_s: float = 5.0
+    decode_kv_usage: bool = False
 
     def __post_init__(self) -> None:
         # Normalized, deduplicated, in the order given: the first ones win ties at start.
@@ -83,12 +106,28 @@ class ProxyConfig:
                 raise ConfigError(f"ProxyConfig.{field}: a sequence of URLs, not one string")
             normalized = tuple(dict.fromkeys(normalize_url(u) for u in urls))
             object.__setattr__(self, field, normalized)
-        for field in ("timeout_s", "connect_timeout_s", "refresh_s", "header_timeout_s", "body_timeout_s"):
+        self._check_kv_events()
+        for field in (
+            "timeout_s",
+            "connect_timeout_s",
+            "refresh_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "kv_tokenize_timeout_s",
+        ):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
         if self.cooldown_s < 0:
             raise ConfigError(f"ProxyConfig.cooldown_s must not be negative, not {self.cooldown_s!r}")
-        for field in ("max_body_bytes", "max_json_depth", "max_connections"):
+        if not self.kv_alpha >= 0:
+            raise ConfigError(f"ProxyConfig.kv_alpha must not be negative, not {self.kv_alpha!r}")
+        for field in (
+            "max_body_bytes",
+            "max_json_depth",
+            "max_connections",
+            "kv_max_blocks",
+            "kv_max_message_bytes",
+        ):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
         if self.mode not in ("pull", "push"):
@@ -102,3 +141,28 @@ class ProxyConfig:
             parse_listen_address(self.listen)
         except ConfigError:
             raise ConfigError(f"listen address {self.listen!r}: expected host:port") from None
+
+    def _check_kv_events(self) -> None:
+        pairs: dict[str, str] = {}
+        for pair in self.prefill_kv_events:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise ConfigError(f"ProxyConfig.prefill_kv_events: {pair!r} is not a (URL, endpoint) pair")
+            url = normalize_url(pair[0], "--prefill-kv-events: prefill URL")
+            endpoint = str(pair[1]).strip()
+            if url not in self.prefill_urls:
+                raise ConfigError(
+                    f"--prefill-kv-events {url}: not a prefill instance; give it with --prefill {url} too"
+                )
+            if url in pairs:
+                raise ConfigError(f"--prefill-kv-events {url}: given twice; one endpoint per instance")
+            parts = endpoint.split(",")
+            if len(parts) > 2 or not all(
+                p.startswith(("tcp://", "ipc://")) and len(p) > len("tcp://") for p in parts
+            ):
+                raise ConfigError(
+                    f"--prefill-kv-events {url}: endpoint {endpoint!r}: expected tcp://host:port "
+                    "(the instance's --kv-events-config endpoint, with its host for *), optionally "
+                    "followed by ,tcp://host:port of its replay_endpoint"
+                )
+            pairs[url] = endpoint
+        object.__setattr__(self, "prefill_kv_events", tuple(pairs.items()))

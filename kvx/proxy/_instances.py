@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import MetadataClient, MetadataOptions
@@ -34,6 +34,8 @@ class Instance:
     url: str
     source: str  # "static" (given on the command line) or "metadata" (discovered)
     in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens of its prefill legs in flight, less what was cached
+    kv_usage: float | None = None  # decode: the engine's KV cache in use, 0 to 1, when read
     cooldown_until_s: float = 0.0  # time.monotonic(); skipped until then while another one is ready
     requests: int = 0
     failures: int = 0
@@ -46,6 +48,8 @@ class Instance:
             "url": self.url,
             "source": self.source,
             "in_flight": self.in_flight,
+            "queued_tokens": self.queued_tokens,
+            "kv_usage": self.kv_usage,
             "requests": self.requests,
             "failures": self.failures,
             "cooling_down": self.cooling_down(now_s),
@@ -81,9 +85,15 @@ class InstancePool:
         self._discovered = {url: self._discovered.get(url) or Instance(url, "metadata") for url in wanted}
         return changed
 
-    def acquire(self, exclude: Iterable[Instance] = ()) -> Instance | None:
+    def acquire(
+        self,
+        exclude: Iterable[Instance] = (),
+        choose: Callable[[list[Instance]], tuple[Instance, int]] | None = None,
+    ) -> Instance | None:
         """The least loaded instance not in ``exclude`` (preferring those not
-        cooling down), counted as one more request in flight; None when none is left."""
+        cooling down), counted as one more request in flight; None when none is
+        left. ``choose``, when given, picks of those instead, and says how many
+        prompt tokens the instance will compute (``queued_tokens``, until released)."""
         skip = set(map(id, exclude))
         candidates = [i for i in self.instances() if id(i) not in skip]
         if not candidates:
@@ -93,14 +103,22 @@ class InstancePool:
         start = self._next % len(ready)
         self._next += 1
         # min() keeps the first of equals: rotating the start makes ties round robin.
-        instance = min(ready[start:] + ready[:start], key=lambda i: i.in_flight)
+        rotated = ready[start:] + ready[:start]
+        if choose is None:
+            # Equally loaded: the most free KV cache, where the engines' usage is read (decode).
+            instance, queued_tokens = min(rotated, key=lambda i: (i.in_flight, i.kv_usage or 0.0)), 0
+        else:
+            instance, queued_tokens = choose(rotated)
         instance.in_flight += 1
         instance.requests += 1
+        instance.queued_tokens += queued_tokens
         return instance
 
-    def release(self, instance: Instance) -> None:
+    def release(self, instance: Instance, queued_tokens: int = 0) -> None:
         assert instance.in_flight > 0, instance.url
+        assert instance.queued_tokens >= queued_tokens, instance.url
         instance.in_flight -= 1
+        instance.queued_tokens -= queued_tokens
 
     def cool_down(self, instance: Instance) -> None:
         instance.failures += 1

@@ -20,6 +20,8 @@ from fastapi.responses import Response
 
 if TYPE_CHECKING:
     from kvx.proxy._app import _Router
+    from kvx.proxy._instances import Instance
+    from kvx.proxy._kv_routing import Choice
 
 MAX_KNOWN = 4096  # prefill identities remembered (one per instance)
 
@@ -45,64 +47,85 @@ class PushFlow:
         if ident is not None and (url in self.known or len(self.known) < MAX_KNOWN):
             self.known[url] = ident
 
+    def knows(self, url: str) -> bool:
+        return url in self.known
+
     async def complete(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
-    ) -> Response | None:
-        """The client's answer, or None when the prefill instance is not known yet (then pull)."""
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        request_id: str,
+        instance: Instance,
+        choice: Choice | None,
+    ) -> Response:
+        """The client's answer, through ``instance``: a prefill instance the router acquired
+        (by load, or KV-aware, as in pull mode) and ``knows``. Released here, whatever happens."""
         from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS, _dumps, _LegFailed, _passthrough, prefill_body
 
         r = self.router
         pool = r.pools["prefill"]
-        instance = pool.acquire()
-        if instance is None:
-            raise _LegFailed(r._no_instance("prefill"))
-        ident = self.known.get(instance.url)
-        if ident is None:
-            pool.release(instance)
-            return None
-        push_id = f"{request_id[:64]}-{uuid.uuid4().hex}"
-        leg = prefill_body(body)
-        leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS, kvx_push=push_id)
-        decode_params = dict(
-            ident,
-            do_remote_prefill=True,
-            do_remote_decode=False,
-            remote_request_id=push_id,
-            remote_block_ids=[],
-            kvx=dict(ident["kvx"], push=push_id),
-        )
-        prefill_content = await _dumps(leg)
-        decode_content = await _dumps({**body, "kv_transfer_params": decode_params})
-        failed: list[Response] = []
-        answer: list[Response] = []
+        queued = choice.queued_tokens if choice else 0
+        released = False
 
-        async def prefill_leg(scope: anyio.CancelScope) -> None:
-            try:
-                request = r.client.build_request(
-                    "POST", instance.url + path, headers=headers, content=prefill_content
-                )
-                response = await r.client.send(request)
-                if response.status_code >= 400:
-                    failed.append(_passthrough(response, "prefill"))
-            except r.httpx.RequestError as exc:
-                failed.append(r._transport_error(exc, "prefill", instance.url))
-            finally:
-                pool.release(instance)
-            if failed:
-                self.known.pop(instance.url, None)
-                scope.cancel()  # the decode leg: its engine then releases the push
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                pool.release(instance, queued)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(prefill_leg, tg.cancel_scope)
-            try:
-                if body.get("stream") is True:
-                    answer.append(await r._decode_stream(path, decode_content, headers, request_id))
-                else:
-                    _, response = await r._call("decode", "POST", path, headers, request_id, decode_content)
-                    answer.append(_passthrough(response))
-            except _LegFailed as exc:
-                answer.append(exc.response)
-                tg.cancel_scope.cancel()  # the prefill leg: its engine then stops pushing
+        try:
+            ident = self.known.get(instance.url)
+            if ident is None:  # forgotten since the router asked (a prefill leg failed there)
+                raise _LegFailed(r._no_instance("prefill"))
+            r._count_choice("prefill", instance, choice, request_id)
+            push_id = f"{request_id[:64]}-{uuid.uuid4().hex}"
+            leg = prefill_body(body)
+            leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS, kvx_push=push_id)
+            decode_params = dict(
+                ident,
+                do_remote_prefill=True,
+                do_remote_decode=False,
+                remote_request_id=push_id,
+                remote_block_ids=[],
+                kvx=dict(ident["kvx"], push=push_id),
+            )
+            prefill_content = await _dumps(leg)
+            decode_content = await _dumps({**body, "kv_transfer_params": decode_params})
+            failed: list[Response] = []
+            answer: list[Response] = []
+
+            async def prefill_leg(scope: anyio.CancelScope) -> None:
+                try:
+                    request = r.client.build_request(
+                        "POST", instance.url + path, headers=headers, content=prefill_content
+                    )
+                    response = await r.client.send(request)
+                    if response.status_code >= 400:
+                        failed.append(_passthrough(response, "prefill"))
+                except r.httpx.RequestError as exc:
+                    failed.append(r._transport_error(exc, "prefill", instance.url))
+                finally:
+                    release()
+                if failed:
+                    self.known.pop(instance.url, None)
+                    scope.cancel()  # the decode leg: its engine then releases the push
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(prefill_leg, tg.cancel_scope)
+                try:
+                    if body.get("stream") is True:
+                        answer.append(await r._decode_stream(path, decode_content, headers, request_id))
+                    else:
+                        _, response = await r._call(
+                            "decode", "POST", path, headers, request_id, decode_content
+                        )
+                        answer.append(_passthrough(response))
+                except _LegFailed as exc:
+                    answer.append(exc.response)
+                    tg.cancel_scope.cancel()  # the prefill leg: its engine then stops pushing
+        finally:
+            release()
         if failed:
             stream = answer[0] if answer else None
             if stream is not None and hasattr(stream, "_on_close"):

@@ -179,9 +179,9 @@ class Engine(Proc):
             "--seed",
             "0",
         ]
-        argv += extra_args or []
         if kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        argv += extra_args or []
         env = dict(os.environ, **engine_env(), **(extra_env or {}))
         super().__init__(name, argv, env, tmp / f"{name}.log")
 

@@ -54,14 +54,14 @@ def assert_all_gone(pids, within_s=10.0):
 class RunningDemo:
     """``kvx demo`` in the background, its stdout read line by line as it comes."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, env=None):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvx", "demo", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
-            env=ENV,
+            env={**ENV, **(env or {})},
         )
         self.lines = []
         # Threads read the pipes: select() on a buffered pipe misses lines already read ahead.
@@ -120,8 +120,8 @@ class RunningDemo:
 def running_demo():
     demos = []
 
-    def start(*args):
-        demos.append(RunningDemo(*args))
+    def start(*args, env=None):
+        demos.append(RunningDemo(*args, env=env))
         return demos[-1]
 
     yield start
@@ -173,6 +173,63 @@ def test_demo_stops_everything_on_ctrl_c_and_sigterm(running_demo, signum):
     out, err = demo.finish()
     assert demo.process.returncode == 128 + signum, out + err
     assert f"kvx demo: stopped by {signal.Signals(signum).name}" in err
+    pids = demo_pids(out)
+    assert len(pids) == 4, out
+    assert_all_gone(pids)
+
+
+# Loaded by the demo process only (it pops its variable, so its children do not
+# load it): once the trigger file exists, the first time the main thread takes the
+# lock of a blocking wait (Event.wait, Queue.get: the `with cond:` that begins it),
+# it sends itself SIGINT right after the lock is taken, before the block begins.
+_SIGNAL_IN_A_LOCK = """
+import os
+_trigger = os.environ.pop("KVX_TEST_SIGINT_TRIGGER", "")
+if _trigger:
+    import signal, sys, threading
+
+    _enter = threading.Condition.__enter__
+    _fired = []
+
+    def __enter__(self):
+        taken = _enter(self)
+        if (
+            not _fired
+            and threading.get_ident() == threading.main_thread().ident
+            and sys._getframe(1).f_code.co_name in ("wait", "get")
+            and os.path.exists(_trigger)
+        ):
+            _fired.append(1)
+            open(_trigger + ".fired", "w").close()
+            os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, the lock held
+        return taken
+
+    threading.Condition.__enter__ = __enter__
+"""
+
+
+@pytest.mark.slow
+def test_demo_exits_when_ctrl_c_lands_with_a_lock_just_taken(running_demo, tmp_path):
+    """A Ctrl-C handler that raises, landing after a `with cond:` took its lock and
+    before the block began, left the lock held for good: the workers then blocked on
+    it and the interpreter's exit, joining them, never ended. The demo's handlers only
+    note the signal now, so wherever it lands the demo stops within its bounds."""
+    (tmp_path / "sitecustomize.py").write_text(_SIGNAL_IN_A_LOCK)
+    trigger = tmp_path / "trigger"
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    demo = running_demo(
+        "--requests", "1000000", env={"PYTHONPATH": pythonpath, "KVX_TEST_SIGINT_TRIGGER": str(trigger)}
+    )
+    demo.read_until("sending 1000000 completions")
+    trigger.touch()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "trigger.fired").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "trigger.fired").exists(), "the demo never took a wait's lock in its main thread"
+    # Stopping takes seconds; a hang is the interpreter's exit waiting forever.
+    out, err = demo.finish(timeout_s=120)
+    assert demo.process.returncode == 128 + signal.SIGINT, out + err
+    assert "kvx demo: stopped by SIGINT" in err
     pids = demo_pids(out)
     assert len(pids) == 4, out
     assert_all_gone(pids)

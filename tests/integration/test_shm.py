@@ -881,3 +881,101 @@ def test_reads_racing_a_deregister_get_the_bytes_or_an_error_never_garbage(make_
     # The peer's other leases (its pool) are untouched by the revocations.
     peer.read(local.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(10)
     assert pool.tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_a_lease_smaller_than_the_published_region_bounds_every_copy(make_worker, make_agent):
+    """The ranges a target leased, not the sizes it published, bound what the
+    initiator copies: a lease that shrank (or a target that lies in its
+    metadata) gets the descriptors past it refused, with no byte moved."""
+    worker = make_worker()
+    agent = make_agent()
+    pool = np.zeros(4 * BLOCK, np.uint8)
+    local = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    remote = peer.regions[0]
+    peer.read(local.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(10)  # leased from here on
+    conn = peer._channel.link.conns[0]
+    key = (remote.id, False)
+    base, size, *rest = conn.leases[key]
+    assert size == remote.size_bytes
+    conn.leases[key] = (base, 2 * BLOCK, *rest)
+    pool[:] = 0xEE
+    blocks = Descs.build(remote.id, [0, 2 * BLOCK, BLOCK], BLOCK)  # the second lies past the lease
+    with pytest.raises(kvx.AccessError, match=r"descriptor 1 .*outside the region's 8192 bytes"):
+        peer.read(local.descs(0, 3 * BLOCK), blocks).wait(10)
+    assert (pool == 0xEE).all(), "a refused transfer moved bytes"
+    # A lease whose base would carry the copy past the top of the address space.
+    conn.leases[key] = ((1 << 64) - BLOCK, size, *rest)
+    with pytest.raises(kvx.AccessError, match="overflows"):
+        peer.read(local.descs(0, BLOCK), remote.descs(BLOCK, BLOCK)).wait(10)
+    assert (pool == 0xEE).all()
+    # The honest lease still copies, and the connection lives on.
+    conn.leases[key] = (base, size, *rest)
+    peer.read(local.descs(0, BLOCK), remote.descs(BLOCK, BLOCK)).wait(10)
+    assert pool[:BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
+
+
+def _forged(rows):
+    out = np.zeros(len(rows), kvx.descs.DESC_DTYPE)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return Descs(out)
+
+
+def test_forged_local_descriptors_are_refused_on_the_leased_path(make_worker, make_agent):
+    """The one-call path (local resolve, lease check and copy in C) refuses
+    local ranges outside this agent's regions before any byte moves, and
+    names the descriptor, as the full path does; deregister still waits."""
+    worker = make_worker()
+    agent = make_agent()
+    buf = np.full(3 * BLOCK, 0xEE, np.uint8)  # two regions, then memory never registered
+    first, second = agent.register(buf[:BLOCK]), agent.register(buf[BLOCK : 2 * BLOCK])
+    peer = agent.add_peer(worker.metadata)
+    assert peer.backend == "shm"
+    remote = peer.regions[0].descs(0, BLOCK)
+    peer.read(first.descs(0, BLOCK), remote).wait(10)  # leased from here on
+    assert buf[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+    buf[:] = 0xEE
+    hostile = {
+        "past the end": [(first.id, BLOCK - 8, 16)],
+        "into the next region": [(first.id, 8, BLOCK)],
+        "overflow": [(second.id, 1, (1 << 64) - 1)],
+        "negative offset": [(second.id, (1 << 64) - 8, 8)],
+        "unknown region": [(second.id + 1, 0, 16)],
+        "second descriptor": [(first.id, 0, 8), (second.id, BLOCK, 8)],
+    }
+    for why, rows in hostile.items():
+        n = sum(length for _, _, length in rows) % (1 << 64)
+        remote_rows = [(peer.regions[0].id, 0, min(n, BLOCK))]
+        with pytest.raises(kvx.AccessError, match=f"descriptor {len(rows) - 1}") as err:
+            peer.read(_forged(rows), _forged(remote_rows)).wait(10)
+        assert (buf == 0xEE).all(), f"{why}: a refused read moved bytes ({err.value})"
+    # A region deregistered while reads into it run: each gets the bytes or
+    # is refused; deregister returns once none can touch it, and none does after.
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                peer.read(second.descs(0, BLOCK), remote).wait(10)
+                outcomes.append("ok")
+            except kvx.AccessError:
+                outcomes.append("refused")
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    time.sleep(0.05)
+    agent.deregister(second, timeout_s=10)
+    buf[BLOCK : 2 * BLOCK] = 0xEE
+    time.sleep(0.05)
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "ok" in outcomes and outcomes[-1] == "refused", outcomes[-5:]
+    assert (buf[BLOCK:] == 0xEE).all(), "a read landed in a deregistered region"
+    with pytest.raises(kvx.AccessError, match="unknown region"):
+        peer.read(second.descs(0, BLOCK), remote).wait(10)
+    peer.read(first.descs(0, BLOCK), remote).wait(10)  # the other region still works
+    assert buf[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()

@@ -16,10 +16,13 @@ import pytest
 
 from kvx.errors import ConfigError
 from kvx.metadata import etcd as etcd_module
+from kvx.metadata.client import MetadataClient
 from kvx.metadata.etcd import EtcdStore, parse_etcd_url
+from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.metadata.store import AgentRecord, EventType, MemoryStore, StoreError, WatchLagError
 from kvx.v1.metadata_pb2 import GetAgentResponse
 from tests.conftest import native_pass_only
+from tests.integration.metadata_util import agent_record
 
 pytestmark = native_pass_only
 
@@ -507,9 +510,13 @@ def test_etcd_instances_share_state(etcd_server):
             assert await elsewhere.list() == []  # another prefix is another namespace
 
             assert await two.delete_if("a", rev)
+            assert await two.get("a") is None  # its own write: at once
             delete = await next_event(events)
             assert (delete.type, delete.record.name) == (EventType.DELETE, "a")
-            assert await one.get("a") is None
+            # one's mirror holds "a" and may answer it until it sees two's delete: a get
+            # through another replica is only eventually current for a name it holds
+            # (docs/metadata.md; test_etcd_get_through_a_lagging_replica pins it down).
+            await wait_until(lambda: _is_none(one.get("a")), 10, "one to see two's delete")
             assert two.expired_leases == 0  # its own delete
         finally:
             await events.aclose()
@@ -517,6 +524,103 @@ def test_etcd_instances_share_state(etcd_server):
                 await store.close()
 
     run(body())
+
+
+async def _is_none(awaitable) -> bool:
+    return await awaitable is None
+
+
+def pause_mirror(store: EtcdStore) -> list:
+    """Stalls ``store``'s mirror as heavy CPU load can (its watch consumer does not
+    run): the changes it receives are held back, in order, until resume_mirror."""
+    held: list = []
+    store._apply = held.append  # type: ignore[method-assign]
+    return held
+
+
+def resume_mirror(store: EtcdStore, held: list) -> None:
+    del store._apply
+    for event in held:
+        store._apply(event)
+
+
+def test_etcd_get_through_a_lagging_replica(etcd_server):
+    """After writes through replica one, a get through replica two, whose mirror
+    lags: a name new to two is confirmed in etcd; a name two holds may be answered
+    as two last saw it, until a conditional write of it through two fails, after
+    which two reads it from etcd until its mirror has seen the change."""
+
+    async def body():
+        prefix = f"/kvx-test/{next(_prefixes)}/"
+        one = EtcdStore(etcd_server.url, prefix=prefix, timeout_s=3)
+        two = EtcdStore(etcd_server.url, prefix=prefix, timeout_s=3)
+        try:
+            for store in (one, two):
+                await store.start()
+            lease = await one.grant_lease(30)
+            rev_a = await one.put_if(record("a", v="1"), lease, 0)
+            rev_b = await one.put_if(record("b"), lease, 0)
+
+            async def two_holds(name: str, revision: int) -> bool:
+                held = two._mirror.get(name)
+                return two.mirror_synced and held is not None and held.revision == revision
+
+            await wait_until(lambda: two_holds("b", rev_b), 10, "two's mirror to see b")
+            held = pause_mirror(two)
+            rev_a2 = await one.put_if(record("a", v="2"), lease, rev_a)
+            assert await one.delete_if("b", rev_b)
+            rev_c = await one.put_if(record("c"), lease, 0)
+
+            assert (await two.get("c")).revision == rev_c  # new to two: confirmed in etcd
+            assert (await two.get("a")).revision == rev_a  # held: as two last saw it
+            assert (await two.get("b")).revision == rev_b
+
+            # A write with that revision fails in etcd; the caller's retry starts with a
+            # get, which must not meet the same stale record again (the service retries
+            # a registration 8 times, then answers ABORTED).
+            assert await two.put_if(record("a", v="x"), lease, rev_a) is None
+            got = await two.get("a")
+            assert (got.revision, got.labels["v"]) == (rev_a2, "2")
+            assert await two.delete_if("b", rev_b) is False
+            assert await two.get("b") is None
+            assert await two.count() == 2
+
+            resume_mirror(two, held)
+            await wait_until(lambda: two_holds("a", rev_a2), 10, "two's mirror to catch up")
+            assert not two._pending  # seen: gets of a come from the mirror again
+            reads = two.etcd_reads
+            assert (await two.get("a")).revision == rev_a2 and two.etcd_reads == reads
+        finally:
+            for store in (one, two):
+                await store.close()
+
+    run(body())
+
+
+def test_etcd_register_again_through_a_lagging_replica(etcd_server):
+    """An agent unregisters through replica a and registers again (restarted) through
+    replica b, whose mirror lags, as a load balancer may split them: b's stale record
+    must not make it answer ABORTED."""
+    prefix = f"/kvx-test/{next(_prefixes)}/"
+    store_b = EtcdStore(etcd_server.url, prefix=prefix, timeout_s=3)
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, prefix=prefix))) as a,
+        ThreadedServer(MetadataServer("127.0.0.1:0", store_b)) as b,
+    ):
+        via_a, via_b = MetadataClient(a.address), MetadataClient(b.address)
+        first = via_a.register(agent_record("moving", 1), ttl_s=10)
+        deadline = time.monotonic() + 10
+        while "moving" not in store_b._mirror or not store_b.mirror_synced:
+            assert time.monotonic() < deadline, "b's mirror did not see the registration"
+            time.sleep(0.05)
+        pause_mirror(store_b)  # held until the servers stop
+        assert via_a.unregister("moving", 1, first.lease_id)
+        assert via_b.unregister("moving", 1, first.lease_id) is False  # already gone
+        again = via_b.register(agent_record("moving", 2), ttl_s=10)
+        assert again.revision > first.revision
+        assert via_a.get("moving").epoch == 2 and via_b.get("moving").epoch == 2
+        via_a.close()
+        via_b.close()
 
 
 @pytest.mark.slow

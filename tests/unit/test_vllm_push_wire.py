@@ -71,7 +71,7 @@ def _cache(num_blocks: int, layers: int = 2) -> RankCache:
 
 def _worker(decode_blocks: int = 8, tp_size: int = 1, layers: int = 2) -> PushWorker:
     engine = SimpleNamespace(
-        tp_size=tp_size, cache=_cache(decode_blocks, layers), peers={0: SimpleNamespace(name=DECODE_AGENT)}
+        tp_size=tp_size, caches=[_cache(decode_blocks, layers)], peers={0: SimpleNamespace(name=DECODE_AGENT)}
     )
     w = SimpleNamespace(
         _lock=threading.Lock(),
@@ -89,7 +89,7 @@ def _registration(blocks: Any) -> dict[str, Any]:
 
 def test_a_good_registration_is_taken() -> None:
     engine, blocks = _worker()._check_registration(_Send("r", "p", 3), _registration([5, 6, 7]), DECODE_AGENT)
-    assert blocks == [5, 6, 7] and engine.cache.num_blocks == 8
+    assert blocks == [5, 6, 7] and engine.caches[0].num_blocks == 8
 
 
 @pytest.mark.parametrize(
@@ -137,3 +137,14 @@ def test_push_mode_refuses_pipeline_parallelism() -> None:
 
     with pytest.raises(ConfigError, match="pipeline_parallel_size 1"):
         PushScheduler(SimpleNamespace(pp_size=2))  # type: ignore[arg-type]
+
+
+def test_push_mode_refuses_anything_but_one_full_attention_group() -> None:
+    from kvx.connectors.vllm.push import check_push_groups
+
+    full = {"kind": "full", "block_size": 16, "num_layers": 2}
+    sliding = {"kind": "sliding_window", "window": 128, "retained": 0, "block_size": 16, "num_layers": 1}
+    check_push_groups([full])
+    for groups in ([sliding, full], [full, full], [sliding]):
+        with pytest.raises(ConfigError, match='one full-attention KV-cache group.*"mode": "pull"'):
+            check_push_groups(groups)

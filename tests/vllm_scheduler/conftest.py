@@ -106,21 +106,41 @@ def _own_model_info_cache() -> Iterator[None]:
             os.environ["VLLM_CACHE_ROOT"] = before
 
 
-def make_scheduler(vllm_config: Any, num_blocks: int = 64) -> Any:
-    """vLLM's Scheduler (the class the engine core uses) over ``num_blocks`` KV blocks."""
+def make_kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> Any:
+    """One full-attention group; with ``sliding_window``, vLLM's hybrid layout of a model
+    whose layer 0 has a sliding window (Gemma-2 style): group 0 sliding, group 1 full."""
     import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    geometry = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": NUM_KV_HEADS,
+        "head_size": HEAD_SIZE,
+        "dtype": torch.bfloat16,
+    }
+    if sliding_window is None:
+        groups = [KVCacheGroupSpec(layers, FullAttentionSpec(**geometry))]
+    else:
+        groups = [
+            KVCacheGroupSpec(layers[:1], SlidingWindowSpec(**geometry, sliding_window=sliding_window)),
+            KVCacheGroupSpec(layers[1:], FullAttentionSpec(**geometry)),
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def make_scheduler(vllm_config: Any, num_blocks: int = 64, sliding_window: int | None = None) -> Any:
+    """vLLM's Scheduler (the class the engine core uses) over ``num_blocks`` KV blocks."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     assert not vllm_config.scheduler_config.async_scheduling, "these tests drive the synchronous Scheduler"
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
-    )
+    kv_cache_config = make_kv_cache_config(num_blocks, sliding_window)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=vllm_config,
@@ -133,11 +153,12 @@ def make_scheduler(vllm_config: Any, num_blocks: int = 64) -> Any:
 
 @pytest.fixture
 def new_scheduler():
-    """Factory: ``new_scheduler(role, num_blocks=..., **config)``; shut down after the test."""
+    """Factory: ``new_scheduler(role, num_blocks=..., sliding_window=..., **config)``; shut down
+    after the test. ``sliding_window`` gives the scheduler two KV-cache groups (hybrid)."""
     made: list[Any] = []
 
-    def new(role: str, num_blocks: int = 64, **config: Any) -> Any:
-        scheduler = make_scheduler(make_vllm_config(role, **config), num_blocks)
+    def new(role: str, num_blocks: int = 64, sliding_window: int | None = None, **config: Any) -> Any:
+        scheduler = make_scheduler(make_vllm_config(role, **config), num_blocks, sliding_window)
         made.append(scheduler)
         return scheduler
 
@@ -190,14 +211,19 @@ def make_request(
 
 
 def remote_params(
-    remote_request_id: str, num_tokens: int, *, engine_id: str = "prefill-engine-0"
+    remote_request_id: str,
+    num_tokens: int,
+    *,
+    engine_id: str = "prefill-engine-0",
+    block_ids: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """kv_transfer_params shaped as KvxScheduler.request_finished returns them on prefill."""
     num_blocks = -(-num_tokens // BLOCK_SIZE)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(range(100, 100 + num_blocks))],  # per KV-cache group
+        # Per KV-cache group.
+        "remote_block_ids": block_ids if block_ids is not None else [list(range(100, 100 + num_blocks))],
         "remote_engine_id": engine_id,
         "remote_request_id": remote_request_id,
         "remote_host": "127.0.0.1",
@@ -265,6 +291,11 @@ def free_blocks(scheduler: Any) -> int:
 def block_ids(scheduler: Any, request_id: str) -> list[int]:
     (ids,) = scheduler.kv_cache_manager.get_block_ids(request_id)
     return list(ids)
+
+
+def group_block_ids(scheduler: Any, request_id: str) -> list[list[int]]:
+    """The request's block ids per KV-cache group (0: vLLM's null block)."""
+    return [list(ids) for ids in scheduler.kv_cache_manager.get_block_ids(request_id)]
 
 
 def fake_handshake(scheduler: Any) -> None:

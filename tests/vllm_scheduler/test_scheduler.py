@@ -195,8 +195,8 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
     assert len(meta.recv) == 1
     recv = meta.recv[0]
     assert recv.request_id == "d1" and not recv.release_only
-    assert len(recv.local_block_ids) == cdiv(prompt_len, BLOCK_SIZE)
-    assert recv.local_block_ids == block_ids(decode, "d1")
+    assert len(recv.local_block_ids[0]) == cdiv(prompt_len, BLOCK_SIZE)
+    assert recv.local_block_ids == [block_ids(decode, "d1")]  # one list per KV-cache group
     assert recv.params["remote_request_id"] == "prefill-d1"
     assert meta.renew == []  # allocated in the same step: nothing to renew
     assert request.kv_transfer_params["do_remote_prefill"] is False  # one load per request
@@ -213,7 +213,7 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
     assert out.num_scheduled_tokens == {"d1": 1}
     (new,) = out.scheduled_new_reqs
     assert new.req_id == "d1" and new.num_computed_tokens == prompt_len - 1
-    assert list(new.block_ids[0]) == recv.local_block_ids
+    assert list(new.block_ids[0]) == recv.local_block_ids[0]
     assert meta_of(out).recv == []
     assert outputs["d1"].new_token_ids == [5]
 
@@ -227,7 +227,7 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
 def test_decode_load_failure_with_policy_fail_finishes_the_request(decode):
     request = add_remote(decode, "d1", prompt(37))
     out, _ = step(decode)
-    local = meta_of(out).recv[0].local_block_ids
+    (local,) = meta_of(out).recv[0].local_block_ids
 
     # KvxWorker reports a failed read in finished_recving and failed_recving,
     # and its blocks as load errors.
@@ -253,7 +253,7 @@ def test_decode_load_failure_with_policy_recompute_computes_the_prompt_locally(n
     decode = new_scheduler("kv_consumer", NUM_BLOCKS, load_failure_policy="recompute")
     request = add_remote(decode, "d1", prompt(37))
     out, _ = step(decode)
-    local = meta_of(out).recv[0].local_block_ids
+    (local,) = meta_of(out).recv[0].local_block_ids
 
     step(decode, finished_recving={"d1"}, failed_recving={"d1"}, invalid_block_ids=set(local))
     assert not request.is_finished()
@@ -290,8 +290,9 @@ def test_decode_full_prefix_hit_reads_only_the_uncached_tail(decode, prompt_len)
     assert not recv.release_only
     allocated = block_ids(decode, "d1")
     assert len(allocated) == cdiv(prompt_len, BLOCK_SIZE)
-    assert recv.local_block_ids == allocated[cached_blocks:]
-    assert len(recv.local_block_ids) < len(recv.params["remote_block_ids"][0])  # KvxWorker reads the tail
+    # By block position; 0 (vLLM's null block id) where the local cache already holds the block.
+    assert recv.local_block_ids == [[0] * cached_blocks + allocated[cached_blocks:]]
+    assert len(recv.local_block_ids[0]) == len(recv.params["remote_block_ids"][0])
 
     step(decode, finished_recving={"d1"})
     out, _ = step(decode)
@@ -353,7 +354,7 @@ def test_decode_abort_while_loading_frees_blocks_only_after_the_load_ends(decode
 def test_decode_abort_while_loading_then_a_failed_load_frees_blocks(decode):
     add_remote(decode, "d1", prompt(37))
     out, _ = step(decode)
-    local = meta_of(out).recv[0].local_block_ids
+    (local,) = meta_of(out).recv[0].local_block_ids
     decode.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
     step(decode, finished_recving={"d1"}, failed_recving={"d1"}, invalid_block_ids=set(local))
     assert_empty(decode)

@@ -20,6 +20,7 @@ through shared segments instead (segments.py); other memory goes over tcp.
 
 from __future__ import annotations
 
+import array
 import errno
 import logging
 import threading
@@ -30,13 +31,15 @@ import numpy as np
 from kvx._datapath import io as _io
 from kvx.backends.base import Backend, BackendContext, Channel, Unreachable, same_host
 from kvx.backends.control import wire as _wire
-from kvx.backends.control.link import Link
+from kvx.backends.control.link import Link, region_ids
 from kvx.backends.control.serve import Fatal, Handler, InboundConnection
 from kvx.backends.control.wire import MsgType
 from kvx.backends.shm import owner, segments
-from kvx.backends.shm.copy import CmaCopy, SegmentCopy
+from kvx.backends.shm.copy import CmaCopy, SegmentCopy, cma_copy, copy_error
 from kvx.backends.tcp import TcpChannel
-from kvx.errors import AccessError, KvxError, ProtocolError
+from kvx.descs import Descs
+from kvx.errors import AccessError, KvxError, ProtocolError, TransferError
+from kvx.memory import DEVICE, REMOTE_READ, REMOTE_WRITE, SMALL_LIST
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -158,6 +161,10 @@ class ShmChannel(Channel):
     segments; anything else (GPU memory on either side, memory outside the
     segments) over tcp, on the same link."""
 
+    # Cross-memory attach merges adjacent ranges in C (leased_copy), for
+    # free; the other paths here merge them in post.
+    merges_ranges = True
+
     def __init__(
         self, link: Link, pid: int, *, cma: bool, segment_maps: dict[int, Any] | None = None
     ) -> None:
@@ -167,6 +174,8 @@ class ShmChannel(Channel):
         self.cma = cma
         self.segment_maps = segment_maps or {}
         self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
+        if cma:
+            self.copy_inline = self._copy_inline
         if self.segment_maps:
             maps = self.segment_maps
             link.when_closed(lambda: segments.close_all(maps))  # no copy can run any more
@@ -187,27 +196,144 @@ class ShmChannel(Channel):
         link = self._link
         if local_device < 0 and remote_device < 0 and (self.cma or self._in_segments(remote)):
             if self.cma:
+                if total <= INLINE_COPY_BYTES and self._copy_leased(
+                    transfer, op, local_addrs, local_lens, remote, notify
+                ):
+                    return
+                if len(remote) > 1:  # fewer descriptors, fewer parts
+                    remote = Descs(remote).coalesce().array
                 pid, peer = self.pid, link.peer
                 make_copy: Any = lambda *part: CmaCopy(pid, op, peer, *part)  # noqa: E731
             else:
+                local_addrs, local_lens = merge_ranges(local_addrs, local_lens)
+                if len(remote) > 1:
+                    remote = Descs(remote).coalesce().array
                 maps, peer = self.segment_maps, link.peer
                 make_copy = lambda *part: SegmentCopy(maps, op, peer, *part)  # noqa: E731
             if total > INLINE_COPY_BYTES:  # copied in parts on the connections' threads
                 link.post_pinned(transfer, op, local_addrs, local_lens, total, remote, notify, 0, make_copy)
-            elif not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
+            elif self.cma or not link.copy_leased(
+                transfer, op, local_addrs, local_lens, remote, notify, make_copy
+            ):
                 # The first transfer on these regions: the target leases them to us.
                 link.post_pinned(
                     transfer, op, local_addrs, local_lens, total, remote, notify, 0, make_copy, keep=True
                 )
         else:
+            # The agent left merging to this channel (merges_ranges); tcp wants it done.
+            local_addrs, local_lens = merge_ranges(local_addrs, local_lens)
+            if len(remote) > 1:
+                remote = Descs(remote).coalesce().array
             self.tcp.post(
                 transfer, op, local_addrs, local_lens, total, remote, notify, local_device, remote_device
             )
+
+    def _copy_leased(
+        self,
+        transfer: Transfer,
+        op: Op,
+        local_addrs: Any,
+        local_lens: Any,
+        remote: np.ndarray,
+        notify: bytes | None,
+    ) -> bool:
+        """``Link.copy_leased`` for cross-memory attach, without the copy
+        object: the latency path. False (nothing done) when a region is not
+        leased yet."""
+        link = self._link
+        if len(remote) == 1:
+            rids = [int(remote["region"][0])]
+        elif len(remote) <= SMALL_LIST:
+            rids = sorted(set(remote["region"].tolist()))
+        else:
+            rids = region_ids(remote).tolist()
+        writing = op is Op.WRITE
+        conn = link.conns[0]
+        pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
+        if pinned is None:
+            return False
+        error: KvxError | None = None
+        try:
+            transfer.expect_parts(1, link.notify_after(notify))
+            cma_copy(
+                self.pid, link.peer, writing, local_addrs, local_lens, remote, array.array("I", rids), pinned
+            )
+        except KvxError as exc:
+            error = exc
+        except Exception as exc:  # a bug: the transfer must still finish
+            logger.exception("copy to peer %s failed", link.peer)
+            error = TransferError(f"internal error: {exc!r}")
+        finally:
+            conn.unlease(rids)
+        transfer.part_finished(error)
+        return True
+
+    def _copy_inline(
+        self,
+        writing: bool,
+        local: np.ndarray,
+        table: tuple[Any, Any, Any],
+        need: int,
+        remote: np.ndarray,
+        max_bytes: int,
+    ) -> int | BaseException | None:
+        """A whole small host transfer in one C call (leased_post): the local
+        descriptors resolved against this agent's pinned region ``table``
+        (bases, sizes, flags; each region's flags carry ``need`` and no
+        DEVICE), the remote ones checked against what the peer leased, the
+        bytes moved. The bytes moved; the error of a copy that failed; None
+        when nothing was done (a region not leased yet, a descriptor refused,
+        totals that differ or exceed ``max_bytes`` or INLINE_COPY_BYTES): the
+        caller then takes the full path, which names any error."""
+        if len(remote) == 1:
+            rids = remote["region"].tolist()
+        elif len(remote) <= SMALL_LIST:
+            rids = sorted(set(remote["region"].tolist()))
+        else:
+            rids = region_ids(remote).tolist()
+        conn = self._link.conns[0]
+        pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
+        if pinned is None:
+            return None
+        try:
+            got = _io.leased_post(
+                self.pid,
+                writing,
+                local,
+                *table,
+                need,
+                need | DEVICE,
+                remote,
+                array.array("I", rids),
+                array.array("Q", pinned),
+                REMOTE_WRITE if writing else REMOTE_READ,
+                min(max_bytes, INLINE_COPY_BYTES),
+            )
+        except OSError as exc:
+            return copy_error(exc, self.pid, self._link.peer)
+        except Exception as exc:  # a bug: the transfer must still finish
+            logger.exception("copy to peer %s failed", self._link.peer)
+            return TransferError(f"internal error: {exc!r}")
+        finally:
+            conn.unlease(rids)
+        return got if type(got) is int else None
 
     def _in_segments(self, remote: np.ndarray) -> bool:
         if not len(self._segment_ids):
             return False
         return bool(np.isin(remote["region"], self._segment_ids).all())
+
+
+def merge_ranges(addrs: Any, lens: Any) -> tuple[Any, Any]:
+    """Join local ranges where one starts where the one before ends."""
+    if len(addrs) < 2:
+        return addrs, lens
+    a, n = np.asarray(addrs, np.uint64), np.asarray(lens, np.uint64)
+    joins = a[1:] == a[:-1] + n[:-1]
+    if not joins.any():
+        return addrs, lens
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return np.ascontiguousarray(a[starts]), np.add.reduceat(n, starts).astype(np.uint64)
 
 
 def lanes(md: agent_pb2.AgentMetadata, streams: int) -> int:

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import io as _io
-from kvx.backends.control.pinned import PinnedCopy
+from kvx.backends.control.pinned import PinnedCopy, check_pinned
+from kvx.descs import DESC_DTYPE
 from kvx.errors import AccessError, PeerLostError, ProtocolError, TransferError
-from kvx.memory import SMALL_LIST
+from kvx.memory import REMOTE_READ, REMOTE_WRITE
 from kvx.transfer import Op
 
 
@@ -26,40 +27,58 @@ class CmaCopy(PinnedCopy):
         self.pid = pid
 
     def __call__(self, pinned: Any) -> None:
-        # A few descriptors in one region (the latency case): plain Python
-        # beats the dozen numpy calls of the general path.
-        remote = self.remote
-        if len(remote) <= SMALL_LIST and len(self.regions) == 1 and len(pinned) == 2:
-            base, size = int(pinned[0]), int(pinned[1])
-            addrs, lens = array.array("Q"), array.array("Q")
-            for _, offset, length in remote.tolist():
-                if offset > size or length > size - offset:
-                    break  # the general path names the descriptor
-                addrs.append(base + offset)
-                lens.append(length)
-            else:
-                try:
-                    (_io.vm_writev if self.op is Op.WRITE else _io.vm_readv)(
-                        self.pid, self.addrs, self.lens, addrs, lens
-                    )
-                except OSError as exc:
-                    raise copy_error(exc, self.pid, self.peer) from exc
-                return
-        super().__call__(np.asarray(pinned, np.uint64))
-
-    def move(self, bases: np.ndarray, sizes: np.ndarray, extra: np.ndarray) -> None:
-        at = 0 if len(self.regions) == 1 else np.searchsorted(self.regions, self.remote["region"])
-        move = _io.vm_writev if self.op is Op.WRITE else _io.vm_readv
-        try:
-            move(
-                self.pid,
-                self.addrs,
-                self.lens,
-                np.ascontiguousarray(self.remote["offset"] + bases[at], np.uint64),
-                np.ascontiguousarray(self.remote["length"]),
+        if len(pinned) != 2 * len(self.regions):
+            raise ProtocolError(
+                f"peer {self.peer!r} answered a pin of {len(self.regions)} regions with "
+                f"{len(pinned) * 8} bytes"
             )
-        except OSError as exc:
-            raise copy_error(exc, self.pid, self.peer) from exc
+        cma_copy(
+            self.pid, self.peer, self.op is Op.WRITE, self.addrs, self.lens, self.remote, self.regions, pinned
+        )
+
+
+def cma_copy(
+    pid: int, peer: str, writing: bool, addrs: Any, lens: Any, remote: np.ndarray, regions: Any, pinned: Any
+) -> None:
+    """Copy between the local ranges and the ``remote`` descriptors of process
+    ``pid``, through what its target pinned or leased for ``regions`` (sorted
+    uint32 ids): per region a (base, size) pair in ``pinned``. One C call
+    checks every descriptor against those ranges, resolves and merges them,
+    and copies, so the latency path runs no Python per descriptor."""
+    assert remote.dtype == DESC_DTYPE
+    if type(pinned) is tuple:  # a lease's pairs
+        pinned = array.array("Q", pinned)
+    if not remote.flags.c_contiguous:
+        remote = np.ascontiguousarray(remote)
+    try:
+        bad = _io.leased_copy(
+            pid, writing, addrs, lens, remote, regions, pinned, REMOTE_WRITE if writing else REMOTE_READ
+        )
+    except OSError as exc:
+        raise copy_error(exc, pid, peer) from exc
+    except ValueError as exc:  # the lists kvx built itself disagree: a bug, nothing copied
+        raise TransferError(f"copy to peer {peer!r} refused: {exc}") from exc
+    if bad >= 0:
+        raise refused(remote, bad, np.asarray(regions), np.asarray(pinned, np.uint64), peer, writing)
+
+
+def refused(
+    remote: np.ndarray, bad: int, regions: np.ndarray, pinned: np.ndarray, peer: str, writing: bool
+) -> AccessError:
+    """The error for descriptor ``bad``, which the pinned or leased ranges do not cover."""
+    rid, offset, length = (int(v) for v in remote[bad].tolist())
+    what = f"peer {peer!r}: remote {'write' if writing else 'read'} descriptor {bad} (region {rid}, "
+    what += f"offset {offset}, length {length})"
+    at = int(np.searchsorted(regions, rid))
+    if at >= len(regions) or int(regions[at]) != rid:
+        return AccessError(f"{what} names a region the peer did not pin for it")
+    try:  # the message the target's own check gives: which descriptor, which size
+        check_pinned(remote[: bad + 1], regions, pinned[1 : 2 * len(regions) : 2], peer, writing)
+    except AccessError as exc:
+        return exc
+    return AccessError(
+        f"{what} overflows the address space at base {int(pinned[2 * at]):#x}; the pin is bogus"
+    )
 
 
 class SegmentCopy(PinnedCopy):

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -66,7 +67,9 @@ def _log_like_vllm() -> None:
     root.setLevel(os.environ.get("KVX_LOG_LEVEL", "INFO").upper())
 
 
-class KvxConnector(KVConnectorBase_V1):
+class KvxConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: models with several KV-cache groups keep vLLM's hybrid allocator."""
+
     # Prompt KV loaded by this connector came from a peer engine.
     _cache_hit_source = CacheHitSource.P2P
 
@@ -82,7 +85,7 @@ class KvxConnector(KVConnectorBase_V1):
         self._scheduler: KvxScheduler | None = None
         self._worker: KvxWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvxScheduler(vllm_config, cfg, engine_id, layout)
+            self._scheduler = KvxScheduler(vllm_config, kv_cache_config, cfg, engine_id, layout)
         else:
             self._worker = KvxWorker(vllm_config, kv_cache_config, cfg, engine_id, layout)
 
@@ -197,5 +200,11 @@ class KvxConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)

@@ -113,6 +113,17 @@ def warn_if_push(params: dict[str, Any] | None, request_id: str) -> None:
         )
 
 
+def check_push_groups(groups: list[dict[str, Any]]) -> None:
+    """Push mode moves one full-attention KV-cache group; refuse anything else at startup."""
+    if len(groups) != 1 or groups[0]["kind"] != "full":
+        kinds = ", ".join(f"{g['kind']} ({g['num_layers']} layers)" for g in groups)
+        raise ConfigError(
+            f"KvxConnector push mode supports models with one full-attention KV-cache group; this "
+            f'model has {len(groups)}: {kinds}. Use "mode": "pull" for it, or start vLLM with '
+            "--disable-hybrid-kv-cache-manager (one group; sliding-window layers then keep every block)"
+        )
+
+
 def _wait_s(prefill_lease_s: Any, own_lease_s: float) -> float:
     """How long decode waits for a push: prefill's lease (it gives up then), at most decode's own.
     The value comes from a client's kv_transfer_params: anything but a positive number is ignored."""
@@ -225,9 +236,10 @@ class PushScheduler:
         return True
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None] | None:
-        """Either role's answer for a push request, or None for a pull request."""
+        """Either role's answer for a push request, or None for a pull request.
+        ``block_ids`` holds one list per KV-cache group; push mode has one group."""
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -240,7 +252,7 @@ class PushScheduler:
                 RequestStatus.FINISHED_STOPPED,
             )
             # The worker may have WRITEs in flight from these blocks: it frees them when the push is over.
-            if not block_ids:
+            if not any(block_ids):
                 return False, None
             self._meta.finished[rid] = aborted
             return True, None
@@ -456,14 +468,15 @@ class PushWorker:
     def _write(self, s: _Send, layer: int, touched: list[int]) -> None:
         """Post one layer's WRITE; ``s.inflight`` already counts it."""
         try:
-            assert s.engine is not None and self.w.cache is not None
+            assert s.engine is not None and len(self.w.caches) == 1  # check_push_groups
             skip = s.num_blocks - len(s.decode_blocks)
             pairs = [(s.block_ids[j], s.decode_blocks[j - skip]) for j in touched if j >= skip]
             if not pairs:
                 self._written(s, None)
                 return
             caches = self._per_layer(s.engine)
-            mine = dataclasses.replace(self.w.cache, layers=(self.w.cache.layers[layer],))
+            cache = self.w.caches[0]
+            mine = dataclasses.replace(cache, layers=(cache.layers[layer],))
             plans = plan_read(
                 mine,
                 self.w.tp_rank,
@@ -498,7 +511,8 @@ class PushWorker:
         key = id(engine)
         caches = self._layer_caches.get(key)
         if caches is None:
-            caches = [dataclasses.replace(engine.cache, layers=(g,)) for g in engine.cache.layers]
+            (cache,) = engine.caches  # one group, as _check_registration checked
+            caches = [dataclasses.replace(cache, layers=(g,)) for g in cache.layers]
             self._layer_caches[key] = caches
         return caches
 
@@ -695,14 +709,15 @@ class PushWorker:
             )
         if engine.peers[self.w.tp_rank].name != peer:
             raise ProtocolError(f"sent by {peer}, not by decode rank {self.w.tp_rank}'s agent")
-        if len(engine.cache.layers) != len(self.layer_index):
-            raise ConfigError(
-                f"decode has {len(engine.cache.layers)} layers, prefill {len(self.layer_index)}"
-            )
+        if len(engine.caches) != 1:
+            raise ConfigError(f"decode has {len(engine.caches)} KV-cache groups; push mode moves one")
+        cache = engine.caches[0]
+        if len(cache.layers) != len(self.layer_index):
+            raise ConfigError(f"decode has {len(cache.layers)} layers, prefill {len(self.layer_index)}")
         out = []
         for b in blocks:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < engine.cache.num_blocks:
-                raise ProtocolError(f"block id {b!r} outside decode's {engine.cache.num_blocks} blocks")
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < cache.num_blocks:
+                raise ProtocolError(f"block id {b!r} outside decode's {cache.num_blocks} blocks")
             out.append(b)
         if len(set(out)) != len(out):
             raise ProtocolError("the registration names a block twice")

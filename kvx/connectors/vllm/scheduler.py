@@ -7,6 +7,11 @@ external; once blocks are allocated the worker reads the ones decode lacks
 (a local prefix hit covers the rest, and vLLM always leaves at least the last
 block to load), and a request that ends before that (abort) or loads nothing
 (vLLM skips caches for it) still releases prefill's blocks.
+
+KV-cache groups (vLLM's hybrid allocator, ``SupportsHMA``): block ids go
+per group, each list aligned by block position. A sliding-window group
+carries only the blocks inside the window of the prompt's last token; the
+ones before are vLLM's null block (id 0) on both engines, and are not moved.
 """
 
 from __future__ import annotations
@@ -18,26 +23,39 @@ from typing import TYPE_CHECKING, Any
 from kvx.connectors.side_channel import SideChannelServer
 from kvx.connectors.vllm.config import KvxConnectorConfig
 from kvx.connectors.vllm.meta import (
+    NULL_BLOCK_ID,
     KvxConnectorMetadata,
     KvxHandshakeMetadata,
     RecvRequest,
+    cache_groups,
+    check_remote_block_ids,
     compat_fields,
     digest,
     remote_params_ok,
+    window_start_block,
 )
-from kvx.connectors.vllm.push import PushScheduler, warn_if_push
+from kvx.connectors.vllm.push import PushScheduler, check_push_groups, warn_if_push
+from kvx.errors import KvxError, ProtocolError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
 
 class KvxScheduler:
-    def __init__(self, vllm_config: VllmConfig, cfg: KvxConnectorConfig, engine_id: str, layout: str | None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        cfg: KvxConnectorConfig,
+        engine_id: str,
+        layout: str | None,
+    ):
         self.cfg = cfg
         self.engine_id = engine_id
         kv = vllm_config.kv_transfer_config
@@ -45,7 +63,11 @@ class KvxScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.block_size = vllm_config.cache_config.block_size
-        self.compat = compat_fields(vllm_config, layout)
+        self.groups = cache_groups(kv_cache_config)
+        if cfg.mode == "push":
+            check_push_groups(self.groups)
+        self.compat = compat_fields(vllm_config, layout, kv_cache_config)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
         self._recv: list[RecvRequest] = []
         self._hold: dict[str, float] = {}
         self._waiting: dict[str, dict[str, Any]] = {}  # decode: params of requests not yet allocated
@@ -82,8 +104,21 @@ class KvxScheduler:
         elif self.push.on_new_request(request):
             return
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and remote_params_ok(params):
-            self._waiting[request.request_id] = params
+        if not params or not params.get("do_remote_prefill") or not remote_params_ok(params):
+            return
+        try:
+            check_remote_block_ids(params, self.groups, self.max_model_len)
+            if params["remote_num_tokens"] != request.num_prompt_tokens:
+                raise ProtocolError(
+                    f"prefill computed {params['remote_num_tokens']} prompt tokens, this request has "
+                    f"{request.num_prompt_tokens}: send both engines the same prompt"
+                )
+        except KvxError as exc:
+            # A peer's (or a client's) words: never trusted, never fatal to the engine.
+            logger.error("request %s: %s; computing its prompt locally", request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return
+        self._waiting[request.request_id] = params
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -104,8 +139,7 @@ class KvxScheduler:
             return
         if remote_params_ok(params):
             if num_external_tokens > 0:
-                local = blocks.get_unhashed_block_ids()
-                self._recv.append(RecvRequest(request.request_id, local, params))
+                self._recv.append(RecvRequest(request.request_id, _blocks_to_fill(blocks), params))
             else:
                 # No external tokens (vLLM skips caches for this request, e.g. prompt logprobs):
                 # nothing to read, but prefill must free its blocks.
@@ -132,7 +166,10 @@ class KvxScheduler:
         self._recv, self._hold = [], {}
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished_all_groups``: ``block_ids`` holds one list per KV-cache group."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -153,24 +190,30 @@ class KvxScheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted or failed on prefill: free now, nothing to hand over
-        if not block_ids:
+        if not any(block_ids):
             return False, None
         if not self._ranks:
             logger.error(
                 "request %s: no kvx agent registered its KV cache; decode will compute it", request.request_id
             )
             return False, None
-        # Only the prompt's blocks: decode computes from the prompt, and aligns prefill's blocks
-        # with its own from the end (prefill may have generated past the prompt).
+        assert len(block_ids) == len(self.groups), (len(block_ids), self.groups)
+        # Only the prompt's blocks: decode computes from the prompt (prefill may have generated
+        # past it), and in a sliding-window group only those inside the window of the prompt's
+        # last token (vLLM may not have nulled the rest yet: the window moved during this step).
         num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        block_ids = list(block_ids)[: -(-num_tokens // self.block_size)]
+        per_group = []
+        for group, ids in zip(self.groups, block_ids, strict=True):
+            ids = list(ids)[: -(-num_tokens // group["block_size"])]
+            start = window_start_block(group, num_tokens)
+            per_group.append([NULL_BLOCK_ID] * min(start, len(ids)) + ids[start:])
         self._hold[request.request_id] = self.cfg.lease_s
         ranks = [self._ranks[r] for r in sorted(self._ranks)]
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            # Per KV-cache group (one group: the hybrid allocator is off for this connector).
-            "remote_block_ids": [block_ids],
+            # Per KV-cache group, by block position; NULL_BLOCK_ID outside a sliding window.
+            "remote_block_ids": per_group,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
             "remote_host": self.cfg.host,
@@ -190,3 +233,12 @@ class KvxScheduler:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+
+def _blocks_to_fill(blocks: KVCacheBlocks) -> list[list[int]]:
+    """Per group, by block position: the block decode must read, or NULL_BLOCK_ID where it
+    must not (a local prefix-cache hit, or vLLM's null block outside a sliding window)."""
+    return [
+        [NULL_BLOCK_ID if b.is_null or b.block_hash is not None else b.block_id for b in group]
+        for group in blocks.blocks
+    ]

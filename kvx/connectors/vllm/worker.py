@@ -7,6 +7,10 @@ request a failed receive and its blocks load errors, so vLLM's
 ``kv_load_failure_policy`` decides. Prefill holds a finished request's
 blocks until every decode rank said "done" (or "release"), or the lease,
 renewed by decode while it waits, runs out.
+
+A model with several KV-cache groups (sliding-window and full-attention
+layers under vLLM's hybrid allocator) is described per group: each group's
+layers with its own block ids, in one read per prefill rank.
 """
 
 from __future__ import annotations
@@ -19,22 +23,27 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvx.agent import Agent, Peer
 from kvx.config import Timeouts, read_file
 from kvx.connectors import side_channel
 from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
 from kvx.connectors.vllm.config import KvxConnectorConfig
 from kvx.connectors.vllm.meta import (
+    NULL_BLOCK_ID,
     KvxConnectorMetadata,
     KvxHandshakeMetadata,
     RecvRequest,
+    cache_groups,
     check_compat,
     compat_fields,
     digest,
     note,
     parse_note,
 )
-from kvx.connectors.vllm.push import PushWorker
+from kvx.connectors.vllm.push import PushWorker, check_push_groups
+from kvx.descs import Descs
 from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError, ProtocolError
 from kvx.metadata.client import MetadataOptions
 from kvx.transfer import Transfer
@@ -63,7 +72,7 @@ class _Held:
 class _RemoteEngine:
     engine_id: str
     tp_size: int
-    cache: RankCache
+    caches: list[RankCache]  # per KV-cache group
     peers: dict[int, Peer]
 
 
@@ -94,11 +103,14 @@ class KvxWorker:
             if kv.is_kv_producer and not kv.is_kv_consumer
             else ("decode" if kv.is_kv_consumer and not kv.is_kv_producer else "both")
         )
-        self.compat = compat_fields(vllm_config, layout)
+        self.groups = cache_groups(kv_cache_config)
+        if cfg.mode == "push":
+            check_push_groups(self.groups)
+        self.compat = compat_fields(vllm_config, layout, kv_cache_config)
         self.use_mla = bool(vllm_config.model_config.use_mla)
         self.total_heads = self.compat["num_kv_heads"]
         self.agent: Agent | None = None
-        self.cache: RankCache | None = None
+        self.caches: list[RankCache] = []  # per KV-cache group, once registered
         self._lock = threading.Lock()
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -143,7 +155,7 @@ class KvxWorker:
             },
             metadata_options=self._metadata_options() if cfg.metadata else None,
         )
-        self.cache = self._describe(kv_caches)
+        self.caches = self._describe(kv_caches)
         if cfg.mode == "push":
             assert self.kv_cache_config is not None  # _describe checked it
             names = [n for n in self.kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
@@ -154,17 +166,18 @@ class KvxWorker:
             self.agent.update_engine_info(
                 {
                     "tp_rank": str(self.tp_rank),
-                    "kvx_cache": json.dumps(self.cache.to_json()),
+                    "kvx_cache": json.dumps(self._cache_doc()),
                     "kvx_compat": json.dumps(self.compat),
                 }
             )
         logger.info(
-            "kvx agent %s: %d layers x %d blocks registered (%d heads, %d planes)",
+            "kvx agent %s: %s layers x %d blocks registered in %d KV-cache group(s) (%d heads, %d planes)",
             self.agent.name,
-            len(self.cache.layers),
-            self.cache.num_blocks,
-            self.cache.num_heads,
-            self.cache.planes,
+            "+".join(str(len(c.layers)) for c in self.caches),
+            self.caches[0].num_blocks,
+            len(self.caches),
+            self.caches[0].num_heads,
+            self.caches[0].planes,
         )
 
     def _metadata_options(self) -> MetadataOptions:
@@ -173,45 +186,50 @@ class KvxWorker:
             token = read_file(self.cfg.metadata_token_file).decode().strip()
         return MetadataOptions(token=token)
 
-    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> RankCache:
-        assert self.agent is not None
-        groups = self.kv_cache_config.kv_cache_groups if self.kv_cache_config is not None else []
-        if len(groups) != 1:
-            raise ConfigError(f"KvxConnector supports one KV-cache group, this model has {len(groups)}")
-        assert self.kv_cache_config is not None  # it has one group
-        spec = groups[0].kv_cache_spec
-        names = [n for n in groups[0].layer_names if n in kv_caches]
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> list[RankCache]:
+        """One RankCache per KV-cache group; under the hybrid allocator the groups' layers
+        share tensors (one layer of each group per tensor) and one block id space."""
+        assert self.agent is not None and self.kv_cache_config is not None  # cache_groups checked it
         num_blocks = self.kv_cache_config.num_blocks
-        heads = 1 if self.use_mla else int(spec.num_kv_heads)
-        unit_elems = int(spec.block_size) * int(spec.head_size)
         regions: dict[int, int] = {}  # storage address -> region id
-        layers = []
-        for name in names:
-            t = kv_caches[name]
-            storage = t.untyped_storage()
-            base = storage.data_ptr()
-            if base not in regions:
-                regions[base] = self.agent.register((base, storage.nbytes())).id
-            layers.append(
-                layer_geometry(
-                    t.shape,
-                    t.stride(),
-                    t.element_size(),
-                    t.data_ptr() - base,
-                    regions[base],
-                    num_blocks,
-                    heads,
-                    unit_elems,
+        caches = []
+        for group in self.kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            heads = 1 if self.use_mla else int(spec.num_kv_heads)
+            unit_elems = int(spec.block_size) * int(spec.head_size)
+            layers = []
+            for name in [n for n in group.layer_names if n in kv_caches]:
+                t = kv_caches[name]
+                storage = t.untyped_storage()
+                base = storage.data_ptr()
+                if base not in regions:
+                    regions[base] = self.agent.register((base, storage.nbytes())).id
+                layers.append(
+                    layer_geometry(
+                        t.shape,
+                        t.stride(),
+                        t.element_size(),
+                        t.data_ptr() - base,
+                        regions[base],
+                        num_blocks,
+                        heads,
+                        unit_elems,
+                    )
                 )
-            )
-        planes = len(layers[0].unit_offsets) // heads
-        return RankCache(tuple(layers), num_blocks, heads, planes)
+            if not layers:
+                raise ConfigError(f"no KV cache tensor registered for any layer of {group.layer_names[:3]}")
+            planes = len(layers[0].unit_offsets) // heads
+            caches.append(RankCache(tuple(layers), num_blocks, heads, planes))
+        return caches
+
+    def _cache_doc(self) -> dict[str, Any]:
+        return {"groups": [c.to_json() for c in self.caches]}
 
     def handshake_metadata(self) -> KvxHandshakeMetadata | None:
-        if self.agent is None or self.cache is None:
+        if self.agent is None or not self.caches:
             return None
         return KvxHandshakeMetadata(
-            self.tp_rank, self.agent.name, self.agent.epoch, self.agent.metadata(), self.cache.to_json()
+            self.tp_rank, self.agent.name, self.agent.epoch, self.agent.metadata(), self._cache_doc()
         )
 
     # Each step.
@@ -232,7 +250,7 @@ class KvxWorker:
                 "request %s: %s %d blocks from engine %s",
                 req.request_id,
                 "release" if req.release_only else "read",
-                len(req.local_block_ids),
+                sum(b != NULL_BLOCK_ID for g in req.local_block_ids for b in g),
                 req.params.get("remote_engine_id"),
             )
             self._pool.submit(self._receive, req)
@@ -340,31 +358,32 @@ class KvxWorker:
             self._fail(req, exc)
 
     def _read(self, req: RecvRequest, engine: _RemoteEngine, remote_id: str) -> None:
-        assert self.cache is not None
-        remote_blocks = _group0(req.params["remote_block_ids"])
-        local_blocks = list(req.local_block_ids)
-        if len(local_blocks) < len(remote_blocks):
-            # Part of the prompt hit the local prefix cache: read only the tail.
-            remote_blocks = remote_blocks[len(remote_blocks) - len(local_blocks) :]
-        elif len(local_blocks) > len(remote_blocks):
-            raise ConfigError(
-                f"decode allocated {len(local_blocks)} blocks but prefill holds {len(remote_blocks)}"
-            )
-        if not local_blocks:
+        assert self.caches
+        pairs = _block_pairs(req.local_block_ids, req.params["remote_block_ids"], engine.caches[0].num_blocks)
+        if not any(local for local, _ in pairs):
             self._notify_all(engine, note("done", remote_id, self.tp_size))
             self._succeed(req)
             return
-        plans = plan_read(
-            self.cache,
-            self.tp_rank,
-            self.tp_size,
-            engine.cache,
-            engine.tp_size,
-            self.total_heads,
-            local_blocks,
-            remote_blocks,
-            replicated=self.use_mla,
-        )
+        plans: dict[int, tuple[Descs, Descs]] = {}
+        for g, (local_blocks, remote_blocks) in enumerate(pairs):
+            if not local_blocks:
+                continue
+            group_plans = plan_read(
+                self.caches[g],
+                self.tp_rank,
+                self.tp_size,
+                engine.caches[g],
+                engine.tp_size,
+                self.total_heads,
+                local_blocks,
+                remote_blocks,
+                replicated=self.use_mla,
+            )
+            for rank, (local, remote) in group_plans.items():
+                if rank in plans:
+                    local = Descs(np.concatenate([plans[rank][0].array, local.array]))
+                    remote = Descs(np.concatenate([plans[rank][1].array, remote.array]))
+                plans[rank] = (local, remote)
         done_note = note("done", remote_id, self.tp_size)
         renew_note = note("renew", remote_id, self.tp_size)
         transfers: list[Transfer] = []
@@ -418,7 +437,10 @@ class KvxWorker:
             return
         with self._lock:
             self._failed_recv.add(req.request_id)
-            self._load_errors.update(int(b) for b in req.local_block_ids)
+            # Block ids are unique only within a group: with several groups vLLM cannot map
+            # them back to requests and stops the engine on any; the request alone says it.
+            if len(req.local_block_ids) == 1:
+                self._load_errors.update(int(b) for b in req.local_block_ids[0] if b != NULL_BLOCK_ID)
         # Let prefill free the blocks now rather than at the lease's end (best effort).
         try:
             engine = self._engines_for(req.params)
@@ -530,11 +552,12 @@ class KvxWorker:
                 f"prefill engine {engine_id} announces tp_size {tp_size} but ranks "
                 f"{[r['tp_rank'] for r in ranks]}"
             )
+        caches = _group_caches(ranks[0].get("cache"), len(self.groups), engine_id)
         peers = {int(r["tp_rank"]): self.agent.add_peer(base64.b64decode(r["agent_metadata"])) for r in ranks}
         with self._lock:
             for peer in peers.values():
                 self._stats.record_backend(peer.backend)
-        return _RemoteEngine(engine_id, tp_size, RankCache.from_json(ranks[0]["cache"]), peers)
+        return _RemoteEngine(engine_id, tp_size, caches, peers)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -545,8 +568,49 @@ class KvxWorker:
                 logger.warning("closing kvx agent: %s", exc)
 
 
-def _group0(block_ids: Any) -> list[int]:
-    """Block ids of the first KV-cache group, from a flat or per-group list."""
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        return [int(b) for b in block_ids[0]]
-    return [int(b) for b in block_ids]
+def _group_caches(doc: Any, num_groups: int, engine_id: str) -> list[RankCache]:
+    """A prefill rank's per-group cache description (a peer's words), checked."""
+    groups = doc.get("groups") if isinstance(doc, dict) else None
+    if not isinstance(groups, list) or len(groups) != num_groups:
+        got = len(groups) if isinstance(groups, list) else "no"
+        raise ConfigError(
+            f"prefill engine {engine_id} describes {got} KV-cache groups, this engine has {num_groups}"
+        )
+    caches = [RankCache.from_json(g) for g in groups]
+    if len({c.num_blocks for c in caches}) != 1:
+        raise ConfigError(f"prefill engine {engine_id}'s KV-cache groups differ in their block counts")
+    return caches
+
+
+def _block_pairs(
+    local: list[list[int]], remote: Any, remote_num_blocks: int
+) -> list[tuple[list[int], list[int]]]:
+    """Per group, the (local, remote) block ids to read: positions where decode has a block to
+    fill. ``remote`` passed KvxScheduler's checks (check_remote_block_ids); what only the
+    prefill engine's cache description tells (its block count) is checked here."""
+    if len(local) != len(remote):
+        raise ConfigError(f"{len(local)} KV-cache groups here, prefill sent block ids for {len(remote)}")
+    pairs = []
+    for g, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        if len(mine) > len(theirs):
+            raise ConfigError(
+                f"KV-cache group {g}: decode allocated {len(mine)} blocks but prefill holds {len(theirs)}"
+            )
+        lb: list[int] = []
+        rb: list[int] = []
+        for pos, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+            if a == NULL_BLOCK_ID:
+                continue  # a local prefix hit, or outside this group's sliding window
+            if b == NULL_BLOCK_ID:
+                raise ConfigError(
+                    f"KV-cache group {g}: prefill no longer holds block {pos}, which decode's "
+                    "sliding window needs (prefill went on past the prompt?)"
+                )
+            if not 0 < b < remote_num_blocks:
+                raise ProtocolError(
+                    f"KV-cache group {g}: prefill block id {b} is outside its cache of {remote_num_blocks} blocks"
+                )
+            lb.append(a)
+            rb.append(b)
+        pairs.append((lb, rb))
+    return pairs
