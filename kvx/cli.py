@@ -672,6 +672,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest wait for a client's whole request body; then 408 (default: 60)",
     )
     proxy.add_argument(
+        "--mode",
+        choices=("pull", "push"),
+        default="pull",
+        help="pull: prefill, then decode reads the KV cache; push: both legs at once, prefill "
+        'writes each layer into decode\'s blocks as it computes (engines with "mode": "push"; '
+        "the first request to each prefill instance runs in pull mode) (default: pull)",
+    )
+    proxy.add_argument(
         "--prefill-kv-events",
         action="append",
         default=[],
@@ -821,6 +829,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        mode=args.mode,
         prefill_kv_events=tuple(_kv_events_pair(text) for text in args.prefill_kv_events),
         kv_alpha=args.kv_alpha,
         decode_kv_usage=args.decode_kv_usage,

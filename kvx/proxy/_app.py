@@ -5,7 +5,8 @@ decode (``max_tokens=1``, ``do_remote_decode``); its answer carries the
 ``kv_transfer_params`` that tell the decode instance where to pull the KV
 cache from. The decode leg gets the client's request unchanged but for those
 parameters, and its answer (JSON or a server-sent event stream) goes back to
-the client as it comes.
+the client as it comes. With ``mode="push"`` both legs go out at once
+(``kvx.proxy._push``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvx.proxy._config import ProxyConfig
 from kvx.proxy._instances import Discovery, Instance, InstancePool
 from kvx.proxy._kv_routing import Choice, DecodeUsage, KvRouting, prompt_tokens, tokenize_request
 from kvx.proxy._metrics import ProxyMetrics
+from kvx.proxy._push import PushFlow
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,7 @@ class _Router:
             else None
         )
         self.client: Any = None
+        self.push = PushFlow(self) if config.mode == "push" else None
         self._usage_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -232,28 +235,25 @@ class _Router:
         content: bytes | None = None,
         stream: bool = False,
         prompt: list[int] | None = None,
+        first: tuple[Instance, Choice | None] | None = None,
     ) -> tuple[Instance, Any, int]:
         """Send to the least loaded instance of ``leg`` (for prefill with a
         ``prompt`` and KV events: the one with the best score, see
         ``_kv_routing``), moving on to another while one cannot be reached. The
-        instance comes back acquired, with the queued tokens to release it with."""
+        instance comes back acquired, with the queued tokens to release it with.
+        ``first``: an instance already acquired (with its choice) to try first."""
         pool = self.pools[leg]
         tried: list[Instance] = []
         failure: JSONResponse | None = None
-        kv = self.kv if leg == "prefill" else None
-        choices: list[Choice] = []  # the KV-aware choice of this attempt, if any
-
-        def choose(candidates: list[Instance]) -> tuple[Instance, int]:
-            assert kv is not None
-            choices.append(kv.choose(candidates, prompt))
-            return choices[-1].instance, choices[-1].queued_tokens
-
         while len(tried) < MAX_CONNECT_ATTEMPTS:
-            choices.clear()
-            instance = pool.acquire(exclude=tried, choose=choose if kv is not None else None)
+            instance: Instance | None
+            if first is not None:
+                (instance, choice), first = first, None
+            else:
+                instance, choice = self.acquire(leg, prompt, tried)
             if instance is None:
                 break
-            queued = choices[-1].queued_tokens if choices else 0
+            queued = choice.queued_tokens if choice else 0
             request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
             try:
                 response = await self.client.send(request, stream=stream)
@@ -281,9 +281,25 @@ class _Router:
             except BaseException:
                 pool.release(instance, queued)
                 raise
-            self._count_choice(leg, instance, choices[-1] if choices else None, request_id)
+            self._count_choice(leg, instance, choice, request_id)
             return instance, response, queued
         raise _LegFailed(failure or self._no_instance(leg))
+
+    def acquire(
+        self, leg: str, prompt: list[int] | None, exclude: list[Instance] | None = None
+    ) -> tuple[Instance | None, Choice | None]:
+        """An instance of ``leg``, acquired: the least loaded one, or for prefill with KV events
+        the best scored (see ``_kv_routing``), and that KV-aware choice. Both modes pick here."""
+        kv = self.kv if leg == "prefill" else None
+        choices: list[Choice] = []
+
+        def choose(candidates: list[Instance]) -> tuple[Instance, int]:
+            assert kv is not None
+            choices.append(kv.choose(candidates, prompt))
+            return choices[-1].instance, choices[-1].queued_tokens
+
+        instance = self.pools[leg].acquire(exclude=exclude or [], choose=choose if kv is not None else None)
+        return instance, (choices[-1] if choices and instance is not None else None)
 
     def _count_choice(self, leg: str, instance: Instance, choice: Choice | None, request_id: str) -> None:
         if choice is None:
@@ -328,10 +344,11 @@ class _Router:
         request_id: str,
         content: bytes | None = None,
         prompt: list[int] | None = None,
+        first: tuple[Instance, Choice | None] | None = None,
     ) -> tuple[str, Any]:
         """One whole exchange; an HTTP error status from the instance becomes the client's answer."""
         instance, response, queued = await self.send(
-            leg, method, path, headers, request_id, content, prompt=prompt
+            leg, method, path, headers, request_id, content, prompt=prompt, first=first
         )
         self.pools[leg].release(instance, queued)
         if response.status_code >= 400:
@@ -342,11 +359,21 @@ class _Router:
         return instance.url, response
 
     async def _prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], request_id: str
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        request_id: str,
+        prompt: list[int] | None,
+        first: tuple[Instance, Choice | None] | None = None,
     ) -> dict[str, Any]:
-        content = await _dumps(prefill_body(body))
-        prompt = await self._prompt(path, body, headers, request_id)
-        url, response = await self._call("prefill", "POST", path, headers, request_id, content, prompt)
+        try:
+            content = await _dumps(prefill_body(body))
+        except BaseException:
+            if first is not None:  # acquired by the caller: ours to release
+                self.pools["prefill"].release(first[0], first[1].queued_tokens if first[1] else 0)
+            raise
+        url, response = await self._call("prefill", "POST", path, headers, request_id, content, prompt, first)
         try:
             answer = response.json()
         except ValueError:
@@ -371,6 +398,8 @@ class _Router:
                 )
             )
         logger.debug("request %s: prefilled on %s", request_id, url)
+        if self.push is not None:
+            self.push.learn(url, params)
         return params
 
     async def _decode_stream(
@@ -519,7 +548,17 @@ class _Router:
                 if not len(pool):
                     raise _LegFailed(self._no_instance(leg))
             headers = {**self._headers(request, request_id), "Content-Type": "application/json"}
-            params = await self._prefill(path, body, headers, request_id)
+            # Push and pull pick the prefill instance the same way (see ``acquire``).
+            prompt = await self._prompt(path, body, headers, request_id)
+            first: tuple[Instance, Choice | None] | None = None
+            if self.push is not None:
+                instance, choice = self.acquire("prefill", prompt)
+                if instance is None:
+                    raise _LegFailed(self._no_instance("prefill"))
+                if self.push.knows(instance.url):
+                    return await self.push.complete(path, body, headers, request_id, instance, choice)
+                first = (instance, choice)  # not known yet: pull there, which teaches the proxy
+            params = await self._prefill(path, body, headers, request_id, prompt, first)
             content = await _dumps({**body, "kv_transfer_params": params})
             if body.get("stream") is True:
                 return await self._decode_stream(path, content, headers, request_id)

@@ -53,6 +53,8 @@ class ProxyConfig:
                      refused before it is read when Content-Length says so).
     max_json_depth:  deepest nesting of arrays and objects in a request body (400 beyond).
     max_connections: open upstream connections, all instances together.
+    mode:            "pull" (prefill, then decode pulls) or "push" (both legs
+                     at once; prefill WRITEs into decode's blocks as it computes).
     prefill_kv_events: (prefill URL, ZMQ endpoint) pairs: subscribe to that
                      instance's vLLM KV cache events (``tcp://host:port`` of its
                      ``--kv-events-config`` publisher, then optionally
@@ -87,6 +89,7 @@ class ProxyConfig:
     # OpenAI requests nest a few levels; tool schemas a few more.
     max_json_depth: int = 64
     max_connections: int = 1024
+    mode: str = "pull"
     prefill_kv_events: tuple[tuple[str, str], ...] = ()
     kv_alpha: float = 1.0
     # About 4 MiB of tokens at block size 16: ~64 bytes of key per block, a few hundred with overhead.
@@ -127,6 +130,8 @@ class ProxyConfig:
         ):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"ProxyConfig.{field} must be positive, not {getattr(self, field)!r}")
+        if self.mode not in ("pull", "push"):
+            raise ConfigError(f'ProxyConfig.mode must be "pull" or "push", not {self.mode!r}')
         if self.metadata_target is not None:
             try:
                 parse_address(self.metadata_target)

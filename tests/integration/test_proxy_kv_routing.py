@@ -413,6 +413,7 @@ class FakeEngine:
         self.completions: list[dict] = []
         self.tokenized = 0
         self.metrics_text = ""
+        self.kv_params: dict = {"remote_engine_id": name}  # a prefill answer's kv_transfer_params
         app = FastAPI()
         app.post("/tokenize")(self.tokenize)
         app.get("/metrics")(self.metrics)
@@ -433,7 +434,7 @@ class FakeEngine:
         body = await request.json()
         self.completions.append(body)
         if self.role == "prefill":
-            return {"choices": [{"text": "!"}], "kv_transfer_params": {"remote_engine_id": self.name}}
+            return {"choices": [{"text": "!"}], "kv_transfer_params": self.kv_params}
         return {"choices": [{"text": "ok"}], "served_by": self.name, "kv": body["kv_transfer_params"]}
 
 
@@ -494,6 +495,62 @@ def test_prefill_goes_where_the_prefix_is_cached(engines):
         assert _metric(metrics, 'kvx_proxy_route_total{leg="prefill",reason="load"}') == 2
         health = client.get("/healthz").json()
         assert health["kv_events"][p1.url]["blocks"] == 16
+        client.close()
+    finally:
+        served.stop()
+        pub0.close()
+        pub1.close()
+
+
+def test_push_mode_picks_prefill_by_cached_prefix_too(engines):
+    # --mode push sends both legs at once; its prefill leg must go where pull's would.
+    p0, p1, d0 = engines["p0"], engines["p1"], engines["d0"]
+    for i, p in enumerate((p0, p1)):
+        p.kv_params = {
+            "remote_engine_id": p.name,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600 + i,
+            "tp_size": 1,
+            "pp_size": 1,
+            "kvx": {"agents": [f"{p.name}-tp0"], "epochs": ["0x1"], "digest": "d", "lease_s": 60},
+        }
+    pub0, pub1 = Publisher(), Publisher()
+    config = ProxyConfig(
+        mode="push",
+        prefill_urls=(p0.url, p1.url),
+        decode_urls=(d0.url,),
+        prefill_kv_events=((p0.url, pub0.endpoint), (p1.url, pub1.endpoint)),
+    )
+    app = build_app(config)
+    served = Served(app, config)
+    try:
+        kv = app.state.router.kv
+        pub0.sync(kv.subscribers[p0.url])
+        pub1.sync(kv.subscribers[p1.url])
+        client = httpx.Client(base_url=served.url, timeout=10)
+        # Nothing cached yet: by load, round robin, in pull mode (the proxy learns each instance).
+        other = " ".join(map(str, range(9000, 9040)))
+        for _ in range(6):
+            if p0.completions and p1.completions:
+                break
+            assert client.post("/v1/completions", json={"prompt": other}).status_code == 200
+        assert p0.completions and p1.completions
+        learned0, learned1 = len(p0.completions), len(p1.completions)
+        shared = list(range(500, 564))  # 16 blocks, cached on p1 only
+        seq = pub1.publish(chain(shared, 1))
+        assert pub1.applied(kv.subscribers[p1.url], seq)
+        prompt = " ".join(map(str, [*shared, 7, 8, 9]))
+        for _ in range(3):
+            answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert answer.status_code == 200 and answer.json()["served_by"] == "d0"
+            assert answer.json()["kv"]["remote_engine_id"] == "p1" and "push" in answer.json()["kv"]["kvx"]
+        assert len(p0.completions) == learned0 and len(p1.completions) == learned1 + 3
+        assert all("kvx_push" in c["kv_transfer_params"] for c in p1.completions[learned1:])
+        metrics = client.get("/metrics").text
+        assert _metric(metrics, 'kvx_proxy_route_total{leg="prefill",reason="prefix"}') == 3
+        # Every prefill leg released what it queued there.
+        health = client.get("/healthz").json()
+        assert all(i["in_flight"] == 0 for i in health["prefill"]), health["prefill"]
         client.close()
     finally:
         served.stop()

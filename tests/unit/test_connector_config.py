@@ -32,7 +32,7 @@ def test_values_are_taken() -> None:
     "extra,match",
     [
         ({"lease": 5}, "unknown"),
-        ({"mode": "push"}, "not supported"),
+        ({"mode": "layerwise"}, 'not supported; use "pull" or "push"'),
         ({"lease_s": 0}, "positive"),
         ({"lease_s": float("inf")}, "positive"),
         ({"transfer_timeout_s": "10"}, "positive"),

@@ -280,3 +280,21 @@ def test_a_failed_load_without_block_ids_ends_the_request(decode):
     step(decode, finished_recving={"d1"}, failed_recving={"d1"})
     assert request.status == RequestStatus.FINISHED_ERROR
     assert not decode.requests and free_blocks(decode) == ALL_FREE
+
+
+def test_push_mode_refuses_several_groups_at_startup_and_takes_one():
+    # Push WRITEs one full-attention group's blocks: a hybrid model in push mode must not start
+    # (its per-group block ids would be written as if they were one group's).
+    from tests.vllm_scheduler.conftest import make_scheduler
+
+    config = make_vllm_config("kv_consumer")
+    config.kv_transfer_config.kv_connector_extra_config["mode"] = "push"
+    with pytest.raises(ConfigError, match="push mode supports models with one full-attention KV-cache group"):
+        make_scheduler(config, NUM_BLOCKS, sliding_window=WINDOW)
+    config = make_vllm_config("kv_consumer")
+    config.kv_transfer_config.kv_connector_extra_config["mode"] = "push"
+    scheduler = make_scheduler(config, NUM_BLOCKS)
+    try:
+        assert scheduler.connector._scheduler.push is not None
+    finally:
+        scheduler.shutdown()

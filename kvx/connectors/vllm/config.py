@@ -32,7 +32,9 @@ _KEYS = {
 class KvxConnectorConfig:
     """What ``kv_connector_extra_config`` may hold (all optional).
 
-    mode:               "pull" (decode READs; the default). Push is planned.
+    mode:               "pull" (decode READs after prefill; the default) or
+                        "push" (prefill WRITEs each layer into decode's
+                        blocks as it is computed; pull requests still work).
     lease_s:            prefill holds a finished request's blocks this long
                         unless decode reads them or renews the lease.
     host:               the address this engine's agents and side channel
@@ -89,8 +91,8 @@ class KvxConnectorConfig:
         return cfg
 
     def check(self) -> None:
-        if self.mode != "pull":
-            raise ConfigError(f'KvxConnector mode {self.mode!r} is not supported; use "pull"')
+        if self.mode not in ("pull", "push"):
+            raise ConfigError(f'KvxConnector mode {self.mode!r} is not supported; use "pull" or "push"')
         for name in ("lease_s", "transfer_timeout_s", "connect_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -119,10 +119,16 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # pull mode: decode reads after prefill finished
+        # Pull mode saves nothing: decode reads after prefill finished. Push WRITEs the layer now.
+        if self._worker is not None and self._worker.push is not None:
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvxConnectorMetadata) and meta.push is not None:
+                self._worker.push.save_layer(meta.push, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        # The WRITEs complete in the background; the push only stops counting this step.
+        if self._worker is not None and self._worker.push is not None:
+            self._worker.push.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -191,7 +197,7 @@ class KvxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

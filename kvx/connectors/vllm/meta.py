@@ -55,6 +55,7 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     hold: dict[str, float] = dataclasses.field(default_factory=dict)
     # Decode: requests still waiting to be read: renew prefill's lease on them.
     renew: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    push: Any = None  # push mode: kvx.connectors.vllm.push.PushMeta
 
 
 @dataclasses.dataclass

@@ -34,11 +34,13 @@ from kvx.connectors.vllm.meta import (
     remote_params_ok,
     window_start_block,
 )
+from kvx.connectors.vllm.push import PushScheduler, check_push_groups, warn_if_push
 from kvx.errors import KvxError, ProtocolError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -62,6 +64,8 @@ class KvxScheduler:
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         self.groups = cache_groups(kv_cache_config)
+        if cfg.mode == "push":
+            check_push_groups(self.groups)
         self.compat = compat_fields(vllm_config, layout, kv_cache_config)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self._recv: list[RecvRequest] = []
@@ -70,13 +74,14 @@ class KvxScheduler:
         self._last_renew = 0.0
         self._ranks: dict[int, KvxHandshakeMetadata] = {}
         self._server: SideChannelServer | None = None
+        self.push = PushScheduler(self) if cfg.mode == "push" else None
 
     # Handshake metadata from the workers (once, after their caches are registered).
 
     def set_handshake(self, ranks: dict[int, KvxHandshakeMetadata]) -> None:
         self._ranks.update(ranks)
-        if not self.is_producer:
-            return
+        if not self.is_producer and self.push is None:
+            return  # push: prefill finds a decode engine's agents through its side channel
         if self._server is None:
             self._server = SideChannelServer(self.cfg.host, self.cfg.side_channel_port)
             logger.info(
@@ -94,6 +99,10 @@ class KvxScheduler:
     # Decode side.
 
     def on_new_request(self, request: Request) -> None:
+        if self.push is None:
+            warn_if_push(request.kv_transfer_params, request.request_id)
+        elif self.push.on_new_request(request):
+            return
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not remote_params_ok(params):
             return
@@ -125,6 +134,9 @@ class KvxScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
+        if self.push is not None and self.push.after_alloc(request, blocks, num_external_tokens):
+            self._waiting.pop(request.request_id, None)
+            return
         if remote_params_ok(params):
             if num_external_tokens > 0:
                 self._recv.append(RecvRequest(request.request_id, _blocks_to_fill(blocks), params))
@@ -143,8 +155,10 @@ class KvxScheduler:
 
     # Both sides.
 
-    def build_connector_meta(self) -> KvxConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvxConnectorMetadata:
         meta = KvxConnectorMetadata(recv=self._recv, hold=self._hold)
+        if self.push is not None:
+            meta.push = self.push.take_meta(scheduler_output)
         now = time.monotonic()
         if self._waiting and now - self._last_renew >= self.cfg.lease_s / 4:
             meta.renew = list(self._waiting.values())
@@ -161,6 +175,10 @@ class KvxScheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if self.push is not None:
+            answer = self.push.request_finished(request, block_ids)
+            if answer is not None:
+                return answer
         if params.get("do_remote_prefill"):
             # Finished before its blocks were allocated (aborted while queued): free prefill's blocks.
             self._waiting.pop(request.request_id, None)

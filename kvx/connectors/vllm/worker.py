@@ -42,6 +42,7 @@ from kvx.connectors.vllm.meta import (
     note,
     parse_note,
 )
+from kvx.connectors.vllm.push import PushWorker, check_push_groups
 from kvx.descs import Descs
 from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError, ProtocolError
 from kvx.metadata.client import MetadataOptions
@@ -103,6 +104,8 @@ class KvxWorker:
             else ("decode" if kv.is_kv_consumer and not kv.is_kv_producer else "both")
         )
         self.groups = cache_groups(kv_cache_config)
+        if cfg.mode == "push":
+            check_push_groups(self.groups)
         self.compat = compat_fields(vllm_config, layout, kv_cache_config)
         self.use_mla = bool(vllm_config.model_config.use_mla)
         self.total_heads = self.compat["num_kv_heads"]
@@ -123,6 +126,8 @@ class KvxWorker:
         self._engines: dict[tuple[str, tuple[str, ...]], _RemoteEngine] = {}
         self._engine_locks: dict[str, threading.Lock] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvx-recv")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.push: PushWorker | None = None  # push mode, once the caches are registered
 
     # Registration.
 
@@ -151,6 +156,10 @@ class KvxWorker:
             metadata_options=self._metadata_options() if cfg.metadata else None,
         )
         self.caches = self._describe(kv_caches)
+        if cfg.mode == "push":
+            assert self.kv_cache_config is not None  # _describe checked it
+            names = [n for n in self.kv_cache_config.kv_cache_groups[0].layer_names if n in kv_caches]
+            self.push = PushWorker(self, names, self.block_size)
         if cfg.metadata:
             import json
 
@@ -226,6 +235,8 @@ class KvxWorker:
     # Each step.
 
     def start_step(self, meta: KvxConnectorMetadata) -> None:
+        if self.push is not None and meta.push is not None:
+            self.push.start_step(meta.push)
         now = time.monotonic()
         with self._lock:
             for req_id, lease_s in meta.hold.items():
@@ -247,6 +258,8 @@ class KvxWorker:
             self._pool.submit(self._renew, meta.renew)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        if self.push is not None:
+            self.push.expire()
         now = time.monotonic()
         with self._lock:
             for req_id, held in list(self._held.items()):
@@ -286,6 +299,8 @@ class KvxWorker:
     # Prefill: notifications from decode ranks.
 
     def _on_note(self, notification: Any) -> None:
+        if self.push is not None and self.push.on_note(notification):
+            return
         try:
             op, req_id, n = parse_note(notification.data)
         except ConfigError as exc:

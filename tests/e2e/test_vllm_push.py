@@ -1,0 +1,344 @@
+"""Push mode with real vLLM engines: prefill WRITEs each layer into decode's blocks.
+
+One prefill and one decode engine, both ``"mode": "push"`` with chunked
+prefill in small chunks (a long prompt takes several steps, each WRITEing the
+blocks its chunk touched, layer by layer), and ``kvx proxy --mode push`` in
+front. Token equality with a single engine means every layer of every block
+arrived intact before decode used it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ENGINE_START_S, Engine, Proc, free_port
+from tests.e2e.test_vllm_pd import _wait_http, complete, kvx_config, token_ids, wait_until
+
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+LEASE_S = 20.0
+CHUNK_TOKENS = 64  # --max-num-batched-tokens: a 700-token prompt is prefilled in 11 steps
+_rng = random.Random(11)
+PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 200, 700)]
+LAYERS = 2  # tiny_model.py's
+ENGINE_ARGS = ["--max-num-batched-tokens", str(CHUNK_TOKENS), "--max-num-seqs", "8"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("push")
+    engines = {
+        "prefill": Engine(
+            "prefill",
+            tiny_model,
+            tmp,
+            kvx_config("kv_producer", mode="push", lease_s=LEASE_S),
+            extra_args=ENGINE_ARGS,
+        ),
+        "decode": Engine(
+            "decode",
+            tiny_model,
+            tmp,
+            dict(
+                kvx_config("kv_consumer", mode="push", transfer_timeout_s=10),
+                kv_load_failure_policy="recompute",
+            ),
+            extra_args=ENGINE_ARGS,
+        ),
+    }
+    procs: list[Proc] = list(engines.values())
+    try:
+        deadline = time.monotonic() + ENGINE_START_S
+        for engine in engines.values():
+            engine.wait_ready(deadline)
+        port = free_port()
+        proxy = Proc(
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "kvx",
+                "proxy",
+                "--mode",
+                "push",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--timeout-s",
+                "120",
+                "--prefill",
+                engines["prefill"].url,
+                "--decode",
+                engines["decode"].url,
+            ],
+            dict(os.environ),
+            tmp / "proxy.log",
+        )
+        procs.append(proxy)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/healthz", proxy)
+        yield {**engines, "proxy": url}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: dict[str, Any]) -> dict[int, list[int]]:
+    """Greedy outputs of one engine alone (prefill's, no transfer involved)."""
+    return {i: token_ids(complete(cluster["prefill"].url, p)) for i, p in enumerate(PROMPTS)}
+
+
+def usage(cluster: dict[str, Any], name: str) -> float:
+    return cluster[name].metric("vllm:kv_cache_usage_perc")
+
+
+def log_count(cluster: dict[str, Any], name: str, text: str) -> int:
+    return cluster[name].log.read_text(errors="replace").count(text)
+
+
+def pull_identity(cluster: dict[str, Any]) -> dict[str, Any]:
+    """Prefill's kvx identity, as the proxy learns it: from a pull-mode prefill answer."""
+    from kvx.proxy._push import identity
+
+    resp = complete(
+        cluster["prefill"].url,
+        PROMPTS[0],
+        max_tokens=1,
+        kv={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    params = resp.json()["kv_transfer_params"]
+    assert token_ids(complete(cluster["decode"].url, PROMPTS[0], kv=params))  # frees prefill's blocks
+    ident = identity(params)
+    assert ident is not None, params
+    return ident
+
+
+def decode_push_params(ident: dict[str, Any], push_id: str) -> dict[str, Any]:
+    return dict(
+        ident,
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_request_id=push_id,
+        remote_block_ids=[],
+        kvx=dict(ident["kvx"], push=push_id),
+    )
+
+
+def prefill_push_params(push_id: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "kvx_push": push_id}
+
+
+def test_push_through_proxy_equals_single_engine(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
+    # The proxy's first request to a prefill instance runs in pull mode: it learns prefill's identity.
+    assert token_ids(complete(cluster["proxy"], PROMPTS[1])) == reference[1]
+    landed = log_count(cluster, "decode", "every layer landed")
+    decode = cluster["decode"]
+    before = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: token_ids(complete(cluster["proxy"], p)), PROMPTS))
+    assert got == [reference[i] for i in range(len(PROMPTS))]
+    after = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert after - before == sum(len(p) for p in PROMPTS), "the prompt KV did not come through the connector"
+    # Each request was pushed (not pulled): decode waited for prefill's "pushed".
+    assert log_count(cluster, "decode", "every layer landed") - landed == len(PROMPTS)
+    # Both sides free their blocks once the push is over; no lease runs out.
+    wait_until(lambda: usage(cluster, "prefill") == 0, LEASE_S / 2, "prefill freed its blocks")
+    wait_until(lambda: usage(cluster, "decode") == 0, LEASE_S / 2, "decode freed its blocks")
+
+
+def test_streaming_push_through_proxy(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+    body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True, "return_token_ids": True}
+    from tests.e2e.test_vllm_pd import _with_model
+
+    got: list[int] = []
+    with httpx.stream(
+        "POST",
+        cluster["proxy"] + "/v1/completions",
+        json=_with_model(cluster["prefill"].url, body),
+        timeout=120,
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                got += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert got == reference[3]
+
+
+def test_a_long_prompt_is_written_layer_by_layer_as_each_chunk_is_computed(cluster: dict[str, Any]) -> None:
+    """Prefill's WRITEs, counted in vLLM's /metrics: one per layer in every step that computed
+    a chunk of the prompt, so the transfer went out while prefill was still computing."""
+    prompt = [_rng.randrange(3, 1000) for _ in range(700)]  # in no cache yet
+    series = "vllm:kvx_xfer_time_seconds_count"
+    before = cluster["prefill"].metric(series)
+    got = token_ids(complete(cluster["proxy"], prompt))
+    steps = -(-len(prompt) // CHUNK_TOKENS)
+    wait_until(lambda: cluster["prefill"].metric(series) - before >= LAYERS * steps, 30, "the WRITEs counted")
+    assert cluster["prefill"].metric(series) - before == LAYERS * steps
+    assert got == token_ids(complete(cluster["prefill"].url, prompt))  # the single engine's answer
+
+
+def test_decode_abort_before_and_during_the_push_frees_both_sides(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
+    ident = pull_identity(cluster)
+    # Before: decode registers, then its client leaves; prefill's request comes only after.
+    early = f"abort-early-{uuid.uuid4().hex}"
+    with pytest.raises(httpx.TimeoutException):
+        complete(cluster["decode"].url, PROMPTS[2], kv=decode_push_params(ident, early), timeout_s=2)
+    resp = complete(cluster["prefill"].url, PROMPTS[2], max_tokens=1, kv=prefill_push_params(early))
+    assert resp.status_code == 200, resp.text
+    # During: both legs at once, decode's client gone after a moment, wherever the push is then.
+    during = f"abort-during-{uuid.uuid4().hex}"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leg = pool.submit(
+            complete, cluster["prefill"].url, PROMPTS[3], max_tokens=1, kv=prefill_push_params(during)
+        )
+        # Whether the client leaves before, during or after the push depends on the machine's
+        # speed; every case must end with both sides' blocks free.
+        with contextlib.suppress(httpx.TimeoutException):
+            complete(
+                cluster["decode"].url,
+                PROMPTS[3],
+                kv=decode_push_params(ident, during),
+                max_tokens=200,
+                timeout_s=0.5,
+            )
+        assert leg.result(60).status_code == 200
+    # Prefill stops pushing and frees; decode frees once prefill said it writes no more.
+    wait_until(lambda: usage(cluster, "prefill") == 0, LEASE_S, "prefill freed its blocks")
+    wait_until(lambda: usage(cluster, "decode") == 0, LEASE_S, "decode freed its blocks")
+    # Both keep serving, pushed.
+    assert token_ids(complete(cluster["proxy"], PROMPTS[2])) == reference[2]
+
+
+def test_a_push_that_never_comes_ends_within_the_lease(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
+    """Decode registers, its prefill leg never arrives: after prefill's lease (2 s here) decode
+    asks prefill to drop the push, and once prefill confirmed, fails the load; "recompute"
+    answers with the single engine's tokens. Nothing waits longer than lease plus one transfer
+    timeout."""
+    ident = pull_identity(cluster)
+    ident["kvx"]["lease_s"] = 2
+    released = log_count(cluster, "prefill", "released it before it started")
+    start = time.monotonic()
+    resp = complete(
+        cluster["decode"].url, PROMPTS[2], kv=decode_push_params(ident, f"lost-{uuid.uuid4().hex}")
+    )
+    assert token_ids(resp) == reference[2]
+    assert time.monotonic() - start < 2 + 10 + 15  # lease + decode's transfer_timeout_s + slack
+    assert log_count(cluster, "decode", "prefill did not push within the lease") >= 1
+    assert log_count(cluster, "prefill", "released it before it started") == released + 1
+    wait_until(lambda: usage(cluster, "decode") == 0, 30, "decode freed its blocks")
+
+
+def _side_channel(cluster: dict[str, Any], name: str) -> tuple[str, int]:
+    import re
+
+    m = re.search(
+        r"kvx side channel for engine \S+ on ([\d.]+):(\d+)", cluster[name].log.read_text(errors="replace")
+    )
+    assert m, f"{name} logged no side channel"
+    return m.group(1), int(m.group(2))
+
+
+def _rogue_peer(agent: Any, host: str, port: int) -> Any:
+    import base64
+
+    from kvx.connectors import side_channel
+
+    doc = side_channel.fetch(host, port, 10)
+    return agent.add_peer(base64.b64decode(doc["ranks"][0]["agent_metadata"]))
+
+
+def test_a_rogue_agent_can_neither_redirect_nor_fake_a_push(
+    cluster: dict[str, Any], reference: dict[int, list[int]]
+) -> None:
+    """An agent that is neither side of a push (it holds the cluster secret: here there is
+    none) registers blocks for a push it names, pointing prefill at prefill's own cache, and
+    tells decode a push it waits for has landed. Both refuse it: the registration is not from
+    the agent the named engine announces, the "pushed" is not from the prefill agent decode
+    registered with. Decode still gets the real KV: its tokens equal the single engine's."""
+    from kvx.agent import Agent
+    from kvx.connectors.vllm.push import push_note
+
+    ident = pull_identity(cluster)
+    prompt = [_rng.randrange(3, 1000) for _ in range(300)]  # in no cache yet
+    expected = token_ids(complete(cluster["prefill"].url, prompt))
+    host, port = _side_channel(cluster, "decode")
+    refused = log_count(cluster, "prefill", "refusing the registration")
+    faked = log_count(cluster, "decode", "refusing pushed")
+    with Agent(f"rogue-{uuid.uuid4().hex[:8]}") as rogue:
+        to_prefill = _rogue_peer(rogue, ident["remote_host"], ident["remote_port"])
+        to_decode = _rogue_peer(rogue, host, port)
+        # Redirect: prefill's WRITEs for this push into prefill's own blocks 0..2.
+        redirect = f"rogue-redirect-{uuid.uuid4().hex}"
+        me = {k: ident[k] for k in ("remote_engine_id", "remote_host", "remote_port")}
+        me["kvx"] = {k: ident["kvx"][k] for k in ("agents", "epochs", "digest")}
+        to_prefill.notify(push_note("push_reg", redirect, blocks=[0, 1, 2], decode=me)).wait(10)
+        resp = complete(cluster["prefill"].url, prompt, max_tokens=1, kv=prefill_push_params(redirect))
+        assert resp.status_code == 200, resp.text
+        wait_until(
+            lambda: log_count(cluster, "prefill", "refusing the registration") > refused, 30, "refused"
+        )
+        # Fake: decode waits for push `real`; the rogue says it landed before prefill ever ran.
+        real = f"rogue-real-{uuid.uuid4().hex}"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, cluster["decode"].url, prompt, kv=decode_push_params(ident, real))
+            wait_until(
+                lambda: log_count(cluster, "prefill", f"push {real}: registration") > 0,
+                30,
+                "decode registered",
+            )
+            to_decode.notify(push_note("pushed", real)).wait(10)
+            wait_until(
+                lambda: log_count(cluster, "decode", "refusing pushed") > faked, 30, "decode refused it"
+            )
+            assert not fut.done(), "decode went ahead on a fake notification"
+            leg = complete(cluster["prefill"].url, prompt, max_tokens=1, kv=prefill_push_params(real))
+            assert leg.status_code == 200, leg.text
+            assert token_ids(fut.result(60)) == expected
+    # Prefill's own cache was not written over: it still answers as before.
+    assert token_ids(complete(cluster["prefill"].url, PROMPTS[2])) == reference[2]
+    wait_until(lambda: usage(cluster, "prefill") == 0, LEASE_S, "prefill freed its blocks")
+
+
+def test_prefill_killed_mid_push(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
+    """Runs last: it kills the prefill engine. Decode registered its blocks and waits for
+    WRITEs that never come: its load fails at once, and kv_load_failure_policy "recompute"
+    computes the prompt locally."""
+    ident = pull_identity(cluster)
+    push_id = f"killed-{uuid.uuid4().hex}"
+    waiting = log_count(cluster, "prefill", "waits for its request")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(complete, cluster["decode"].url, PROMPTS[3], kv=decode_push_params(ident, push_id))
+        wait_until(
+            lambda: log_count(cluster, "prefill", "waits for its request") > waiting,
+            30,
+            "decode registered its blocks with prefill",
+        )
+        killed_at = time.monotonic()
+        cluster["prefill"].signal(signal.SIGKILL)
+        resp = fut.result(60)
+        took_s = time.monotonic() - killed_at
+    assert token_ids(resp) == reference[3]
+    assert took_s < LEASE_S, f"decode waited {took_s:.1f} s for a dead prefill"
+    assert log_count(cluster, "decode", "prefill's agent is lost") >= 1
+    wait_until(lambda: usage(cluster, "decode") == 0, 30, "decode freed its blocks")
