@@ -441,13 +441,16 @@ class KvxWorker:
             # them back to requests and stops the engine on any; the request alone says it.
             if len(req.local_block_ids) == 1:
                 self._load_errors.update(int(b) for b in req.local_block_ids[0] if b != NULL_BLOCK_ID)
-        # Let prefill free the blocks now rather than at the lease's end (best effort).
+        # Let prefill free the blocks now rather than at the lease's end (best effort), from the
+        # pool: _fail runs in a transfer's done-callback, on the thread that reads that peer's
+        # answers, and waiting there for the notify's answer would block it until a timeout.
         try:
             engine = self._engines_for(req.params)
             if engine is not None:
-                self._notify_all(engine, note("release", str(req.params["remote_request_id"]), self.tp_size))
+                release = note("release", str(req.params["remote_request_id"]), self.tp_size)
+                self._pool.submit(self._notify_all, engine, release)
         except Exception:
-            pass
+            pass  # the pool is shut down: the engine is stopping
 
     def _renew(self, waiting: list[dict[str, Any]]) -> None:
         for params in waiting:
