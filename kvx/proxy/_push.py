@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from fastapi.responses import Response
 
+from kvx.proxy._legs import PREFILL_KV_TRANSFER_PARAMS, _dumps, _LegFailed, _passthrough, prefill_body
+
 if TYPE_CHECKING:
     from kvx.proxy._app import _Router
     from kvx.proxy._instances import Instance
@@ -61,8 +63,6 @@ class PushFlow:
     ) -> Response:
         """The client's answer, through ``instance``: a prefill instance the router acquired
         (by load, or KV-aware, as in pull mode) and ``knows``. Released here, whatever happens."""
-        from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS, _dumps, _LegFailed, _passthrough, prefill_body
-
         r = self.router
         pool = r.pools["prefill"]
         queued = choice.queued_tokens if choice else 0

@@ -36,6 +36,7 @@ PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 129, 200
 # The oracle's self-check: same last token, different context.
 ORACLE_PAIR = [list(range(5, 74)) + [74], [7] * 69 + [74]]
 BLOCK_SIZE = 128  # vLLM's CPU backend's default
+MAX_MODEL_LEN = 1024  # the engines' --max-model-len (tests/e2e/conftest.py)
 
 
 def kvx_config(role: str, **extra: Any) -> dict[str, Any]:
@@ -409,7 +410,16 @@ def test_a_prefix_hit_on_decode_still_releases_prefill(
 def test_abort_on_decode_releases_prefill(cluster: dict[str, Any]) -> None:
     params = prefill_leg(cluster, PROMPTS[2])
     try:
-        answer = complete(cluster["decode"].url, PROMPTS[2], kv=params, max_tokens=200, timeout_s=0.05)
+        # As many tokens as fit (the tiny model makes 200 in under 50 ms): decode is
+        # still generating when the client goes away.
+        answer = complete(
+            cluster["decode"].url,
+            PROMPTS[2],
+            kv=params,
+            max_tokens=MAX_MODEL_LEN - len(PROMPTS[2]),
+            ignore_eos=True,
+            timeout_s=0.05,
+        )
     except httpx.TimeoutException:
         pass  # the client went away mid-request: decode aborts it
     else:

@@ -34,8 +34,8 @@ from kvx.errors import ConfigError
 from kvx.metadata.client import MetadataClient
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.proxy import ProxyConfig, build_app
-from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS, prefill_body
 from kvx.proxy._instances import InstancePool
+from kvx.proxy._legs import PREFILL_KV_TRANSFER_PARAMS, prefill_body
 from kvx.proxy._serve import uvicorn_config
 from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvx.proxy._app import PREFILL_KV_TRANSFER_PARAMS
+from kvx.proxy._legs import PREFILL_KV_TRANSFER_PARAMS
 from tests.integration.test_proxy import HOLD_MAX_S, fakes, make_proxy, upstreams  # noqa: F401 (fixtures)
 
 KVX = {"agents": ["vllm-p0-tp0"], "epochs": ["0x1"], "digest": "d1", "lease_s": 120}
