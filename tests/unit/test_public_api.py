@@ -24,4 +24,9 @@ def test_star_import_gives_exactly_all() -> None:
 
 
 def test_version_is_the_installed_distribution_version() -> None:
-    assert kvx.__version__ == importlib.metadata.version("kvx")
+    try:
+        installed = importlib.metadata.version("kvx")
+    except importlib.metadata.PackageNotFoundError:
+        # scripts/gpu_check.sh builds a checkout in place and installs nothing.
+        pytest.skip("kvx is not installed here, only built in place; CI installs it (pip install -e)")
+    assert kvx.__version__ == installed
