@@ -10,6 +10,8 @@ between processes, are tested on a GPU in tests/gpu/.
 """
 
 import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -167,11 +169,12 @@ def test_only_whole_writable_allocations_are_shared_through_cuda_ipc(fake, make_
     assert not read_only.remote_write
     # A peer that asks for the handles anyway is refused by the target.
     sock, _ = _session(types.SimpleNamespace(metadata=b.metadata()))
-    for rid in (part.id, read_only.id):
+    # Leases (PIN_KEEP) are held to the same rule as pins.
+    asks = [(rid, keep) for rid in (part.id, read_only.id) for keep in (0, _wire.PIN_KEEP)]
+    for request_id, (rid, keep) in enumerate(asks, 1):
         ids = np.array([rid], "<u4").tobytes()
-        sock.sendall(
-            _wire.pack(MsgType.SHM_PIN, rid, payload_len=4, aux=_wire.PIN_READ | _wire.PIN_IPC) + ids
-        )
+        aux = _wire.PIN_READ | _wire.PIN_IPC | keep
+        sock.sendall(_wire.pack(MsgType.SHM_PIN, request_id, payload_len=4, aux=aux) + ids)
         (msg_type, aux), text = _read_message(sock)
         assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"through CUDA IPC" in text
     sock.close()
@@ -204,3 +207,86 @@ def test_cuda_ipc_needs_no_cross_memory_attach(fake, make_agent, monkeypatch):
     assert np.array_equal(mine.host, theirs.host) and fake.state["launches"] > launches
     peer.read(host_local.descs(0, BLOCK), peer.region(host_remote.id).descs(0, BLOCK)).wait(30)
     assert (host_local.owner == 4).all()
+
+
+def _leased_pair(fake, make_agent, blocks=8):
+    a, b = _pair(make_agent, "cuda_ipc")
+    theirs = fake.device_array(np.arange(blocks * BLOCK, dtype=np.uint32).view(np.uint8)[: blocks * BLOCK])
+    remote_region = b.register(theirs)
+    mine = fake.device_array(np.zeros(blocks * BLOCK, np.uint8))
+    local_region = a.register(mine)
+    peer = a.add_peer(b.metadata())
+    assert peer.backend == "cuda_ipc"
+    return a, b, peer, theirs, remote_region, mine, local_region
+
+
+def test_cuda_ipc_copies_through_a_lease_with_no_message_to_the_target(fake, make_agent):
+    """The first GPU transfer on a region leases it with its IPC handle;
+    later ones are checked against the lease and copied at once: no
+    SHM_PIN, no answer awaited. Deregistering the region on the target
+    revokes the lease; a transfer after it is refused, with no byte moved."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    conn = peer._channel.link.conns[0]
+    lease = conn.leases[(remote_region.id, False)]
+    assert lease[1] == remote_region.size_bytes and len(lease) == 2 + 9  # (base, size), offset, handle
+    assert bytes(np.array(lease[3:], np.uint64)) == remote_region.ipc_handle
+    submitted = []
+    original = conn.submit
+    conn.submit = lambda *args: (submitted.append(args), original(*args))[1]
+    launches = fake.state["launches"]
+    for k in range(1, 6):
+        transfer = peer.read(local_region.descs(k * BLOCK, BLOCK), remote.descs(k * BLOCK, BLOCK))
+        assert transfer.done()  # copied on this thread
+        transfer.wait(1)
+    assert submitted == [] and fake.state["launches"] - launches == 5
+    assert np.array_equal(mine.host[: 6 * BLOCK], theirs.host[: 6 * BLOCK])
+    # A WRITE on the same region takes a lease of its own (write access is checked apart).
+    mine.host[:BLOCK] = 0xAB
+    peer.write(local_region.descs(0, BLOCK), remote.descs(7 * BLOCK, BLOCK), notify=b"w").wait(30)
+    assert (theirs.host[7 * BLOCK : 8 * BLOCK] == 0xAB).all() and (remote_region.id, True) in conn.leases
+    assert [n.data for n in b.notifications(5)] == [b"w"]
+    started = time.monotonic()
+    b.deregister(remote_region, timeout_s=10)  # the live peer gives the leases back at once
+    assert time.monotonic() - started < 5
+    assert (remote_region.id, False) not in conn.leases and (remote_region.id, True) not in conn.leases
+    mine.host[:] = 0
+    with pytest.raises(kvx.AccessError, match="unknown region"):
+        peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    assert not mine.host.any()
+
+
+def test_a_copy_under_way_through_an_ipc_lease_holds_deregister(fake, make_agent, monkeypatch):
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased from here on
+    entered, release = threading.Event(), threading.Event()
+    copy = gpu.Engine.copy
+
+    def slow_copy(self, *args):
+        entered.set()
+        assert release.wait(30)
+        return copy(self, *args)
+
+    monkeypatch.setattr(gpu.Engine, "copy", slow_copy)
+    reader = threading.Thread(
+        target=lambda: peer.read(local_region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK)).wait(30)
+    )
+    reader.start()
+    assert entered.wait(10)
+    with pytest.raises(kvx.RegionBusyError, match="lease"):
+        b.deregister(remote_region, timeout_s=0.5)  # the copy still runs on the GPU
+    release.set()
+    reader.join(10)
+    assert np.array_equal(mine.host[BLOCK : 2 * BLOCK], theirs.host[BLOCK : 2 * BLOCK])
+    b.deregister(remote_region, timeout_s=10)
+
+
+def test_an_initiator_that_goes_away_gives_its_ipc_leases_back(fake, make_agent):
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    peer.read(local_region.descs(0, BLOCK), peer.region(remote_region.id).descs(0, BLOCK)).wait(30)
+    a.close()
+    started = time.monotonic()
+    b.deregister(remote_region, timeout_s=10)
+    assert time.monotonic() - started < 5

@@ -210,9 +210,16 @@ def test_malformed_pin_messages_close_the_connection(make_worker, make_agent):
     )  # unknown bit (16 is PIN_RDMA)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
     sock, _ = _session(worker)
-    keep_ipc = _wire.PIN_READ | _wire.PIN_KEEP | _wire.PIN_IPC  # IPC handles are never leased
-    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=keep_ipc) + ids)
+    ipc_rdma = _wire.PIN_READ | _wire.PIN_IPC | _wire.PIN_RDMA  # IPC handles or rdma keys, not both
+    sock.sendall(_wire.pack(MsgType.SHM_PIN, 1, payload_len=len(ids), aux=ipc_rdma) + ids)
     _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)
+    sock, _ = _session(worker)
+    # An IPC lease of host memory is refused, and the connection lives on.
+    (msg_type, aux), text = _pin(
+        sock, 1, worker.region_id, aux=_wire.PIN_READ | _wire.PIN_KEEP | _wire.PIN_IPC
+    )
+    assert (msg_type, aux) == (MsgType.ERROR, _wire.ErrorCode.ACCESS) and b"through CUDA IPC" in text
+    assert _pin(sock, 2, worker.region_id)[0][0] == MsgType.SHM_PIN_OK
     sock, _ = _session(worker)
     sock.sendall(_wire.pack(MsgType.SHM_RELEASE, worker.region_id, payload_len=4) + b"\0" * 4)
     assert "SHM_RELEASE carries nothing" in _expect_error_then_close(sock, _wire.ErrorCode.PROTOCOL)

@@ -661,15 +661,10 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
     rdma = bool(aux & _wire.PIN_RDMA)
     keep = bool(aux & _wire.PIN_KEEP)
     aux &= ~(_wire.PIN_IPC | _wire.PIN_KEEP | _wire.PIN_RDMA)
-    if (
-        data_len
-        or aux not in (_wire.PIN_READ, _wire.PIN_WRITE)
-        or payload_len % 4
-        or (ipc and (keep or rdma))
-    ):
+    if data_len or aux not in (_wire.PIN_READ, _wire.PIN_WRITE) or payload_len % 4 or (ipc and rdma):
         raise Fatal(
             ProtocolError(
-                "SHM_PIN carries region ids, no data, says read or write, keeps no IPC pin, "
+                "SHM_PIN carries region ids, no data, says read or write, "
                 "and asks for IPC handles or rdma keys, not both"
             ),
             request_id,
@@ -689,7 +684,7 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
     writing = aux == _wire.PIN_WRITE
     who = "remote write" if writing else "remote read"
     if keep:
-        _lease(conn, request_id, ids, writing, who, rdma)
+        _lease(conn, request_id, ids, writing, who, ipc, rdma)
         return
     try:
         bases, sizes, token = ctx.regions.pin_regions(ids, REMOTE_WRITE if writing else REMOTE_READ, who)
@@ -712,10 +707,11 @@ def _on_pin(conn: InboundConnection, request_id: int, payload_len: int, aux: int
 
 
 def _lease(
-    conn: InboundConnection, request_id: int, ids: np.ndarray, writing: bool, who: str, rdma: bool
+    conn: InboundConnection, request_id: int, ids: np.ndarray, writing: bool, who: str, ipc: bool, rdma: bool
 ) -> None:
     """SHM_PIN with PIN_KEEP: lease each region to this connection (once)
-    and answer as for a pin (with PIN_RDMA: the regions' keys too)."""
+    and answer as for a pin (with PIN_IPC: the regions' CUDA IPC handles
+    too; with PIN_RDMA: their keys)."""
     table = conn.ctx.regions
     need = REMOTE_WRITE if writing else REMOTE_READ
     # Under lease_lock: a deregistration that starts meanwhile finds the lease and revokes it.
@@ -727,7 +723,7 @@ def _lease(
             # deregistered is refused, though its lease is not given back yet.
             bases, sizes, token = table.pin_regions(ids, need, who)
             try:
-                keys = table.remote_keys(ids, who) if rdma else b""
+                keys = table.ipc_export(ids, who) if ipc else table.remote_keys(ids, who) if rdma else b""
                 granted = table.lease(new, need, who)
             finally:
                 table.release(token)

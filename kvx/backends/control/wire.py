@@ -35,6 +35,9 @@ Protocol version history:
        region whether its descriptor is read-only (status 2), at most 253
        regions a request, and the segments are sealed against resizing.
        VERIFY/VERIFY_OK: end-to-end checksums of a transfer (verify=True).
+    5  SHM_PIN may lease CUDA IPC handles (PIN_IPC with PIN_KEEP): a
+       same-host GPU copy then needs no round trip. A version 4 target
+       closes the connection on that combination, hence the new version.
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -62,6 +65,10 @@ answer then carries, after the (base, size) pairs, per region its uint64
 offset inside its CUDA allocation and that allocation's 64-byte
 cudaIpcMemHandle. The initiator opens each handle once, caches the mapping
 for the life of the connection to that epoch, and copies with its own GPU.
+Its pins are leases (PIN_IPC with PIN_KEEP), revoked and released as above:
+the handle and offset are kept with the lease's (base, size) pair, and later
+copies on those regions check their descriptors against the leased size and
+start at once, with no message to the target.
 
 The rdma backend (kvx/backends/rdma) pins the same way, leases included,
 with aux bit 16 (PIN_RDMA) added: the answer then carries, after the (base,
@@ -123,7 +130,7 @@ import hashlib
 import hmac
 import struct
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"KVXF"
 HEADER = struct.Struct("<4sHHQIIQ")
 HEADER_SIZE = HEADER.size

@@ -1,13 +1,16 @@
 """The cuda_ipc backend: same-host GPU-to-GPU copies through CUDA IPC.
 
 Like shm, the initiator moves the bytes itself after the target has checked
-and pinned the regions over the control connection; the pin (with the
-``PIN_IPC`` flag) also answers each region's offset in its CUDA allocation
-and the allocation's ``cudaIpcMemHandle``. The initiator opens each handle
-once (``kvx._datapath.gpu.IpcMap``: CUDA refuses a second open in one
-context), copies with one kernel launch on its own GPU, waits for the
-event, then unpins. Handles travel only over the authenticated connection,
-never in the metadata, and never outlive a pin.
+and leased the regions over the control connection; the lease (a pin with
+the ``PIN_IPC`` and ``PIN_KEEP`` flags) also answers each region's offset in
+its CUDA allocation and the allocation's ``cudaIpcMemHandle``. The initiator
+opens each handle once (``kvx._datapath.gpu.IpcMap``: CUDA refuses a second
+open in one context); every transfer on leased regions is then checked
+against the leased sizes and copied on the posting thread with one kernel
+launch on its own GPU, which waits for the event: no round trip, no thread
+hand-off. ``deregister`` on the target revokes the lease and waits until the
+copies using it have ended. Handles travel only over the authenticated
+connection, never in the metadata.
 
 Host memory on the same link goes through cross-memory attach when the
 kernel allows it (as on shm), else through shared segments or tcp; host
@@ -28,8 +31,9 @@ from kvx.backends.base import Backend, Channel, Unreachable, same_host
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
 from kvx.backends.control.pinned import PinnedCopy
-from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, prove
+from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, merge_ranges, prove
 from kvx.backends.tcp import TcpChannel
+from kvx.descs import Descs
 from kvx.errors import KvxError, TransferError
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
@@ -116,6 +120,11 @@ def ipc_problem(md: agent_pb2.AgentMetadata) -> str | None:
 class CudaIpcChannel(Channel):
     """GPU-to-GPU bytes through CUDA IPC; everything else through ``host``."""
 
+    # The agent leaves merging to post: the copy kernel takes the blocks as they
+    # are (pairing equal blocks costs nothing; merging one side only makes the
+    # two lists cut each other), and the host channel merges as it needs.
+    merges_ranges = True
+
     def __init__(self, link: Link, pid: int, host: Channel) -> None:
         super().__init__(link)
         self.pid = pid
@@ -142,19 +151,30 @@ class CudaIpcChannel(Channel):
         remote_ipc: bool = False,
     ) -> None:
         if local_device >= 0 and remote_device >= 0 and remote_ipc:
-            ipc_map, pid, peer = self._map(local_device), self.pid, self._link.peer
-            self._link.post_pinned(
-                transfer,
-                op,
-                local_addrs,
-                local_lens,
-                total,
-                remote,
-                notify,
-                _wire.PIN_IPC,
-                lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part),
-            )
+            link = self._link
+            ipc_map, pid, peer = self._map(local_device), self.pid, link.peer
+            make_copy: Any = lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part)  # noqa: E731
+            # Through a lease, the copy runs here and now, whatever its size: the GPU
+            # moves the bytes, this thread only launches and waits, and no message
+            # goes to the target. The first transfer on these regions asks for the lease.
+            if not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
+                link.post_pinned(
+                    transfer,
+                    op,
+                    local_addrs,
+                    local_lens,
+                    total,
+                    remote,
+                    notify,
+                    _wire.PIN_IPC,
+                    make_copy,
+                    keep=True,
+                )
         else:
+            if not self.host.merges_ranges:
+                local_addrs, local_lens = merge_ranges(local_addrs, local_lens)
+                if len(remote) > 1:
+                    remote = Descs(remote).coalesce().array
             self.host.post(
                 transfer,
                 op,
