@@ -182,7 +182,12 @@ def pair(
         raise ValueError(
             f"destination ranges cover {int(dst_ends[-1])} bytes, source ranges {int(src_ends[-1])}"
         )
-    points = np.union1d(np.concatenate(([0], dst_ends)).astype(np.uint64), src_ends)
+    # Both ends lists are strictly increasing (no empty ranges): a stable sort of
+    # the two runs is a merge, and equal neighbours are the shared cuts. (np.union1d
+    # hashes: ten times slower for thousands of ranges.)
+    points = np.concatenate((np.zeros(1, np.uint64), dst_ends, src_ends))
+    points.sort(kind="stable")
+    points = points[np.concatenate(([True], points[1:] != points[:-1]))]
     starts = points[:-1]
     d = np.searchsorted(dst_ends, starts, side="right")
     s = np.searchsorted(src_ends, starts, side="right")

@@ -130,6 +130,24 @@ def test_pair_matches_two_different_range_lists():
         _staging.pair(dst_addrs, dst_lens, src_addrs[:-1], src_lens[:-1])
 
 
+def test_pair_cuts_once_where_both_lists_end_together():
+    rng = np.random.default_rng(4)
+    src_pool = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
+    dst_pool = np.zeros(1 << 18, np.uint8)
+    src_addrs, src_lens = _ranges(rng, src_pool, 40, 3000)
+    src_ends = np.cumsum(src_lens)
+    total = int(src_ends[-1])
+    # Every source end is a destination end too, and some destination ends lie between.
+    cuts = np.unique(np.concatenate(([0], src_ends, rng.integers(1, total, 25))))
+    dst_lens = np.diff(cuts).astype(np.uint64)
+    dst_addrs = (dst_pool.ctypes.data + cuts[:-1] + 16 * np.arange(len(dst_lens))).astype(np.uint64)
+    dsts, srcs, lens = _staging.pair(dst_addrs, dst_lens, src_addrs, src_lens)
+    assert len(lens) == len(dst_lens) and lens.all()  # no empty piece at a shared cut
+    for d, s, n in zip(dsts.tolist(), srcs.tolist(), lens.tolist(), strict=True):
+        ctypes.memmove(d, s, n)
+    assert _gather(dst_addrs, dst_lens) == _gather(src_addrs, src_lens)
+
+
 @pytest.fixture(params=["native", "python"])
 def io(request):
     if request.param == "native":
