@@ -8,9 +8,9 @@ type's module and described through its own attributes (``data_ptr``,
 ``device.index``), which also covers bfloat16, which
 ``__cuda_array_interface__`` cannot describe.
 
-Threads and completion: every kvx thread that moves GPU bytes (a
-connection's reader or sender, a serving thread) has its own ``Engine`` per
-device: its own non-blocking stream, argument and staging buffers, so that
+Threads and completion: every thread that moves GPU bytes (a connection's
+reader or sender, a serving thread, an application thread that posts a
+cuda_ipc transfer through a lease) has its own ``Engine`` per device: its own non-blocking stream, argument and staging buffers, so that
 threads never share a stream or a lock. Work ends with a CUDA event recorded
 on that stream and waited for by that thread (blocking-sync events: the
 thread sleeps, CuPy releases the GIL). Nothing synchronises a device or
