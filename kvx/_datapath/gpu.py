@@ -48,6 +48,9 @@ _MEMCPY_DEVICE_TO_HOST = 2
 # The kernel cuts copies into pieces of at most this size (see csrc/kvx_copy.cu).
 PIECE_BYTES = 64 * 1024
 THREADS = 256
+# Triples per launch: the argument buffers of a thread's engine stay within
+# 24 * 2 * MAX_LAUNCH_PIECES bytes, whatever a transfer's descriptor count.
+MAX_LAUNCH_PIECES = 1 << 16
 # How copies of many (src, dst, len) triples run: one kernel launch ("kernel"),
 # or one cudaMemcpyAsync per triple ("memcpy"). KVX_CUDA_COPY overrides.
 COPY_METHODS = ("kernel", "memcpy")
@@ -311,15 +314,19 @@ class Engine:
             for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist(), strict=True):
                 memcpy(d, s, k, _MEMCPY_DEFAULT, self.stream.ptr)
             return
-        args = slot.load(dsts, srcs, lens, self.stream)
-        grid = min(n, self.grid_limit)
         assert self.kernel is not None  # compiled in __init__ when the method is "kernel"
-        with self.stream:  # launches on the current stream
-            self.kernel(
-                (grid,),
-                (THREADS,),
-                (np.uint64(args), np.uint64(args + 8 * n), np.uint64(args + 16 * n), np.uint32(n)),
-            )
+        for at in range(0, n, MAX_LAUNCH_PIECES):
+            if at:  # the next load waits until this launch has read its arguments
+                slot.event = self._event()
+            cut = slice(at, at + MAX_LAUNCH_PIECES)
+            k = len(lens[cut])
+            args = slot.load(dsts[cut], srcs[cut], lens[cut], self.stream)
+            with self.stream:  # launches on the current stream
+                self.kernel(
+                    (min(k, self.grid_limit),),
+                    (THREADS,),
+                    (np.uint64(args), np.uint64(args + 8 * k), np.uint64(args + 16 * k), np.uint32(k)),
+                )
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> Any:
         """Start the copies (device or IPC-opened memory on both sides); an event."""
@@ -381,26 +388,30 @@ def engine(device: int) -> Engine:
 # Allocations opened through CUDA IPC in this process, shared by every IpcMap:
 # a handle opens once per process (CUDA refuses a second open of the same
 # handle in one context), and closes when the last map holding it lets go.
-_opened: dict[tuple[int, bytes], list[int]] = {}  # (device, handle) -> [address, maps holding it]
+# (device, handle) -> [address, length of the allocation, maps holding it]
+_opened: dict[tuple[int, bytes], list[int]] = {}
 _opened_lock = threading.Lock()
 
 
 class IpcMap:
     """The allocations one peer connection opened through CUDA IPC: each once,
-    closed together when the connection ends."""
+    closed when the lease that named it ends (``release``) or when the
+    connection ends (``close``)."""
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lock = threading.Lock()
-        self._held: dict[bytes, int] = {}
+        self._held: dict[bytes, tuple[int, int]] = {}
         self._closed = False
 
-    def open(self, handle: bytes) -> int:
-        """The local address of the allocation ``handle`` names."""
+    def open(self, handle: bytes) -> tuple[int, int]:
+        """The local address of the allocation ``handle`` names, and its
+        length as this process's driver knows it (what bounds a peer's
+        offsets: the peer's own word is not taken for it)."""
         with self._lock:
-            address = self._held.get(handle)
-            if address is not None:
-                return address
+            found = self._held.get(handle)
+            if found is not None:
+                return found
             if self._closed:
                 raise TransferError("the connection to the peer was closed")
             key = (self.device, handle)
@@ -416,26 +427,48 @@ class IpcMap:
                                 f"cannot open the peer's CUDA IPC handle: {exc} (the peer's GPU is not visible "
                                 "to this process, or a container hides it)"
                             ) from None
-                    entry = _opened[key] = [opened, 0]
-                entry[1] += 1
-            self._held[handle] = entry[0]
-            return entry[0]
+                        try:
+                            base, length = _allocation(opened)
+                        except ConfigError as exc:
+                            _close_ipc(cp, self.device, opened)
+                            raise TransferError(f"a CUDA IPC mapping of the peer's: {exc}") from None
+                    if base != opened:
+                        _close_ipc(cp, self.device, opened)
+                        raise TransferError("the driver mapped a CUDA IPC handle inside another allocation")
+                    entry = _opened[key] = [opened, length, 0]
+                entry[2] += 1
+            self._held[handle] = (entry[0], entry[1])
+            return entry[0], entry[1]
+
+    def release(self, handle: bytes) -> None:
+        """Close this map's mapping of ``handle`` (nothing if it has none):
+        call when no copy can use it any more."""
+        with self._lock:
+            if self._held.pop(handle, None) is None:
+                return
+        self._drop(handle)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             held, self._held = list(self._held), {}
         for handle in held:
-            key = (self.device, handle)
-            with _opened_lock:
-                entry = _opened[key]
-                entry[1] -= 1
-                if entry[1]:
-                    continue
-                del _opened[key]
-            cp = cupy_module()
-            with cp.cuda.Device(self.device):
-                try:
-                    cp.cuda.runtime.ipcCloseMemHandle(entry[0])
-                except Exception as exc:
-                    logger.warning("closing a CUDA IPC mapping failed: %s", exc)
+            self._drop(handle)
+
+    def _drop(self, handle: bytes) -> None:
+        key = (self.device, handle)
+        with _opened_lock:
+            entry = _opened[key]
+            entry[2] -= 1
+            if entry[2]:
+                return
+            del _opened[key]
+        _close_ipc(cupy_module(), self.device, entry[0])
+
+
+def _close_ipc(cp: Any, device: int, address: int) -> None:
+    with cp.cuda.Device(device):
+        try:
+            cp.cuda.runtime.ipcCloseMemHandle(address)
+        except Exception as exc:
+            logger.warning("closing a CUDA IPC mapping failed: %s", exc)

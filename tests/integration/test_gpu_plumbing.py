@@ -290,3 +290,103 @@ def test_an_initiator_that_goes_away_gives_its_ipc_leases_back(fake, make_agent)
     started = time.monotonic()
     b.deregister(remote_region, timeout_s=10)
     assert time.monotonic() - started < 5
+
+
+def _as_another_process(peer):
+    """Make the initiator open the target's handles as a process of its own
+    would (the agents of these tests share one process, where it need not)."""
+    peer._channel.pid = -1
+
+
+def test_a_target_cannot_steer_ipc_copies_outside_the_allocation(fake, make_agent, monkeypatch):
+    """The target says where a region lies in its allocation; the driver says
+    how long the allocation is. A region placed past its end is refused with
+    no byte moved, on the first transfer and on every one through the lease."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    _as_another_process(peer)
+    victim = fake.device_array(np.zeros(2 * BLOCK, np.uint8))  # memory of the initiator's, never registered
+    from kvx.memory import RegionTable
+
+    export = RegionTable.ipc_export
+    lie = victim.host.ctypes.data - theirs.host.ctypes.data  # "the region starts in the victim"
+
+    def lying_export(self, ids, who):
+        honest = export(self, ids, who)
+        return (lie % (1 << 64)).to_bytes(8, "little") + honest[8:]
+
+    monkeypatch.setattr(RegionTable, "ipc_export", lying_export)
+    mine.host[:] = 0x5A
+    remote = peer.region(remote_region.id)
+    for _ in range(2):  # the pin that leases, then the lease
+        with pytest.raises(kvx.ProtocolError, match="offset"):
+            peer.write(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    assert not victim.host.any() and (theirs.host[:BLOCK] != 0x5A).any()
+    # An honest target's lease copies through the same map.
+    monkeypatch.setattr(RegionTable, "ipc_export", export)
+    b.deregister(remote_region, timeout_s=10)
+    honest = b.register(theirs)
+    peer = a.add_peer(b.metadata())
+    _as_another_process(peer)
+    peer.write(local_region.descs(0, BLOCK), peer.region(honest.id).descs(0, BLOCK)).wait(30)
+    assert (theirs.host[:BLOCK] == 0x5A).all() and not victim.host.any()
+
+
+def test_a_revoked_lease_closes_its_ipc_mapping(fake, make_agent):
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    _as_another_process(peer)
+    second = b.register(fake.device_array(np.ones(BLOCK, np.uint8)))
+    peer = a.add_peer(b.metadata())
+    _as_another_process(peer)
+    for rid in (remote_region.id, second.id):
+        peer.read(local_region.descs(0, BLOCK), peer.region(rid).descs(0, BLOCK)).wait(30)
+    (ipc_map,) = peer._channel._maps.values()
+    assert set(ipc_map._held) == {remote_region.ipc_handle, second.ipc_handle}
+    b.deregister(remote_region, timeout_s=10)
+    # Closed before the target let the region go; the other region's mapping stays.
+    assert set(ipc_map._held) == {second.ipc_handle}
+    assert (0, remote_region.ipc_handle) not in gpu._opened
+    peer.read(local_region.descs(0, BLOCK), peer.region(second.id).descs(0, BLOCK)).wait(30)
+    assert (mine.host[:BLOCK] == 1).all()
+
+
+def test_a_lease_answer_of_the_wrong_shape_ends_the_connection(fake, make_agent, monkeypatch):
+    """A lease whose answer carries more or fewer words per region than its
+    kind has is a protocol error: nothing is leased, the connection ends."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    from kvx.memory import RegionTable
+
+    export = RegionTable.ipc_export
+    monkeypatch.setattr(RegionTable, "ipc_export", lambda self, ids, who: export(self, ids, who) + bytes(8))
+    with pytest.raises((kvx.ProtocolError, kvx.PeerLostError)):
+        peer.read(local_region.descs(0, BLOCK), peer.region(remote_region.id).descs(0, BLOCK)).wait(30)
+    assert peer._channel.link.conns[0].leases == {}
+    deadline = time.monotonic() + 10  # the transfer fails first, then the reader ends the link
+    while peer._channel.link.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not peer._channel.link.alive
+
+
+def test_large_transfers_and_many_blocks_on_the_ipc_path(fake, make_agent, monkeypatch):
+    """Above INLINE_COPY_BYTES a leased transfer is copied on a reader (the
+    caller does not wait for it); a transfer of more blocks than one launch
+    takes is copied in several launches."""
+    from kvx.backends import cuda_ipc
+
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent, blocks=64)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased from here on
+    conn = peer._channel.link.conns[0]
+    submitted = []
+    original = conn.submit
+    conn.submit = lambda *args: (submitted.append(args), original(*args))[1]
+    monkeypatch.setattr(cuda_ipc, "INLINE_COPY_BYTES", 4 * BLOCK)
+    monkeypatch.setattr(gpu, "MAX_LAUNCH_PIECES", 7)
+    ids = np.arange(64)[::-1]
+    launches = fake.state["launches"]
+    peer.read(
+        Descs.from_blocks(local_region, np.arange(64), BLOCK), Descs.from_blocks(remote, ids, BLOCK)
+    ).wait(30)
+    assert submitted  # through the readers: pins of the leased regions
+    assert fake.state["launches"] - launches == 10  # 64 blocks, 7 a launch
+    assert np.array_equal(mine.host.reshape(-1, BLOCK), theirs.host.reshape(-1, BLOCK)[ids])
+    b.deregister(remote_region, timeout_s=10)  # the lease asked for again is still one lease

@@ -264,8 +264,9 @@ class Part:
         self.copy: Callable[[np.ndarray], None] | None = None
         # The CUDA device of addrs, or -1 (host memory): device bytes go through pinned buffers (_staging).
         self.device = device
-        # SHM_PIN with PIN_KEEP: (region ids, for writing) that the answer leases to this connection.
-        self.keep: tuple[np.ndarray, bool] | None = None
+        # SHM_PIN with PIN_KEEP: (region ids, for writing, words per region the pin's kind adds)
+        # that the answer leases to this connection.
+        self.keep: tuple[np.ndarray, bool, int] | None = None
 
     @property
     def sends_data(self) -> bool:
@@ -329,6 +330,9 @@ class Connection:
         self.on_closed: Callable[[Connection], None] | None = None  # set by the link: after the reader ended
         # Set by a backend (Link.hook_peer_reset): RDMA_RESET's rail pair, from the reader; must not block.
         self.on_peer_reset: Callable[[int], None] | None = None
+        # Set by a backend (Link.hook_revoked): the leases a revoke ended and those left, with
+        # the lock held, once no copy uses the ended ones.
+        self.on_revoked: Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], None] | None = None
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
@@ -558,16 +562,16 @@ class Connection:
         if part.keep is not None:
             n = len(part.keep[0])
             # Per region: base and size, then as many extra words as the pin's kind adds (after all pairs).
-            if len(remote_addrs) < 2 * n or len(remote_addrs) % n:
+            extra = part.keep[2]
+            if len(remote_addrs) != (2 + extra) * n:
                 raise ProtocolError(f"peer {self.peer!r} answered a lease of {n} regions badly")
-            extra = len(remote_addrs) // n - 2
             words = remote_addrs.tolist()
         with self.lock:
             if self.error is not None:
                 raise _again(self.error)
             self.copies += 1
             if part.keep is not None:
-                regions, writing = part.keep
+                regions, writing, _ = part.keep
                 for i, rid in enumerate(regions.tolist()):
                     more = words[2 * n + extra * i : 2 * n + extra * (i + 1)]
                     self.leases[(rid, writing)] = (words[2 * i], words[2 * i + 1], *more)
@@ -636,12 +640,16 @@ class Connection:
         if payload_len or aux or data_len:
             raise ProtocolError(f"peer {self.peer!r} sent a malformed SHM_REVOKE")
         with self.lock:
-            self.leases.pop((region_id, False), None)
-            self.leases.pop((region_id, True), None)
+            gone = [self.leases.pop((region_id, w), None) for w in (False, True)]
             self.copy_waiters += 1
             while self.lease_uses.get(region_id):
                 self.copies_done.wait()
             self.copy_waiters -= 1
+            if self.on_revoked is not None:
+                try:
+                    self.on_revoked([g for g in gone if g is not None], list(self.leases.values()))
+                except Exception:  # the release must still go out
+                    logger.exception("letting go of region %d of peer %s failed", region_id, self.peer)
         self.send_oneway(_wire.pack(MsgType.SHM_RELEASE, region_id))
 
     def _peer_reset(self, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
@@ -739,7 +747,8 @@ class Link:
 
     def when_closed(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the last reader has ended: no copy can run any more
-        (copies of pinned ranges run on the readers)."""
+        (copies of pinned ranges run on the readers; copies through leases on
+        posting threads, and the socket closes only after they end)."""
         with self._hooks_lock:
             self._close_hooks.append(fn)
 
@@ -771,6 +780,15 @@ class Link:
         bad pair, which ends the connection), never block."""
         for conn in self.conns:
             conn.on_peer_reset = fn
+
+    def hook_revoked(self, fn: Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], None]) -> None:
+        """Call ``fn(ended, left)`` when the target revokes a lease: the
+        leases (as ``Connection.leases`` holds them) it ended and those the
+        connection still holds, on the reader thread, with the connection's
+        lock held, once no copy uses the ended ones and before the release
+        goes out. It must not block on the connection."""
+        for conn in self.conns:
+            conn.on_revoked = fn
 
     def asking_would_block(self) -> bool:
         """The calling thread is the reader that ``ask`` needs for its answer."""
@@ -888,13 +906,16 @@ class Link:
         flags: int,
         make_copy: Callable[[Any, Any, np.ndarray, np.ndarray], Callable[[Any], None]],
         keep: bool = False,
+        rails: int = 1,
     ) -> None:
         """A transfer whose bytes the initiator moves itself: per part, the
         target checks and pins the regions (SHM_PIN), then the reader calls
         ``make_copy(addrs, lens, remote descs, region ids)(pinned)`` with
         the (base, size, ...) the target answered, and unpins. With ``keep``
         the pins become leases of the first connection (``Connection.lease``),
-        which later transfers copy through at once (``copy_leased``)."""
+        which later transfers copy through at once (``copy_leased``); their
+        answer must carry exactly the words per region that ``flags`` adds
+        (``rails``: the target's rdma rails, a key each)."""
         parts = self.split(local_addrs, local_lens, total, remote, _NO_BYTE_LIMIT)
         transfer.expect_parts(len(parts), self.notify_after(notify))
         aux = (_wire.PIN_WRITE if op is Op.WRITE else _wire.PIN_READ) | flags
@@ -908,7 +929,7 @@ class Link:
             part = Part(transfer, MsgType.SHM_PIN, addrs, lens, nbytes)
             part.copy = make_copy(addrs, lens, wire, regions)
             if keep:
-                part.keep = (regions, op is Op.WRITE)
+                part.keep = (regions, op is Op.WRITE, _wire.pin_extra_words(aux, rails))
             prefix = _wire.pack(MsgType.SHM_PIN, request_id, payload_len=len(payload), aux=aux) + payload
             conn.submit(part, prefix, request_id)
 

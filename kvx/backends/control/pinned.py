@@ -22,8 +22,9 @@ from kvx.transfer import Op
 
 class PinnedCopy:
     """Moves one part's bytes. Called on the reader thread with what the
-    target answered to the pin: per region a (base, size) pair, then
-    whatever ``extra_bytes`` per region the pin's kind adds."""
+    target answered to the pin, or on the posting thread with what it leased
+    (``Link.copy_leased``): per region a (base, size) pair, then whatever
+    ``extra_bytes`` per region the pin's kind adds."""
 
     __slots__ = ("op", "peer", "addrs", "lens", "remote", "regions")
     extra_bytes = 0

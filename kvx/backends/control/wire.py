@@ -37,7 +37,8 @@ Protocol version history:
        VERIFY/VERIFY_OK: end-to-end checksums of a transfer (verify=True).
     5  SHM_PIN may lease CUDA IPC handles (PIN_IPC with PIN_KEEP): a
        same-host GPU copy then needs no round trip. A version 4 target
-       closes the connection on that combination, hence the new version.
+       closes the connection on that combination, hence the new version
+       (versions must match: agents of 4 and 5 do not talk at all).
 
 The shm backend uses the same authenticated connection for control only:
 SHM_PIN (aux: 1 read, 2 write) carries the uint32 ids of the regions a
@@ -185,6 +186,15 @@ PIN_WRITE = 2
 PIN_IPC = 4  # or'd with one of the two: answer with CUDA IPC handles too
 PIN_KEEP = 8  # or'd with one of the two: the pins are leases, kept until revoked
 PIN_RDMA = 16  # or'd with one of the two: answer with the regions' rdma keys too
+
+
+def pin_extra_words(aux: int, rails: int = 1) -> int:
+    """uint64 words per region that an SHM_PIN_OK adds after the (base, size)
+    pairs, for a pin asked with ``aux``: a CUDA IPC offset and handle, an
+    rdma key per rail of the target's, or nothing."""
+    if aux & PIN_IPC:
+        return (PIN_IPC_REPLY_BYTES - 16) // 8
+    return rails if aux & PIN_RDMA else 0
 
 
 class ErrorCode(enum.IntEnum):

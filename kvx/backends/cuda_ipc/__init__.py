@@ -34,11 +34,16 @@ from kvx.backends.control.pinned import PinnedCopy
 from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, merge_ranges, prove
 from kvx.backends.tcp import TcpChannel
 from kvx.descs import Descs
-from kvx.errors import KvxError, TransferError
+from kvx.errors import KvxError, ProtocolError, TransferError
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
+
+# The largest transfer copied on the posting thread through a lease.
+INLINE_COPY_BYTES = 64 << 20
+# Words of a cuda_ipc lease: base, size, the offset in the allocation, the 64-byte handle.
+_LEASE_WORDS = 2 + _wire.pin_extra_words(_wire.PIN_IPC)
 
 
 class CudaIpcBackend(Backend):
@@ -132,6 +137,7 @@ class CudaIpcChannel(Channel):
         self._maps: dict[int, Any] = {}  # local device -> gpu.IpcMap
         self._lock = threading.Lock()
         link.when_closed(self._close_maps)  # after the last reader: no copy can run
+        link.hook_revoked(self._revoked)
 
     @property
     def cma(self) -> bool:
@@ -154,10 +160,14 @@ class CudaIpcChannel(Channel):
             link = self._link
             ipc_map, pid, peer = self._map(local_device), self.pid, link.peer
             make_copy: Any = lambda *part: IpcCopy(local_device, ipc_map, pid, op, peer, *part)  # noqa: E731
-            # Through a lease, the copy runs here and now, whatever its size: the GPU
-            # moves the bytes, this thread only launches and waits, and no message
-            # goes to the target. The first transfer on these regions asks for the lease.
-            if not link.copy_leased(transfer, op, local_addrs, local_lens, remote, notify, make_copy):
+            # Through a lease, the copy runs here and now: the GPU moves the bytes, this
+            # thread launches and waits (tens of microseconds up to INLINE_COPY_BYTES on a
+            # current GPU), and no message goes to the target. Larger transfers, and the
+            # first on these regions (which asks for the lease), are copied on the
+            # connections' readers, so that the caller does not wait for them.
+            if total > INLINE_COPY_BYTES or not link.copy_leased(
+                transfer, op, local_addrs, local_lens, remote, notify, make_copy
+            ):
                 link.post_pinned(
                     transfer,
                     op,
@@ -195,6 +205,21 @@ class CudaIpcChannel(Channel):
                 found = self._maps[device] = gpu.IpcMap(device)
             return found
 
+    def _revoked(self, ended: list[tuple[int, ...]], left: list[tuple[int, ...]]) -> None:
+        """A region's leases ended (no copy uses them): close the mappings of
+        the allocations that no lease left on the connection names, so the
+        target may free them. (With the connection's lock held, so no new
+        lease can pick a mapping up meanwhile.)"""
+        gone = {_handle(lease) for lease in ended if len(lease) == _LEASE_WORDS}
+        gone -= {_handle(lease) for lease in left if len(lease) == _LEASE_WORDS}
+        if not gone:
+            return
+        with self._lock:
+            maps = list(self._maps.values())
+        for ipc_map in maps:
+            for handle in gone:
+                ipc_map.release(handle)
+
     def _close_maps(self) -> None:
         with self._lock:
             maps, self._maps = list(self._maps.values()), {}
@@ -225,10 +250,21 @@ class IpcCopy(PinnedCopy):
         if self.pid == os.getpid():
             mapped = bases  # the same process: the peer's device addresses are ours
         else:
-            # Where each region starts in this process: its allocation, opened once, plus its offset.
-            mapped = np.array(
-                [self.ipc_map.open(tail[i, 1:].tobytes()) + int(tail[i, 0]) for i in range(n)], np.uint64
-            )
+            # Where each region starts in this process: its allocation, opened once, plus its
+            # offset. The peer says the offset and the size; the driver says how long the
+            # allocation is, and the region must lie inside it, or a lying peer would steer
+            # this GPU's copies into other memory of this process.
+            starts = []
+            for i in range(n):
+                address, length = self.ipc_map.open(tail[i, 1:].tobytes())
+                offset, size = int(tail[i, 0]), int(sizes[i])
+                if offset > length or size > length - offset:
+                    raise ProtocolError(
+                        f"peer {self.peer!r} placed region {int(self.regions[i])} ({size} bytes) at offset "
+                        f"{offset} of a CUDA allocation of {length} bytes"
+                    )
+                starts.append(address + offset)
+            mapped = np.array(starts, np.uint64)
         dsts, srcs, lens = self.triples(mapped)
         try:
             gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()
@@ -236,3 +272,8 @@ class IpcCopy(PinnedCopy):
             raise
         except Exception as exc:  # CuPy's CUDA errors
             raise TransferError(f"CUDA IPC copy with peer {self.peer!r} failed: {exc}") from exc
+
+
+def _handle(lease: tuple[int, ...]) -> bytes:
+    """The CUDA IPC handle a cuda_ipc lease carries (its last eight words)."""
+    return np.array(lease[3:_LEASE_WORDS], np.uint64).tobytes()

@@ -215,6 +215,7 @@ class RdmaChannel(Channel):
                 _wire.PIN_RDMA,
                 make_copy,
                 keep=True,
+                rails=self.remote_rails,
             )
 
     # Rails.
