@@ -264,9 +264,15 @@ class _Router:
 
     def _count_choice(self, leg: str, instance: Instance, choice: Choice | None, request_id: str) -> None:
         if choice is None:
-            reason = "load"
+            reason = self.pools[leg].last_reason
             logger.debug(
-                "request %s: %s on %s (load: %d in flight)", request_id, leg, instance.url, instance.in_flight
+                "request %s: %s on %s (%s: %d in flight, KV cache %s in use)",
+                request_id,
+                leg,
+                instance.url,
+                reason,
+                instance.in_flight,
+                "unknown" if instance.kv_usage is None else f"{instance.kv_usage:.0%}",
             )
         elif choice.reason == "load":
             reason = choice.reason

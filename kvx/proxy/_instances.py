@@ -71,6 +71,10 @@ class InstancePool:
         self._static = {url: Instance(url, "static") for url in static_urls}
         self._discovered: dict[str, Instance] = {}
         self._next = 0
+        # Why the last acquire without ``choose`` picked its instance: "load", or "kv_usage"
+        # when instances as loaded as it had more of their KV cache in use. (The proxy's event
+        # loop is its only caller: read right after acquire.)
+        self.last_reason = "load"
 
     def instances(self) -> list[Instance]:
         return [*self._static.values(), *self._discovered.values()]
@@ -107,6 +111,9 @@ class InstancePool:
         if choose is None:
             # Equally loaded: the most free KV cache, where the engines' usage is read (decode).
             instance, queued_tokens = min(rotated, key=lambda i: (i.in_flight, i.kv_usage or 0.0)), 0
+            peers = [i for i in rotated if i.in_flight == instance.in_flight]
+            usages = {i.kv_usage or 0.0 for i in peers}
+            self.last_reason = "kv_usage" if len(usages) > 1 else "load"
         else:
             instance, queued_tokens = choose(rotated)
         instance.in_flight += 1

@@ -15,7 +15,8 @@ class ProxyMetrics:
             "kvx_proxy_route_total",
             "Instances chosen, by leg and reason: prefix (the longest cached prefix), "
             "load_over_prefix (a shorter prefix, or none, on a less loaded instance), "
-            "load (no cached prefix known anywhere)",
+            "load (no cached prefix known anywhere; decode: the fewest requests in flight), "
+            "kv_usage (decode: as loaded as others, with less of its KV cache in use)",
             ["leg", "reason"],
             registry=self.registry,
         )

@@ -631,6 +631,10 @@ def test_equally_loaded_decode_goes_to_the_most_free_kv_cache(engines):
         assert wait_until(lambda: usage() == {d0.url: 0.9, d1.url: 0.1}, WAIT_S)
         for _ in range(3):  # by load alone they would alternate
             assert client.post("/v1/completions", json={"prompt": "1 2 3"}).json()["served_by"] == "d1"
+        # Counted by what decided it: the KV cache in use, not the load.
+        metrics = client.get("/metrics").text
+        assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="kv_usage"}') == 3
+        assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="load"}') == 0
         # An engine whose /metrics is over the limit, or says nothing usable, counts as unknown.
         d1.metrics_text = "x" * (MAX_METRICS_BYTES + 1)
         d0.metrics_text = "garbage {{{ \n"
