@@ -4,15 +4,18 @@ One prefill and one decode engine, both ``"mode": "push"`` with chunked
 prefill in small chunks (a long prompt takes several steps, each WRITEing the
 blocks its chunk touched, layer by layer), and ``kvx proxy --mode push`` in
 front. Token equality with a single engine means every layer of every block
-arrived intact before decode used it.
+arrived intact before decode used it. Prompts run from 5 to 3,000 tokens (the
+longest is prefilled in 47 chunks).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -22,8 +25,17 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import ENGINE_START_S, Engine, Proc, free_port
-from tests.e2e.test_vllm_pd import _wait_http, complete, kvx_config, token_ids, wait_until
+from tests.e2e.conftest import ENGINE_START_S, Engine, Proc, free_port, vllm_python
+from tests.e2e.test_vllm_pd import (
+    BLOCK_SIZE,
+    _wait_http,
+    block_bytes,
+    complete,
+    kvx_config,
+    kvx_counters,
+    token_ids,
+    wait_until,
+)
 
 httpx = pytest.importorskip("httpx")
 
@@ -32,25 +44,44 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LEASE_S = 20.0
 CHUNK_TOKENS = 64  # --max-num-batched-tokens: a 700-token prompt is prefilled in 11 steps
 _rng = random.Random(11)
-PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 200, 700)]
+PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (5, 70, 200, 700, 3000)]
 LAYERS = 2  # tiny_model.py's
-ENGINE_ARGS = ["--max-num-batched-tokens", str(CHUNK_TOKENS), "--max-num-seqs", "8"]
+MAX_MODEL_LEN = 4096
+ENGINE_ARGS = [
+    "--max-num-batched-tokens",
+    str(CHUNK_TOKENS),
+    "--max-num-seqs",
+    "8",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+]
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint (same weights) with room for the 3,000-token prompt."""
+    import subprocess
+
+    path = tmp_path_factory.mktemp("long-model") / "tiny-llama"
+    script = Path(__file__).parent / "tiny_model.py"
+    subprocess.run([vllm_python(), str(script), str(path), str(MAX_MODEL_LEN)], check=True, timeout=120)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(long_model: Path, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("push")
     engines = {
         "prefill": Engine(
             "prefill",
-            tiny_model,
+            long_model,
             tmp,
             kvx_config("kv_producer", mode="push", lease_s=LEASE_S),
             extra_args=ENGINE_ARGS,
         ),
         "decode": Engine(
             "decode",
-            tiny_model,
+            long_model,
             tmp,
             dict(
                 kvx_config("kv_consumer", mode="push", transfer_timeout_s=10),
@@ -181,16 +212,34 @@ def test_streaming_push_through_proxy(cluster: dict[str, Any], reference: dict[i
     assert got == reference[3]
 
 
-def test_a_long_prompt_is_written_layer_by_layer_as_each_chunk_is_computed(cluster: dict[str, Any]) -> None:
+def test_a_long_prompt_is_written_layer_by_layer_as_each_chunk_is_computed(
+    cluster: dict[str, Any], long_model: Path
+) -> None:
     """Prefill's WRITEs, counted in vLLM's /metrics: one per layer in every step that computed
-    a chunk of the prompt, so the transfer went out while prefill was still computing."""
+    a chunk of the prompt, so the transfer went out while prefill was still computing; the
+    bytes and descriptors are exactly those of the blocks each chunk touched."""
     prompt = [_rng.randrange(3, 1000) for _ in range(700)]  # in no cache yet
     series = "vllm:kvx_xfer_time_seconds_count"
-    before = cluster["prefill"].metric(series)
+    before = kvx_counters(cluster["prefill"])
     got = token_ids(complete(cluster["proxy"], prompt))
     steps = -(-len(prompt) // CHUNK_TOKENS)
-    wait_until(lambda: cluster["prefill"].metric(series) - before >= LAYERS * steps, 30, "the WRITEs counted")
-    assert cluster["prefill"].metric(series) - before == LAYERS * steps
+    wait_until(
+        lambda: cluster["prefill"].metric(series) - before["transfers"] >= LAYERS * steps,
+        30,
+        "the WRITEs counted",
+    )
+    after = kvx_counters(cluster["prefill"])
+    # A chunk of 64 tokens lies in one 128-token block: each step WRITEs that block, every layer.
+    assert CHUNK_TOKENS <= BLOCK_SIZE and BLOCK_SIZE % CHUNK_TOKENS == 0
+    c = json.loads((long_model / "config.json").read_text())
+    assert {key: after[key] - before[key] for key in after} == {
+        "transfers": LAYERS * steps,
+        "bytes": steps * block_bytes(long_model),
+        # One descriptor per block, layer, plane (K, V) and head.
+        "descriptors": steps * LAYERS * 2 * c["num_key_value_heads"],
+        "failed": 0,
+        "expired": 0,
+    }
     assert got == token_ids(complete(cluster["prefill"].url, prompt))  # the single engine's answer
 
 
@@ -321,24 +370,44 @@ def test_a_rogue_agent_can_neither_redirect_nor_fake_a_push(
 
 
 def test_prefill_killed_mid_push(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
-    """Runs last: it kills the prefill engine. Decode registered its blocks and waits for
-    WRITEs that never come: its load fails at once, and kv_load_failure_policy "recompute"
-    computes the prompt locally."""
+    """Runs last: it kills the prefill engine while it pushes. Both legs of the 3,000-token
+    prompt go out (47 chunks, two WRITEs each); once prefill's request has met decode's
+    registration and its WRITEs begin, prefill is stopped and killed, and decode never sees
+    every layer land. Its load fails at once (the agent is lost, no lease runs out), vLLM's
+    "recompute" computes the prompt locally, and decode counts the failed transfer."""
     ident = pull_identity(cluster)
+    prompt, expected = PROMPTS[4], reference[4]
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    failed = decode.metric("vllm:kvx_num_failed_transfers_total")
+    lease_ran_out = log_count(cluster, "decode", "prefill did not push within the lease")
     push_id = f"killed-{uuid.uuid4().hex}"
-    waiting = log_count(cluster, "prefill", "waits for its request")
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(complete, cluster["decode"].url, PROMPTS[3], kv=decode_push_params(ident, push_id))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(complete, decode.url, prompt, kv=decode_push_params(ident, push_id))
         wait_until(
-            lambda: log_count(cluster, "prefill", "waits for its request") > waiting,
+            lambda: log_count(cluster, "prefill", f"push {push_id}: registration") > 0,
             30,
             "decode registered its blocks with prefill",
         )
+        pool.submit(complete, prefill.url, prompt, max_tokens=1, kv=prefill_push_params(push_id), timeout_s=5)
+        # Prefill logs when its request meets decode's registration and the WRITEs begin: stop
+        # it right then (the log is watched closely; the 47 chunks take a second or so).
+        deadline = time.monotonic() + 30
+        while not re.search(
+            rf"push {push_id}: decode \S+ registered", prefill.log.read_text(errors="replace")
+        ):
+            assert time.monotonic() < deadline, "prefill did not start the push within 30 s"
+            time.sleep(0.01)
+        prefill.signal(signal.SIGSTOP)
         killed_at = time.monotonic()
-        cluster["prefill"].signal(signal.SIGKILL)
-        resp = fut.result(60)
+        prefill.signal(signal.SIGKILL)
+        resp = fut.result(120)
         took_s = time.monotonic() - killed_at
-    assert token_ids(resp) == reference[3]
-    assert took_s < LEASE_S, f"decode waited {took_s:.1f} s for a dead prefill"
+    # Stopped mid-push: decode never saw every layer land (it logs each push that did).
+    assert not log_count(cluster, "decode", f"push {push_id}: every layer landed"), "the push was over"
+    assert token_ids(resp) == expected
+    # Decode learnt of the loss from the connection, not from its lease running out.
     assert log_count(cluster, "decode", "prefill's agent is lost") >= 1
+    assert log_count(cluster, "decode", "prefill did not push within the lease") == lease_ran_out
+    assert took_s < 60, f"decode answered {took_s:.1f} s after the kill"
+    assert decode.metric("vllm:kvx_num_failed_transfers_total") == failed + 1
     wait_until(lambda: usage(cluster, "decode") == 0, 30, "decode freed its blocks")

@@ -32,8 +32,9 @@ CONFIG = {
 }
 
 
-def write_tiny_llama(path: Path, seed: int = 1234) -> Path:
-    """Write config.json and model.safetensors into ``path``; returns it."""
+def write_tiny_llama(path: Path, seed: int = 1234, max_positions: int | None = None) -> Path:
+    """Write config.json and model.safetensors into ``path``; returns it.
+    ``max_positions`` raises the longest context (2,048 by default)."""
     import torch
     from safetensors.torch import save_file
 
@@ -72,11 +73,13 @@ def write_tiny_llama(path: Path, seed: int = 1234) -> Path:
             }
         )
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    config = dict(CONFIG, max_position_embeddings=max_positions or CONFIG["max_position_embeddings"])
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
 if __name__ == "__main__":
     import sys
 
-    print(write_tiny_llama(Path(sys.argv[1])))
+    # tiny_model.py PATH [MAX_POSITIONS]
+    print(write_tiny_llama(Path(sys.argv[1]), max_positions=int(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -780,8 +780,11 @@ class PushWorker:
         self._fail_ids(r.request_id, r.block_ids, why)
 
     def _fail_ids(self, request_id: str, block_ids: list[int], why: str) -> None:
-        """Under the lock: the request's blocks become load errors, vLLM's policy decides."""
+        """Under the lock: the request's blocks become load errors, vLLM's policy decides.
+        Counted as a failed transfer of decode's (in pull mode its READ would have failed)."""
         logger.error("request %s: push failed: %s", request_id, why)
+        if request_id not in self.w._failed_recv:
+            self.w._stats.record_failed_transfer()
         self.w._failed_recv.add(request_id)
         self.w._load_errors.update(block_ids)
 
