@@ -192,6 +192,7 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.total_num_scheduled_tokens == 0
     meta = meta_of(out)
+    assert meta.idle  # nothing computed: the worker may wait for the load there
     assert len(meta.recv) == 1
     recv = meta.recv[0]
     assert recv.request_id == "d1" and not recv.release_only
@@ -210,7 +211,7 @@ def test_decode_waits_for_remote_kv_then_runs_the_last_token(decode, prompt_len)
     step(decode, finished_recving={"d1"})
     out, outputs = step(decode)
     assert request.status == RequestStatus.RUNNING
-    assert out.num_scheduled_tokens == {"d1": 1}
+    assert out.num_scheduled_tokens == {"d1": 1} and not meta_of(out).idle
     (new,) = out.scheduled_new_reqs
     assert new.req_id == "d1" and new.num_computed_tokens == prompt_len - 1
     assert list(new.block_ids[0]) == recv.local_block_ids[0]

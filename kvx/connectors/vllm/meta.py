@@ -56,6 +56,8 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     # Decode: requests still waiting to be read: renew prefill's lease on them.
     renew: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     push: Any = None  # push mode: kvx.connectors.vllm.push.PushMeta
+    # The step computes no token (every request waits for KV): the worker may wait for a transfer.
+    idle: bool = False
 
 
 @dataclasses.dataclass

@@ -421,7 +421,7 @@ class PushWorker:
             for rid, aborted in meta.finished.items():
                 s = self._by_request(rid)
                 if s is None:
-                    self.w._done_send.add(rid)  # nothing in flight (never computed here)
+                    self.w._report(self.w._done_send, rid)  # nothing in flight (never computed here)
                     continue
                 s.finished = True
                 s.deadline = now + self.w.cfg.lease_s
@@ -528,7 +528,7 @@ class PushWorker:
         if s.over and s.inflight == 0 and s.finished and self._sends.get(s.push_id) is s:
             del self._sends[s.push_id]
             self._remember(s.push_id)
-            self.w._done_send.add(s.request_id)
+            self.w._report(self.w._done_send, s.request_id)
 
     def _abort(self, s: _Send, why: str) -> None:
         """Under the lock: no more WRITEs; decode hears of it once those in flight landed."""
@@ -630,7 +630,7 @@ class PushWorker:
             del self._recvs[push_id]
             if op == "pushed" and not r.failing:
                 logger.debug("push %s: every layer landed", push_id)
-                self.w._done_recv.add(r.request_id)
+                self.w._report(self.w._done_recv, r.request_id)
             else:
                 self._ended(r, "prefill aborted the push" if op == "push_abort" else "released")
         return True
@@ -638,7 +638,7 @@ class PushWorker:
     def _ended(self, r: _Recv, why: str) -> None:
         """Under the lock: prefill writes no more into ``r``'s blocks (or cannot)."""
         if r.cancelled and not r.failing:
-            self.w._done_recv.add(r.request_id)  # vLLM ended the request: its blocks may go
+            self.w._report(self.w._done_recv, r.request_id)  # vLLM ended the request: its blocks may go
         else:
             self._fail(r, "prefill did not push within the lease" if r.failing else why)
 
@@ -785,7 +785,7 @@ class PushWorker:
         logger.error("request %s: push failed: %s", request_id, why)
         if request_id not in self.w._failed_recv:
             self.w._stats.record_failed_transfer()
-        self.w._failed_recv.add(request_id)
+        self.w._report(self.w._failed_recv, request_id)
         self.w._load_errors.update(block_ids)
 
     def _notify(self, engine: _RemoteEngine, data: bytes) -> None:

@@ -157,6 +157,7 @@ class KvxScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvxConnectorMetadata:
         meta = KvxConnectorMetadata(recv=self._recv, hold=self._hold)
+        meta.idle = scheduler_output is not None and scheduler_output.total_num_scheduled_tokens == 0
         if self.push is not None:
             meta.push = self.push.take_meta(scheduler_output)
         now = time.monotonic()

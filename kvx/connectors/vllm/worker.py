@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_NOTES = 65536
+# How long a step that computes nothing waits in get_finished for a transfer to finish.
+IDLE_WAIT_S = 0.01
 
 
 @dataclasses.dataclass
@@ -112,6 +114,9 @@ class KvxWorker:
         self.agent: Agent | None = None
         self.caches: list[RankCache] = []  # per KV-cache group, once registered
         self._lock = threading.Lock()
+        # Notified when a request joins one of the finished sets: an idle step waits on it.
+        self._progress = threading.Condition(self._lock)
+        self._idle_step = False
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_errors: set[int] = set()
@@ -235,6 +240,7 @@ class KvxWorker:
     # Each step.
 
     def start_step(self, meta: KvxConnectorMetadata) -> None:
+        self._idle_step = meta.idle
         if self.push is not None and meta.push is not None:
             self.push.start_step(meta.push)
         now = time.monotonic()
@@ -268,11 +274,19 @@ class KvxWorker:
                         "request %s: decode did not read its blocks within the lease; freeing them", req_id
                     )
                     del self._held[req_id]
-                    self._done_send.add(req_id)
+                    self._report(self._done_send, req_id)
                     self._stats.record_kv_expired_req()
             for req_id, (_, expiry) in list(self._early.items()):
                 if now >= expiry:
                     del self._early[req_id]
+            if self._idle_step and not (self._done_send or self._done_recv or self._failed_recv):
+                # vLLM steps without pause while a request waits for its KV (or decode for
+                # prefill's blocks), even with nothing to compute: a step that computes nothing
+                # waits here for the next transfer to finish, up to IDLE_WAIT_S, instead of
+                # spinning a core that a prefill on this host could use. New requests wait
+                # at most that long for the engine.
+                self._idle_step = False  # once per step
+                self._progress.wait(IDLE_WAIT_S)
             sending, recving, failed = self._done_send, self._done_recv, self._failed_recv
             self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
         if sending or recving or failed:
@@ -283,6 +297,11 @@ class KvxWorker:
                 sorted(failed),
             )
         return sending, recving | failed, failed
+
+    def _report(self, finished: set[str], req_id: str) -> None:
+        """Under the lock: ``req_id`` joins a finished set; an idle step waiting for it wakes."""
+        finished.add(req_id)
+        self._progress.notify_all()
 
     def take_stats(self) -> KvxConnectorStats | None:
         """The stats since the last call (None when nothing happened); they start over."""
@@ -331,7 +350,7 @@ class KvxWorker:
         held = self._held[req_id]
         if held.released or held.done >= held.expected:
             del self._held[req_id]
-            self._done_send.add(req_id)
+            self._report(self._done_send, req_id)
 
     # Decode: reading a request's blocks.
 
@@ -424,7 +443,7 @@ class KvxWorker:
     def _succeed(self, req: RecvRequest) -> None:
         logger.debug("request %s: KV loaded", req.request_id)
         with self._lock:
-            self._done_recv.add(req.request_id)
+            self._report(self._done_recv, req.request_id)
 
     def _fail(self, req: RecvRequest, exc: BaseException) -> None:
         logger.error(
@@ -436,7 +455,7 @@ class KvxWorker:
         if req.release_only:
             return
         with self._lock:
-            self._failed_recv.add(req.request_id)
+            self._report(self._failed_recv, req.request_id)
             # Block ids are unique only within a group: with several groups vLLM cannot map
             # them back to requests and stops the engine on any; the request alone says it.
             if len(req.local_block_ids) == 1:
