@@ -35,6 +35,10 @@ class LayerGeometry:
     block_stride: int  # bytes from one block to the next
     unit_offsets: tuple[int, ...]  # bytes from a block's start to each unit, plane-major
     unit_bytes: int
+    # False when the tensor's shape did not say which unit holds which head (a K/V axis and
+    # a head axis of the same size): the units are then in memory order, and only a peer of
+    # the same tensor parallelism, which reads them all, may use them.
+    heads_known: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"unit_offsets": list(self.unit_offsets)}
@@ -42,12 +46,16 @@ class LayerGeometry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayerGeometry:
         try:
+            heads_known = d.get("heads_known", True)
+            if not isinstance(heads_known, bool):
+                raise TypeError(f"heads_known is {heads_known!r}")
             return cls(
                 int(d["region"]),
                 int(d["base_offset"]),
                 int(d["block_stride"]),
                 tuple(int(x) for x in d["unit_offsets"]),
                 int(d["unit_bytes"]),
+                heads_known,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed layer geometry {d!r}: {exc}") from None
@@ -112,12 +120,19 @@ def layer_geometry(
     num_blocks: int,
     num_heads: int,
     unit_elems: int,
+    head_axis: int | None = None,
 ) -> LayerGeometry:
     """The geometry of one layer tensor (shape and strides in elements).
 
     The block dimension is the one of size ``num_blocks`` with the largest
     stride; the rest of the tensor, one block's worth, is cut into units of
-    ``unit_elems`` elements (block_size x head_size) in memory order.
+    ``unit_elems`` elements (block_size x head_size), listed plane-major
+    (all heads' K, then all heads' V). Which unit holds which head comes
+    from the head axis: ``head_axis`` when given, else the one dimension of
+    ``num_heads`` entries that lies outside a unit and inside a block (vLLM's
+    CPU cache ``[blocks, heads, tokens, 2 x head_size]`` keeps each head's K
+    and V together; flash-attention's ``[2, blocks, heads, tokens,
+    head_size]`` keeps all K apart from all V).
     """
     candidates = [i for i, s in enumerate(shape) if s == num_blocks]
     if not candidates:
@@ -138,13 +153,52 @@ def layer_geometry(
         raise ConfigError(
             f"KV cache {tuple(shape)}: {len(units)} units per block do not split into {num_heads} heads"
         )
+    ordered, heads_known = _plane_major(units, shape, strides, bdim, num_heads, unit_elems, head_axis)
     return LayerGeometry(
         region,
         offset_bytes,
         strides[bdim] * elem_bytes,
-        tuple(u * elem_bytes for u in units),
+        tuple(u * elem_bytes for u in ordered),
         unit_elems * elem_bytes,
+        heads_known,
     )
+
+
+def _plane_major(
+    units: list[int],
+    shape: Sequence[int],
+    strides: Sequence[int],
+    bdim: int,
+    num_heads: int,
+    unit_elems: int,
+    head_axis: int | None,
+) -> tuple[list[int], bool]:
+    """``units`` (memory order) as plane-major (plane, head) order, and whether
+    the head of each unit was known."""
+    if num_heads == 1 or len(units) == num_heads:
+        return units, True  # one head, or one plane: memory order is that order
+    if head_axis is None:
+        block_stride = strides[bdim]
+        candidates = [
+            i
+            for i, (size, stride) in enumerate(zip(shape, strides, strict=True))
+            if i != bdim and size == num_heads and unit_elems <= stride < block_stride
+        ]
+        if len(candidates) != 1:
+            return units, False
+        head_axis = candidates[0]
+    stride = strides[head_axis]
+    # A unit's head from its offset; its plane is its rank among the units of that head.
+    seen: dict[int, int] = {}
+    keyed = []
+    for u in units:
+        head = (u // stride) % num_heads
+        plane = seen.get(head, 0)
+        seen[head] = plane + 1
+        keyed.append(((plane, head), u))
+    if len(set(seen.values())) != 1:
+        return units, False
+    return [u for _, u in sorted(keyed)], True
 
 
 def head_owner(global_head: int, tp_size: int, total_heads: int) -> tuple[int, int]:
@@ -191,6 +245,16 @@ def plan_read(
         raise ConfigError(
             f"caches differ: {len(local.layers)} layers x {local.planes} planes here, "
             f"{len(remote.layers)} x {remote.planes} remote"
+        )
+    if (
+        not replicated
+        and local_tp != remote_tp
+        and not all(g.heads_known for g in (*local.layers, *remote.layers))
+    ):
+        raise ConfigError(
+            "the KV cache's shape does not say which head each unit holds (its K/V axis and head "
+            "axis have the same size), so a peer of another tensor parallelism cannot read its "
+            f"heads: run both engines at the same tensor parallelism (here {local_tp} and {remote_tp})"
         )
     if local.layers and remote.layers and local.layers[0].unit_bytes != remote.layers[0].unit_bytes:
         raise ConfigError(

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import NATIVE
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    NATIVE == "0",
+    reason="builds and runs the C data path whatever KVX_NATIVE says: runs once, in the KVX_NATIVE=1 pass",
+)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvx.connectors.kvcache import (
+    LayerGeometry,
     RankCache,
     contiguous_runs,
     head_owner,
@@ -50,6 +51,7 @@ def make_rank_cache(agent, rank: int, tp: int, fill: bool, mla: bool = False):
                 BLOCKS,
                 heads,
                 TOKENS * DIM,
+                head_axis=None if mla else 2,  # [B, planes, H, N, D]: said, not guessed
             )
         )
     return storage, RankCache(tuple(layers), BLOCKS, heads, planes)
@@ -118,9 +120,11 @@ def test_head_ownership() -> None:
 
 def test_geometry_of_vllm_cpu_cache() -> None:
     # vLLM 0.32's CPU cache for 2 KV heads, block 128, head 64: [blocks, 2, 128, 128] bf16.
+    # Each head keeps its K (the first 8,192 elements) and V together: plane-major units are
+    # K of head 0, K of head 1, V of head 0, V of head 1.
     g = layer_geometry((5988, 2, 128, 128), (32768, 16384, 128, 1), 2, 0, 7, 5988, 2, 128 * 64)
-    assert g.block_stride == 65536 and g.unit_bytes == 16384
-    assert g.unit_offsets == (0, 16384, 32768, 49152)
+    assert g.block_stride == 65536 and g.unit_bytes == 16384 and g.heads_known
+    assert g.unit_offsets == (0, 32768, 16384, 49152)
     # K and V outermost (flash-attention style): [2, blocks, heads, tokens, dim].
     g = layer_geometry((2, 10, 2, 16, 8), (2560, 256, 128, 8, 1), 2, 0, 1, 10, 2, 128)
     assert g.block_stride == 512 and g.unit_offsets == (0, 256, 5120, 5376)
@@ -138,3 +142,41 @@ def test_bad_geometry_is_refused() -> None:
         layer_geometry((4, 2, 8), (16, 8, 1), 2, 0, 1, 5, 1, 8)
     with pytest.raises(ConfigError, match="units"):
         layer_geometry((5, 2, 6), (12, 6, 1), 2, 0, 1, 5, 1, 8)
+
+
+def test_units_of_a_cpu_shaped_cache_hold_the_heads_they_claim() -> None:
+    """vLLM's CPU cache per layer is [blocks, heads, tokens, 2 x head_size] (each head's K then
+    V): read through the geometry, unit (plane p, head h) holds exactly that plane of that head."""
+    blocks, heads, tokens, dim = 6, 4, 8, 16
+    cache = np.zeros((blocks, heads, tokens * 2, dim), np.int32)
+    b, h, row, _ = np.indices(cache.shape)
+    cache[...] = (b * 100 + h) * 10 + row // tokens  # block, head, plane (K rows, then V rows)
+    cache = cache.reshape(blocks, heads, tokens, 2 * dim)
+    g = layer_geometry(cache.shape, [s // 4 for s in cache.strides], 4, 0, 1, blocks, heads, tokens * dim)
+    raw = cache.reshape(-1).view(np.uint8)
+    for block in range(blocks):
+        for unit, offset in enumerate(g.unit_offsets):
+            plane, head = divmod(unit, heads)
+            at = block * g.block_stride + offset
+            got = raw[at : at + g.unit_bytes].view(np.int32)
+            assert (got == (block * 100 + head) * 10 + plane).all(), (block, unit)
+
+
+def test_a_cache_whose_heads_cannot_be_told_from_its_planes_serves_equal_tp_only() -> None:
+    from kvx.errors import ConfigError
+
+    # [B, 2, 2, N, D]: a K/V axis and a head axis of two entries each, both inside the block.
+    g = layer_geometry((6, 2, 2, 8, 16), (512, 256, 128, 16, 1), 4, 0, 1, 6, 2, 128)
+    assert not g.heads_known and g.unit_offsets == (0, 512, 1024, 1536)  # memory order
+    said = layer_geometry((6, 2, 2, 8, 16), (512, 256, 128, 16, 1), 4, 0, 1, 6, 2, 128, head_axis=2)
+    assert said.heads_known and said.unit_offsets == (0, 512, 1024, 1536)
+    unknown = RankCache((g,), 6, 2, 2)
+    half = RankCache((layer_geometry((6, 2, 8, 16), (256, 128, 16, 1), 4, 0, 1, 6, 1, 128),), 6, 1, 2)
+    assert len(plan_read(unknown, 0, 1, unknown, 1, 2, [1, 2], [3, 4])) == 1  # equal TP: all units
+    with pytest.raises(ConfigError, match="same tensor parallelism"):
+        plan_read(unknown, 0, 1, half, 2, 2, [1], [3])
+    # Round trip through the handshake document.
+    assert LayerGeometry.from_json(g.to_json()) == g
+    assert LayerGeometry.from_json(
+        {k: v for k, v in said.to_json().items() if k != "heads_known"}
+    ).heads_known
