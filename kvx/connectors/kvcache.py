@@ -179,12 +179,17 @@ def _plane_major(
         return units, True  # one head, or one plane: memory order is that order
     if head_axis is None:
         block_stride = strides[bdim]
-        candidates = [
-            i
+        sized = [
+            (i, stride)
             for i, (size, stride) in enumerate(zip(shape, strides, strict=True))
-            if i != bdim and size == num_heads and unit_elems <= stride < block_stride
+            if i != bdim and size == num_heads and stride < block_stride
         ]
-        if len(candidates) != 1:
+        candidates = [i for i, stride in sized if stride >= unit_elems]
+        # Exactly one axis of num_heads entries between a unit and a block; and none inside a
+        # unit, where a token-major block (heads innermost) would put it and where a unit then
+        # spans several heads (with as many tokens per block as heads, its token axis would
+        # pass for the head axis).
+        if len(candidates) != 1 or len(sized) != 1:
             return units, False
         head_axis = candidates[0]
     stride = strides[head_axis]

@@ -180,3 +180,19 @@ def test_a_cache_whose_heads_cannot_be_told_from_its_planes_serves_equal_tp_only
     assert LayerGeometry.from_json(
         {k: v for k, v in said.to_json().items() if k != "heads_known"}
     ).heads_known
+
+
+def test_a_token_major_block_is_never_taken_for_head_major() -> None:
+    """A block laid out tokens-then-heads ([B, N, H, C]) seen through a [B, H, N, C] view: with
+    as many tokens per block as heads, its token axis looks like a head axis from its size
+    and stride alone. A unit there spans several heads, so the heads are marked unknown."""
+    heads = tokens = 4
+    dim = 8
+    # The view's H axis has stride 2 * dim (heads innermost), its N axis stride heads * 2 * dim.
+    shape = (6, heads, tokens, 2 * dim)
+    strides = (tokens * heads * 2 * dim, 2 * dim, heads * 2 * dim, 1)
+    assert not layer_geometry(shape, strides, 2, 0, 1, 6, heads, tokens * dim).heads_known
+    # Head-major with as many tokens as heads: also unknown (safe: equal TP only).
+    shape = (6, heads, tokens, 2 * dim)
+    strides = (heads * tokens * 2 * dim, tokens * 2 * dim, 2 * dim, 1)
+    assert not layer_geometry(shape, strides, 2, 0, 1, 6, heads, tokens * dim).heads_known

@@ -11,6 +11,10 @@ Wire history (``WIRE_VERSION``):
      list per group, aligned by block position, 0 where a sliding-window
      group holds no block; the rank cache description is per group
      (``{"groups": [...]}``); the compatibility fields name the groups.
+  3  A rank cache's units are listed plane-major by the head axis read off
+     the cache tensor (version 2 listed them in memory order, which pairs
+     the wrong heads across tensor parallelism for vLLM's CPU cache, where
+     each head keeps its K and V together); a layer says ``heads_known``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.errors import ConfigError, ProtocolError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 # vLLM's null block: a sliding-window group's entry for a block outside the window.
 NULL_BLOCK_ID = 0
 # Blocks in one engine's KV cache, at most: ids and list lengths from a peer are bounded by it.
