@@ -117,6 +117,7 @@ class KvxWorker:
         # Notified when a request joins one of the finished sets: an idle step waits on it.
         self._progress = threading.Condition(self._lock)
         self._idle_step = False
+        self._reported = False  # the last get_finished reported something
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._load_errors: set[int] = set()
@@ -279,16 +280,18 @@ class KvxWorker:
             for req_id, (_, expiry) in list(self._early.items()):
                 if now >= expiry:
                     del self._early[req_id]
-            if self._idle_step and not (self._done_send or self._done_recv or self._failed_recv):
+            idle, self._idle_step = self._idle_step, False  # at most once per step
+            if idle and not self._reported and not (self._done_send or self._done_recv or self._failed_recv):
                 # vLLM steps without pause while a request waits for its KV (or decode for
                 # prefill's blocks), even with nothing to compute: a step that computes nothing
                 # waits here for the next transfer to finish, up to IDLE_WAIT_S, instead of
-                # spinning a core that a prefill on this host could use. New requests wait
-                # at most that long for the engine.
-                self._idle_step = False  # once per step
+                # spinning a core that a prefill on this host could use. Not right after a step
+                # that reported something: with async scheduling the next step was scheduled
+                # (empty) before vLLM saw that report, and the request runs one step later.
                 self._progress.wait(IDLE_WAIT_S)
             sending, recving, failed = self._done_send, self._done_recv, self._failed_recv
             self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+            self._reported = bool(sending or recving or failed)
         if sending or recving or failed:
             logger.debug(
                 "finished sending %s, receiving %s, failed %s",
