@@ -250,21 +250,30 @@ class _Router:
         self, leg: str, prompt: list[int] | None, exclude: list[Instance] | None = None
     ) -> tuple[Instance | None, Choice | None]:
         """An instance of ``leg``, acquired: the least loaded one, or for prefill with KV events
-        the best scored (see ``_kv_routing``), and that KV-aware choice. Both modes pick here."""
+        the best scored (see ``_kv_routing``), and why (None only without an instance). Both
+        modes pick here. The reason is taken now: it is counted after the request was sent,
+        and other requests acquire meanwhile."""
         kv = self.kv if leg == "prefill" else None
         choices: list[Choice] = []
+        why: list[str] = []
 
         def choose(candidates: list[Instance]) -> tuple[Instance, int]:
             assert kv is not None
             choices.append(kv.choose(candidates, prompt))
             return choices[-1].instance, choices[-1].queued_tokens
 
-        instance = self.pools[leg].acquire(exclude=exclude or [], choose=choose if kv is not None else None)
-        return instance, (choices[-1] if choices and instance is not None else None)
+        instance = self.pools[leg].acquire(
+            exclude=exclude or [], choose=choose if kv is not None else None, why=why
+        )
+        if instance is None:
+            return None, None
+        if choices:
+            return instance, choices[-1]
+        return instance, Choice(instance, why[-1], 0, 0, 0, routed=False)
 
     def _count_choice(self, leg: str, instance: Instance, choice: Choice | None, request_id: str) -> None:
-        if choice is None:
-            reason = self.pools[leg].last_reason
+        if choice is None or not choice.routed:
+            reason = "load" if choice is None else choice.reason
             logger.debug(
                 "request %s: %s on %s (%s: %d in flight, KV cache %s in use)",
                 request_id,

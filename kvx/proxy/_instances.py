@@ -71,10 +71,6 @@ class InstancePool:
         self._static = {url: Instance(url, "static") for url in static_urls}
         self._discovered: dict[str, Instance] = {}
         self._next = 0
-        # Why the last acquire without ``choose`` picked its instance: "load", or "kv_usage"
-        # when instances as loaded as it had more of their KV cache in use. (The proxy's event
-        # loop is its only caller: read right after acquire.)
-        self.last_reason = "load"
 
     def instances(self) -> list[Instance]:
         return [*self._static.values(), *self._discovered.values()]
@@ -93,11 +89,14 @@ class InstancePool:
         self,
         exclude: Iterable[Instance] = (),
         choose: Callable[[list[Instance]], tuple[Instance, int]] | None = None,
+        why: list[str] | None = None,
     ) -> Instance | None:
         """The least loaded instance not in ``exclude`` (preferring those not
         cooling down), counted as one more request in flight; None when none is
         left. ``choose``, when given, picks of those instead, and says how many
-        prompt tokens the instance will compute (``queued_tokens``, until released)."""
+        prompt tokens the instance will compute (``queued_tokens``, until released).
+        Without ``choose``, ``why`` gets the reason appended: "load", or "kv_usage"
+        when instances as loaded as the one picked had more of their KV cache in use."""
         skip = set(map(id, exclude))
         candidates = [i for i in self.instances() if id(i) not in skip]
         if not candidates:
@@ -113,7 +112,8 @@ class InstancePool:
             instance, queued_tokens = min(rotated, key=lambda i: (i.in_flight, i.kv_usage or 0.0)), 0
             peers = [i for i in rotated if i.in_flight == instance.in_flight]
             usages = {i.kv_usage or 0.0 for i in peers}
-            self.last_reason = "kv_usage" if len(usages) > 1 else "load"
+            if why is not None:
+                why.append("kv_usage" if len(usages) > 1 else "load")
         else:
             instance, queued_tokens = choose(rotated)
         instance.in_flight += 1

@@ -37,10 +37,13 @@ MAX_PROMPT_TOKENS = 1 << 21  # longer token lists from /tokenize are not used fo
 @dataclasses.dataclass(frozen=True)
 class Choice:
     instance: Instance
-    reason: str  # "prefix", "load_over_prefix" or "load"
+    # "prefix", "load_over_prefix" or "load"; without KV events (``routed`` False):
+    # "load", or "kv_usage" (InstancePool.acquire).
+    reason: str
     cached_tokens: int
     best_cached_tokens: int  # the longest cached prefix on any candidate
     queued_tokens: int  # the prompt's tokens this instance has to compute
+    routed: bool = True  # chosen by the prefix indexes (KV events), not by load alone
 
 
 class KvRouting:

@@ -9,6 +9,8 @@ and counted, and the subscriber goes on.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import socket
 import threading
@@ -414,6 +416,7 @@ class FakeEngine:
         self.tokenized = 0
         self.metrics_text = ""
         self.kv_params: dict = {"remote_engine_id": name}  # a prefill answer's kv_transfer_params
+        self.gate: threading.Event | None = None  # set: a decode answers only once it is set
         app = FastAPI()
         app.post("/tokenize")(self.tokenize)
         app.get("/metrics")(self.metrics)
@@ -435,6 +438,8 @@ class FakeEngine:
         self.completions.append(body)
         if self.role == "prefill":
             return {"choices": [{"text": "!"}], "kv_transfer_params": self.kv_params}
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, WAIT_S)
         return {"choices": [{"text": "ok"}], "served_by": self.name, "kv": body["kv_transfer_params"]}
 
 
@@ -635,6 +640,20 @@ def test_equally_loaded_decode_goes_to_the_most_free_kv_cache(engines):
         metrics = client.get("/metrics").text
         assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="kv_usage"}') == 3
         assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="load"}') == 0
+        # A choice is counted by its own reason, though others are made while it is sent:
+        # the first request waits in d1 (chosen by KV usage) while the second goes to d0 by load.
+        d1.gate = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(
+                httpx.post, f"{served.url}/v1/completions", json={"prompt": "1 2 3"}, timeout=10
+            )
+            assert wait_until(lambda: len(d1.completions) == 4, WAIT_S)
+            assert client.post("/v1/completions", json={"prompt": "1 2 3"}).json()["served_by"] == "d0"
+            d1.gate.set()
+            assert first.result(WAIT_S).json()["served_by"] == "d1"
+        metrics = client.get("/metrics").text
+        assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="kv_usage"}') == 4
+        assert _metric(metrics, 'kvx_proxy_route_total{leg="decode",reason="load"}') == 1
         # An engine whose /metrics is over the limit, or says nothing usable, counts as unknown.
         d1.metrics_text = "x" * (MAX_METRICS_BYTES + 1)
         d0.metrics_text = "garbage {{{ \n"
