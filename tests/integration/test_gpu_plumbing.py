@@ -22,6 +22,7 @@ from kvx import Descs
 from kvx._datapath import gpu
 from kvx._datapath import staging as _staging
 from kvx.agent import parse_metadata
+from tests.conftest import wait_until
 from tests.integration.test_faults import _read_message, _session
 from tests.unit import fake_cuda
 
@@ -301,7 +302,8 @@ def _as_another_process(peer):
 def test_a_target_cannot_steer_ipc_copies_outside_the_allocation(fake, make_agent, monkeypatch):
     """The target says where a region lies in its allocation; the driver says
     how long the allocation is. A region placed past its end is refused with
-    no byte moved, on the first transfer and on every one through the lease."""
+    no byte moved, and the connection to that target ends with its leases
+    (each copy through a lease checks the bound again)."""
     a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
     _as_another_process(peer)
     victim = fake.device_array(np.zeros(2 * BLOCK, np.uint8))  # memory of the initiator's, never registered
@@ -317,9 +319,11 @@ def test_a_target_cannot_steer_ipc_copies_outside_the_allocation(fake, make_agen
     monkeypatch.setattr(RegionTable, "ipc_export", lying_export)
     mine.host[:] = 0x5A
     remote = peer.region(remote_region.id)
-    for _ in range(2):  # the pin that leases, then the lease
-        with pytest.raises(kvx.ProtocolError, match="offset"):
-            peer.write(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    with pytest.raises(kvx.ProtocolError, match="offset"):
+        peer.write(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    assert wait_until(lambda: not peer._channel.link.alive and not peer._channel._maps, 10)
+    with pytest.raises(kvx.PeerLostError):
+        peer.write(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
     assert not victim.host.any() and (theirs.host[:BLOCK] != 0x5A).any()
     # An honest target's lease copies through the same map.
     monkeypatch.setattr(RegionTable, "ipc_export", export)
@@ -329,6 +333,33 @@ def test_a_target_cannot_steer_ipc_copies_outside_the_allocation(fake, make_agen
     _as_another_process(peer)
     peer.write(local_region.descs(0, BLOCK), peer.region(honest.id).descs(0, BLOCK)).wait(30)
     assert (theirs.host[:BLOCK] == 0x5A).all() and not victim.host.any()
+
+
+def test_a_region_leased_twice_differently_ends_the_connection(fake, make_agent, monkeypatch):
+    """Two pins of one region asked at once are both answered with a lease;
+    an honest target gives the same one twice. A second answer that places
+    the region elsewhere is a protocol error: the connection ends, and no
+    byte moves through either lease."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased
+    from kvx.memory import RegionTable
+
+    export = RegionTable.ipc_export
+    monkeypatch.setattr(
+        RegionTable,
+        "ipc_export",
+        lambda self, ids, who: BLOCK.to_bytes(8, "little") + export(self, ids, who)[8:],
+    )
+    conn = peer._channel.link.conns[0]
+    lease = conn.lease
+    conn.lease = lambda regions, writing: None  # as if this pin had been asked before the lease came
+    mine.host[:] = 0
+    with pytest.raises(kvx.ProtocolError, match="twice"):
+        peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)
+    conn.lease = lease
+    assert wait_until(lambda: not peer._channel.link.alive and not peer._channel._maps, 10)
+    assert not mine.host.any()
 
 
 def test_a_revoked_lease_closes_its_ipc_mapping(fake, make_agent):

@@ -569,15 +569,26 @@ class Connection:
         with self.lock:
             if self.error is not None:
                 raise _again(self.error)
-            self.copies += 1
             if part.keep is not None:
                 regions, writing, _ = part.keep
+                granted = {}
                 for i, rid in enumerate(regions.tolist()):
                     more = words[2 * n + extra * i : 2 * n + extra * (i + 1)]
-                    self.leases[(rid, writing)] = (words[2 * i], words[2 * i + 1], *more)
+                    granted[(rid, writing)] = (words[2 * i], words[2 * i + 1], *more)
+                    held = self.leases.get((rid, writing))
+                    if held is not None and held != granted[(rid, writing)]:
+                        # Two pins of one region asked at once are both answered with
+                        # a lease, the same one: a region's place never changes.
+                        raise ProtocolError(f"peer {self.peer!r} leased region {rid} twice, differently")
+                self.leases.update(granted)
+            self.copies += 1
         try:
             part.copy(remote_addrs)
             result = None
+        except ProtocolError:
+            # The target answered with memory its region cannot be (outside its allocation,
+            # say): nothing of it is trusted further; the connection ends, with its leases.
+            raise
         except KvxError as exc:
             result = exc
         finally:
