@@ -381,22 +381,32 @@ def test_prefill_killed_mid_push(cluster: dict[str, Any], reference: dict[int, l
     failed = decode.metric("vllm:kvx_num_failed_transfers_total")
     lease_ran_out = log_count(cluster, "decode", "prefill did not push within the lease")
     push_id = f"killed-{uuid.uuid4().hex}"
+    # Both engines computed this prompt before (the reference, earlier pushes): a prefix-cache
+    # hit would leave prefill one chunk to compute and send every block with it, at once. A
+    # salt of this push's own makes both compute it: prefill in 47 steps.
+    salt = {"cache_salt": push_id}
+    log_from = prefill.log.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        fut = pool.submit(complete, decode.url, prompt, kv=decode_push_params(ident, push_id))
+        fut = pool.submit(complete, decode.url, prompt, kv=decode_push_params(ident, push_id), **salt)
         wait_until(
             lambda: log_count(cluster, "prefill", f"push {push_id}: registration") > 0,
             30,
             "decode registered its blocks with prefill",
         )
-        pool.submit(complete, prefill.url, prompt, max_tokens=1, kv=prefill_push_params(push_id), timeout_s=5)
+        pool.submit(
+            complete, prefill.url, prompt, max_tokens=1, kv=prefill_push_params(push_id), timeout_s=5, **salt
+        )
         # Prefill logs when its request meets decode's registration and the WRITEs begin: stop
-        # it right then (the log is watched closely; the 47 chunks take a second or so).
+        # it right then (the log's new bytes are watched closely; the 47 steps take far longer).
         deadline = time.monotonic() + 30
-        while not re.search(
-            rf"push {push_id}: decode \S+ registered", prefill.log.read_text(errors="replace")
-        ):
-            assert time.monotonic() < deadline, "prefill did not start the push within 30 s"
-            time.sleep(0.01)
+        registered = re.compile(rf"push {push_id}: decode \S+ registered".encode())
+        with prefill.log.open("rb") as log:
+            log.seek(log_from)
+            seen = b""
+            while not registered.search(seen):
+                assert time.monotonic() < deadline, "prefill did not start the push within 30 s"
+                time.sleep(0.005)
+                seen = seen[-4096:] + log.read()
         prefill.signal(signal.SIGSTOP)
         killed_at = time.monotonic()
         prefill.signal(signal.SIGKILL)
