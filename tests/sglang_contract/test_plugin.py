@@ -103,3 +103,28 @@ def test_a_failed_transfer_reaches_sglang_with_kvx_reason(monkeypatch) -> None:
     assert "not inside registered memory" in concluded[7] or "unreachable" in concluded[7], concluded[7]
     assert concluded[8] == "Failed to send kv chunk of 8"
     assert concluded[9] == "Failed to send kv chunk of 9"
+
+
+def test_a_room_cleared_during_the_transfer_threads_check_reads_as_failed() -> None:
+    """SGLang's transfer thread tests ``room in request_status`` and then reads the status;
+    the scheduler thread can pop the room in between. SGLang's own check raised KeyError
+    there, which ended the thread that serves every later request."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvx.connectors.sglang import conn
+
+    class PoppedAfterTheTest(dict):
+        def __contains__(self, room: object) -> bool:
+            found = dict.__contains__(self, room)
+            self.pop(room, None)  # the scheduler clears the room right after the test
+            return found
+
+    manager = object.__new__(conn.KvxKVManager)  # the check needs none of SGLang's setup
+    manager.request_status = PoppedAfterTheTest({7: KVPoll.Success, 8: KVPoll.WaitingForInput})
+    assert 7 in manager.request_status
+    assert manager.check_status(7) == KVPoll.Failed  # gone: as absent, not a KeyError
+    manager.request_status = {8: KVPoll.WaitingForInput}
+    assert manager.check_status(8) == KVPoll.WaitingForInput
+    owner = next(c for c in conn.MooncakeKVManager.__mro__ if "check_status" in vars(c))
+    with pytest.raises(KeyError):  # SGLang's own, which the thread died of
+        owner.check_status(manager, 9)

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.mooncake.conn import (
     MooncakeKVBootstrapServer,
     MooncakeKVManager,
@@ -84,6 +85,17 @@ class KvxKVManager(MooncakeKVManager):
     def init_engine(self) -> None:
         mode = getattr(self.disaggregation_mode, "value", self.disaggregation_mode)
         self.engine = shared_engine(f"sglang-{mode}-{os.getpid()}-r{self.kv_args.engine_rank}")
+
+    def check_status(self, bootstrap_room: int) -> KVPoll:
+        """SGLang's check, safe against the room being cleared meanwhile. Its callers test
+        ``room in request_status`` and then read the status; the scheduler thread can pop the
+        room between the two (SGLang 0.5.23). The KeyError then ended the prefill's transfer
+        thread, which serves every later request: they all timed out on decode. A room that
+        is gone reads as failed, as those callers treat a room that is absent."""
+        try:
+            return self.request_status[bootstrap_room]
+        except KeyError:
+            return KVPoll.Failed
 
     def conclude_failure(self, *, bootstrap_room: int, failure_reason: str, targets=None):
         """SGLang's failure path, with kvx's reason: the engine only returns -1 to SGLang's
