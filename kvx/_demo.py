@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvx._spawn import dying_with_parent
 from kvx.config import MiB
 from kvx.daemon.shapes import PRESETS, ModelShape
 from kvx.errors import ConfigError, KvxError
@@ -125,15 +126,6 @@ def _fmt_bytes(n: float) -> str:
 # -- the children ------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """In the child before exec: SIGKILL when the demo dies, however it dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 class Child:
     """One kvx command in its own process group, its output in a log file."""
 
@@ -143,13 +135,13 @@ class Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvx", "--log-level", "INFO", *args],
+                # SIGKILL when the demo dies, however it dies
+                dying_with_parent([sys.executable, "-m", "kvx", "--log-level", "INFO", *args], env),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 process_group=0,  # Ctrl-C in the terminal reaches the demo only; it stops the rest
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         self.pid = self.process.pid
 

@@ -10,7 +10,6 @@ with the reason and the end of the engine's output in the log.
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from kvx._spawn import dying_with_parent
 from kvx.daemon.settings import DaemonSettings
 from kvx.errors import ConfigError
 
@@ -103,14 +103,16 @@ class EngineProcess:
         self.api_url = api_url
         self.argv, env = engine_command(s)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        full_env = {**os.environ, **env}
         self.popen = subprocess.Popen(
-            self.argv,
-            env={**os.environ, **env},
+            # SIGKILL when the daemon dies, even by SIGKILL (its drain never runs
+            # then; an orphaned engine would hold the GPU and the ports).
+            dying_with_parent(self.argv, full_env),
+            env=full_env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its workers die with its group
-            preexec_fn=_die_with_parent,
         )
         logger.info("started %s (pid %d): %s", s.engine, self.popen.pid, " ".join(self.argv))
         self._reader = threading.Thread(target=self._read, name="kvx-engine-log", daemon=True)
@@ -170,17 +172,6 @@ class EngineProcess:
         deadline = time.monotonic() + 5
         while self._reader.is_alive() and time.monotonic() < deadline:
             self._reader.join(0.1)
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the daemon dies, even by SIGKILL
-    (the daemon's own drain never runs then; an orphaned engine would hold the
-    GPU and the ports until someone finds it)."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class _suppress_gone:  # noqa: N801 (a context manager used like contextlib.suppress)
