@@ -630,32 +630,36 @@ class _Etcd:
         client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
         self.url = "etcd://" + client.removeprefix("http://")
         self.log = open(os.path.join(self.dir, "etcd.log"), "ab")  # noqa: SIM115 - closed in stop()
+        from kvx._spawn import launched
+
         self.proc = subprocess.Popen(
-            [
-                "/usr/bin/etcd",
-                "--name",
-                "kvx-bench",
-                "--data-dir",
-                os.path.join(self.dir, "data"),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                f"kvx-bench={peer}",
-                "--initial-cluster-state",
-                "new",
-                "--quota-backend-bytes",
-                str(8 << 30),
-            ],  # fmt: skip
+            launched(
+                [
+                    "/usr/bin/etcd",
+                    "--name",
+                    "kvx-bench",
+                    "--data-dir",
+                    os.path.join(self.dir, "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"kvx-bench={peer}",
+                    "--initial-cluster-state",
+                    "new",
+                    "--quota-backend-bytes",
+                    str(8 << 30),
+                ],
+                cpus=cpus or (),
+            ),  # fmt: skip
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: _pin(cpus)) if cpus else None,
         )
         _wait_port(client.removeprefix("http://"), self.proc)
 
@@ -676,28 +680,32 @@ class _Replica:
         self.start()
 
     def start(self) -> None:
+        from kvx._spawn import launched
+
         args = self.args
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvx.cli",
-                "--log-level",
-                "WARNING",
-                "metadata",
-                "--listen",
-                self.address,
-                "--admin-listen",
-                "off",
-                "--store",
-                self.store,
-                "--max-agents",
-                str(args.agents + 1000),
-                "--max-watch-streams",
-                str(max(256, args.watchers + 64)),
-            ],  # fmt: skip
+            launched(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvx.cli",
+                    "--log-level",
+                    "WARNING",
+                    "metadata",
+                    "--listen",
+                    self.address,
+                    "--admin-listen",
+                    "off",
+                    "--store",
+                    self.store,
+                    "--max-agents",
+                    str(args.agents + 1000),
+                    "--max-watch-streams",
+                    str(max(256, args.watchers + 64)),
+                ],
+                cpus=args.service_cpus or (),
+            ),  # fmt: skip
             stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: _pin(args.service_cpus)) if args.service_cpus else None,
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
         )

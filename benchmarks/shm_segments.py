@@ -17,7 +17,6 @@ each round's median; prints Markdown.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -64,19 +63,18 @@ with kvx.Agent("bench-initiator") as agent:
 """
 
 
-def _drop_ptrace() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(24, 19, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_PTRACE
-        os._exit(77)
-
-
 def run(md: bytes, iters: int, unprivileged: bool) -> dict:
+    from kvx._spawn import launched
+
     out = subprocess.run(
-        [sys.executable, "-c", _INITIATOR, md.hex(), str(iters)],
+        # without CAP_SYS_PTRACE: root may then no longer attach to this process
+        launched(
+            [sys.executable, "-c", _INITIATOR, md.hex(), str(iters)],
+            drop_capabilities=[19] if unprivileged else [],  # CAP_SYS_PTRACE
+        ),
         capture_output=True,
         text=True,
         timeout=600,
-        preexec_fn=_drop_ptrace if unprivileged else None,
     )
     if out.returncode != 0:
         raise RuntimeError(f"initiator failed ({out.returncode}): {out.stderr[-2000:]}")

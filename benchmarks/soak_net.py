@@ -9,7 +9,6 @@ import ctypes
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -137,10 +136,6 @@ class Network:
 # Processes.
 
 
-def _die_with_soak() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 def kill_process(proc: subprocess.Popen | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()  # a stopped process dies too
@@ -156,14 +151,15 @@ class Service:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        from kvx._spawn import dying_with_parent
+
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                self.args,
+                dying_with_parent(self.args, self.env),  # SIGKILL when the soak dies
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=_die_with_soak,
             )
 
     def kill(self) -> None:

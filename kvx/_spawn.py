@@ -15,45 +15,66 @@ parent, and the parent's threads cannot reach the child.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
 
-# argv: parent pid, the command. The check of the parent's pid closes the race
-# where the parent died before prctl: the child would then outlive it forever.
+# argv: what to do as JSON, then the command. "parent": the pid whose death
+# kills the command (PR_SET_PDEATHSIG); checked after prctl, which closes the
+# race where the parent died first and the command would outlive it forever.
+# "cpus": the CPU affinity. "drop": capabilities to drop from the bounding set.
 _LAUNCHER = (
-    "import ctypes,os,signal,sys\n"
-    "ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL,0,0,0)\n"  # PR_SET_PDEATHSIG
-    "os.getppid()==int(sys.argv[1]) or os._exit(70)\n"
+    "import ctypes,json,os,signal,sys\n"
+    "o=json.loads(sys.argv[1]);prctl=ctypes.CDLL(None,use_errno=True).prctl\n"
+    "for c in o.get('drop',()):\n"
+    " prctl(24,c,0,0,0)==0 or os._exit(77)\n"  # PR_CAPBSET_DROP
+    "o.get('cpus') and os.sched_setaffinity(0,o['cpus'])\n"
+    "if o.get('parent'):\n"
+    " prctl(1,signal.SIGKILL,0,0,0)\n"  # PR_SET_PDEATHSIG
+    " os.getppid()==o['parent'] or os._exit(70)\n"
     "os.execv(sys.argv[2],sys.argv[2:])\n"
 )
+PARENT_GONE = 70  # the launcher's exit status when its parent died before it could watch it
+CANNOT_DROP = 77  # ... when a capability could not be dropped (no CAP_SETPCAP)
 
 
 def dying_with_parent(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """``argv`` to give ``subprocess.Popen`` (without ``preexec_fn``) so that
     the command gets SIGKILL when this process dies, however it dies.
+    Off Linux the command is returned as it is."""
+    if sys.platform != "linux":
+        return list(argv)
+    return launched(argv, env, die_with_parent=True)
+
+
+def launched(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    die_with_parent: bool = False,
+    cpus: Sequence[int] = (),
+    drop_capabilities: Sequence[int] = (),
+) -> list[str]:
+    """``argv`` wrapped in the launcher, which sets up the process as asked
+    (Linux) and then execs the command.
 
     The command is resolved on ``env``'s PATH here, so a missing program
-    raises FileNotFoundError in the parent, as Popen itself would. Off Linux
-    the command is returned as it is.
+    raises FileNotFoundError in the parent, as Popen itself would.
     """
     if not argv:
         raise ValueError("an empty command")
-    if sys.platform != "linux":
-        return list(argv)
     path = (env if env is not None else os.environ).get("PATH", os.defpath)
     program = shutil.which(argv[0], path=path)
     if program is None:
         raise FileNotFoundError(2, "No such file or directory", argv[0])
+    what = {
+        "parent": os.getpid() if die_with_parent else 0,
+        "cpus": [int(c) for c in cpus],
+        "drop": [int(c) for c in drop_capabilities],
+    }
     # -I -S: the launcher reads no environment and imports no site packages.
     return [
-        sys.executable,
-        "-I",
-        "-S",
-        "-c",
-        _LAUNCHER,
-        str(os.getpid()),
-        os.path.abspath(program),
-        *argv[1:],
-    ]
+        sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(what), os.path.abspath(program), *argv[1:],
+    ]  # fmt: skip

@@ -22,6 +22,7 @@ import pytest
 import kvx
 from kvx import Descs
 from kvx._datapath import io as _io
+from kvx._spawn import CANNOT_DROP, launched
 from kvx.agent import parse_metadata
 from kvx.backends import shm as shm_backend
 from kvx.backends.control import wire as _wire
@@ -108,15 +109,6 @@ print(json.dumps(out))
 """
 
 
-def _without_ptrace_capability():
-    """In the child before exec: drop CAP_SYS_PTRACE from the bounding set, so
-    that root, after exec, may no longer attach to processes that keep it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE, 0, 0, 0) != 0:
-        os._exit(77)
-
-
-PR_CAPBSET_DROP = 24
 CAP_SYS_PTRACE = 19
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0,
@@ -128,13 +120,13 @@ needs_root = pytest.mark.skipif(
 def _run_without_ptrace(script: str, metadata: bytes) -> dict:
     """Run ``script`` (given the peer's metadata) without CAP_SYS_PTRACE; its JSON output."""
     proc = subprocess.run(
-        [sys.executable, "-c", script, metadata.hex()],
-        preexec_fn=_without_ptrace_capability,
+        # root, after exec, may no longer attach to processes that keep CAP_SYS_PTRACE
+        launched([sys.executable, "-c", script, metadata.hex()], drop_capabilities=[CAP_SYS_PTRACE]),
         capture_output=True,
         text=True,
         timeout=60,
     )
-    if proc.returncode == 77:
+    if proc.returncode == CANNOT_DROP:
         pytest.skip("this container may not drop capabilities (no CAP_SETPCAP)")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvx._spawn import dying_with_parent
+from kvx._spawn import PARENT_GONE, dying_with_parent, launched
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -29,7 +30,7 @@ def test_children_start_beside_a_live_grpc_channel(tmp_path: Path) -> None:
             import subprocess, sys
             from concurrent import futures
             import grpc
-            from kvx._spawn import dying_with_parent
+            from kvx._spawn import PARENT_GONE, dying_with_parent, launched
 
             server = grpc.server(futures.ThreadPoolExecutor(2))
             port = server.add_insecure_port("127.0.0.1:0")
@@ -69,7 +70,7 @@ def test_the_child_dies_with_a_parent_killed_outright(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import subprocess, sys; from kvx._spawn import dying_with_parent\n"
+            "import subprocess, sys; from kvx._spawn import PARENT_GONE, dying_with_parent, launched\n"
             "c = subprocess.Popen(dying_with_parent(['sh', '-c', 'echo $$ > ' + sys.argv[1] + '; exec sleep 600']))\n"
             "c.wait()\n",
             str(pidfile),
@@ -109,13 +110,26 @@ def test_a_child_whose_parent_is_already_gone_does_not_run(tmp_path: Path) -> No
     prctl would never send the signal, and the command would run orphaned."""
     marker = tmp_path / "ran"
     argv = dying_with_parent(["touch", str(marker)])
-    pid_at = argv.index(str(os.getpid()))
-    argv[pid_at] = "1"  # not our parent: as if ours had died and init adopted us
-    assert subprocess.run(argv, timeout=30).returncode == 70
+    at = next(i for i, a in enumerate(argv) if a.startswith("{"))
+    what = json.loads(argv[at])
+    assert what["parent"] == os.getpid()
+    argv[at] = json.dumps({**what, "parent": 1})  # as if ours had died and init adopted us
+    assert subprocess.run(argv, timeout=30).returncode == PARENT_GONE
     assert not marker.exists()
-    argv[pid_at] = str(os.getpid())
+    argv[at] = json.dumps(what)
     assert subprocess.run(argv, timeout=30).returncode == 0
     assert marker.exists()
+
+
+def test_the_launcher_pins_cpus() -> None:
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    out = subprocess.run(
+        launched([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], cpus=[cpu]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.stdout.strip() == f"[{cpu}]"
 
 
 def test_a_missing_program_fails_in_the_parent() -> None:
@@ -140,8 +154,16 @@ def test_the_command_gets_its_arguments_and_signals_as_given(tmp_path: Path) -> 
     assert child.wait(timeout=10) == -signal.SIGTERM
 
 
-def test_kvx_runs_no_python_between_fork_and_exec() -> None:
-    """Any preexec_fn brings the abort above back in a process that holds gRPC."""
-    package = Path(__file__).parents[2] / "kvx"
-    users = [str(p.relative_to(package)) for p in package.rglob("*.py") if "preexec_fn=" in p.read_text()]
+def test_no_python_runs_between_fork_and_exec() -> None:
+    """Any preexec_fn brings the abort above back in a process that holds
+    gRPC: kvx's daemon and demo, and the test runner itself once a test has
+    opened a channel. kvx, its benchmarks and its tests use the launcher."""
+    root = Path(__file__).parents[2]
+    needle = "preexec" + "_fn="
+    users = [
+        str(p.relative_to(root))
+        for folder in ("kvx", "benchmarks", "tests")
+        for p in (root / folder).rglob("*.py")
+        if needle in p.read_text(errors="replace")
+    ]
     assert users == []
