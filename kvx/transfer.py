@@ -35,6 +35,11 @@ class Notification:
     data: bytes
 
 
+# The locks of every transfer born finished (Transfer.finished): wait() never
+# takes them, add_done_callback only for the moment of its check.
+_NEVER_HELD = threading.Lock()
+
+
 class Transfer:
     """The handle of one READ or WRITE.
 
@@ -99,7 +104,7 @@ class Transfer:
         t._state = TransferState.DONE if error is None else TransferState.FAILED
         t._error = error
         t._parts_left = 0
-        t._lock = t._done = threading.Lock()  # never held: the transfer is not pending
+        t._lock = t._done = _NEVER_HELD  # the transfer is not pending: held only for a moment
         t._callbacks = t._on_parts_done = t._verify = t._cleanup = None
         t._default_timeout_s = 0.0
         return t

@@ -318,7 +318,7 @@ class Connection:
         # then what the pin's kind adds: an rdma key), and per region the copies
         # using it (see wire.py, PIN_KEEP).
         self.leases: dict[tuple[int, bool], tuple[int, ...]] = {}
-        self.lease_uses: collections.Counter[int] = collections.Counter()
+        self.lease_uses: dict[int, int] = {}  # a dict, not a Counter: its += and del run Python code
         self.ids = itertools.count(1)
         self.error: KvxError | None = None
         self.closed = False
@@ -617,7 +617,7 @@ class Connection:
                 )
             uses = self.lease_uses
             for rid in regions:
-                uses[rid] += 1
+                uses[rid] = uses.get(rid, 0) + 1
             self.copies += 1
         return pairs
 
@@ -625,8 +625,10 @@ class Connection:
         with self.lock:
             uses = self.lease_uses
             for rid in regions:
-                uses[rid] -= 1
-                if not uses[rid]:
+                left = uses[rid] - 1
+                if left:
+                    uses[rid] = left
+                else:
                     del uses[rid]
             self.copies -= 1
             if self.copy_waiters:

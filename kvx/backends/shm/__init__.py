@@ -174,6 +174,9 @@ class ShmChannel(Channel):
         self.cma = cma
         self.segment_maps = segment_maps or {}
         self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
+        # Per leased region and direction: the lease's answer and the two
+        # arrays leased_post takes, built once per lease rather than per copy.
+        self._lease_args: dict[tuple[int, bool], tuple[tuple[int, ...], array.array, array.array]] = {}
         if cma:
             self.copy_inline = self._copy_inline
         if self.segment_maps:
@@ -295,6 +298,17 @@ class ShmChannel(Channel):
         pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
         if pinned is None:
             return None
+        if len(rids) == 1:
+            # A lease's answer is one tuple for its life (Connection.leases), so
+            # its identity says whether the arrays built for it still fit.
+            key = (rids[0], writing)
+            args = self._lease_args.get(key)
+            if args is None or args[0] is not pinned:
+                args = (pinned, array.array("I", rids), array.array("Q", pinned))
+                self._lease_args[key] = args
+            rid_array, pinned_array = args[1], args[2]
+        else:
+            rid_array, pinned_array = array.array("I", rids), array.array("Q", pinned)
         try:
             got = _io.leased_post(
                 self.pid,
@@ -304,8 +318,8 @@ class ShmChannel(Channel):
                 need,
                 need | DEVICE,
                 remote,
-                array.array("I", rids),
-                array.array("Q", pinned),
+                rid_array,
+                pinned_array,
                 REMOTE_WRITE if writing else REMOTE_READ,
                 min(max_bytes, INLINE_COPY_BYTES),
             )
