@@ -34,7 +34,10 @@ _LAUNCHER = (
     "if o.get('parent'):\n"
     " prctl(1,signal.SIGKILL,0,0,0)\n"  # PR_SET_PDEATHSIG
     " os.getppid()==o['parent'] or os._exit(70)\n"
-    "os.execv(sys.argv[2],sys.argv[2:])\n"
+    # Python ignores these at start-up; ignored signals stay ignored across exec.
+    "signal.signal(signal.SIGPIPE,signal.SIG_DFL);signal.signal(signal.SIGXFSZ,signal.SIG_DFL)\n"
+    # execvp: found on the PATH and in the cwd the command gets, argv[0] as given.
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
 )
 PARENT_GONE = 70  # the launcher's exit status when its parent died before it could watch it
 CANNOT_DROP = 77  # ... when a capability could not be dropped (no CAP_SETPCAP)
@@ -58,23 +61,26 @@ def launched(
     drop_capabilities: Sequence[int] = (),
 ) -> list[str]:
     """``argv`` wrapped in the launcher, which sets up the process as asked
-    (Linux) and then execs the command.
+    (Linux only) and then execs the command.
 
-    The command is resolved on ``env``'s PATH here, so a missing program
-    raises FileNotFoundError in the parent, as Popen itself would.
+    A bare program name is looked up on ``env``'s PATH here too, so a
+    missing one raises FileNotFoundError in the parent, as Popen itself
+    would; a path (``./tool``) is left to the launcher, which runs in the
+    cwd given to Popen. Anything else that stops the exec (a file that is
+    not executable) ends the launcher with status 1 and a traceback.
     """
     if not argv:
         raise ValueError("an empty command")
-    path = (env if env is not None else os.environ).get("PATH", os.defpath)
-    program = shutil.which(argv[0], path=path)
-    if program is None:
-        raise FileNotFoundError(2, "No such file or directory", argv[0])
+    if sys.platform != "linux":
+        raise OSError("the launcher sets Linux process attributes (prctl)")
+    if "/" not in argv[0]:
+        path = (env if env is not None else os.environ).get("PATH", os.defpath)
+        if shutil.which(argv[0], path=path) is None:
+            raise FileNotFoundError(2, "No such file or directory", argv[0])
     what = {
         "parent": os.getpid() if die_with_parent else 0,
         "cpus": [int(c) for c in cpus],
         "drop": [int(c) for c in drop_capabilities],
     }
     # -I -S: the launcher reads no environment and imports no site packages.
-    return [
-        sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(what), os.path.abspath(program), *argv[1:],
-    ]  # fmt: skip
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(what), *argv]

@@ -156,6 +156,10 @@ class ShmBackend(Backend):
             server.close()
 
 
+# Leases whose leased_post arguments a channel keeps (ShmChannel._lease_args).
+_LEASE_ARGS_KEPT = 1024
+
+
 class ShmChannel(Channel):
     """Host bytes through cross-memory attach (``cma``) or the peer's shared
     segments; anything else (GPU memory on either side, memory outside the
@@ -305,6 +309,8 @@ class ShmChannel(Channel):
             args = self._lease_args.get(key)
             if args is None or args[0] is not pinned:
                 args = (pinned, array.array("I", rids), array.array("Q", pinned))
+                if len(self._lease_args) >= _LEASE_ARGS_KEPT:
+                    self._lease_args.clear()  # regions come and go: keep the cache small
                 self._lease_args[key] = args
             rid_array, pinned_array = args[1], args[2]
         else:
