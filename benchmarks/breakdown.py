@@ -10,6 +10,12 @@ median total.
 
     python benchmarks/breakdown.py --backend tcp --size 4096 --iters 2000
     python benchmarks/breakdown.py --backend shm --size 16384
+    python benchmarks/breakdown.py --backend shm --size 16384 --untraced --iters 20000
+
+``--untraced`` wraps nothing and prints one JSON line instead: p10, p50 and
+p99 of the same READ, kvx's own latency for before/after comparisons of a
+change on the latency path (``kvx bench --sweep`` alternates each transfer
+with its limit's, which disturbs the caches of both).
 
 The wrappers cost about a microsecond each; the total is a little above
 ``kvx bench``'s p50 for the same size.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import multiprocessing
 import os
 import secrets
@@ -89,8 +96,9 @@ def instrument_initiator() -> None:
     wrap(transfer.Transfer, "_finish", "transfer finishing", None)
 
 
-def target_main(conn: Any, size: int, backend: str, secret: bytes) -> None:
-    instrument_target()
+def target_main(conn: Any, size: int, backend: str, secret: bytes, traced: bool) -> None:
+    if traced:
+        instrument_target()
     import kvx
 
     pool = np.arange(2 * size, dtype=np.uint8)
@@ -112,17 +120,22 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=4096, help="bytes of the one block read")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--untraced", action="store_true", help="no stages: the latency alone, as JSON")
     args = parser.parse_args()
+    traced = not args.untraced
 
     import kvx
     import kvx.backends.shm  # noqa: F401  (instrumented below)
     import kvx.backends.tcp  # noqa: F401
 
-    instrument_initiator()
+    if traced:
+        instrument_initiator()
     secret = secrets.token_bytes(32)
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    child = ctx.Process(target=target_main, args=(theirs, args.size, args.backend, secret), daemon=True)
+    child = ctx.Process(
+        target=target_main, args=(theirs, args.size, args.backend, secret, traced), daemon=True
+    )
     child.start()
     try:
         if not mine.poll(60):
@@ -139,11 +152,15 @@ def main() -> int:
             mine.send("start")
             STAMPS.clear()
             bounds = []
+            took = []
             for _ in range(args.iters):
                 begin = len(STAMPS)
+                start = time.perf_counter()
                 peer.read(local, remote).wait(30)
-                stamp("wait returned")
-                bounds.append((begin, len(STAMPS)))
+                took.append(time.perf_counter() - start)
+                if traced:
+                    stamp("wait returned")
+                    bounds.append((begin, len(STAMPS)))
             mine.send("done")
             target = mine.recv()
             initiator = list(STAMPS)
@@ -152,6 +169,20 @@ def main() -> int:
         child.join(10)
         if child.is_alive():
             child.kill()
+    if not traced:
+        us = np.array(took) * 1e6
+        print(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "backend": peer.backend,
+                    "size": args.size,
+                    "iters": args.iters,
+                    **{f"p{q}_us": round(float(np.percentile(us, q)), 2) for q in (10, 50, 99)},
+                }
+            )
+        )
+        return 0
     # The target's stamps that fall inside each transfer belong to it.
     offsets: dict[str, list[float]] = {}
     totals = []
