@@ -13,8 +13,11 @@ reader or sender, a serving thread, an application thread that posts a
 cuda_ipc transfer through a lease) has its own ``Engine`` per device: its own non-blocking stream, argument and staging buffers, so that
 threads never share a stream or a lock. Work ends with a CUDA event recorded
 on that stream and waited for by that thread (blocking-sync events: the
-thread sleeps, CuPy releases the GIL). Nothing synchronises a device or
-another stream.
+thread sleeps, CuPy releases the GIL). A thread that waits for its own
+copy (``Engine.wait``: a cuda_ipc transfer through a lease) first polls the
+event for a bounded time (``KVX_CUDA_SPIN_US``, 100 us by default), since
+waking from a blocking-sync event costs more than a copy of a few MiB
+takes. Nothing synchronises a device or another stream.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,10 @@ MAX_LAUNCH_PIECES = 1 << 16
 # How copies of many (src, dst, len) triples run: one kernel launch ("kernel"),
 # or one cudaMemcpyAsync per triple ("memcpy"). KVX_CUDA_COPY overrides.
 COPY_METHODS = ("kernel", "memcpy")
+# How long a thread polls the event of its own copy before it sleeps on it, in
+# microseconds (Engine.wait). KVX_CUDA_SPIN_US overrides; 0 never polls.
+SPIN_US = 100
+SPIN_US_MAX = 10_000
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"
 
@@ -234,6 +242,22 @@ def copy_method() -> str:
     return method
 
 
+def spin_seconds() -> float:
+    """KVX_CUDA_SPIN_US, checked, in seconds."""
+    raw = os.environ.get("KVX_CUDA_SPIN_US", "").strip()
+    if not raw:
+        return SPIN_US / 1e6
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SPIN_US_MAX:
+        raise ConfigError(
+            f"KVX_CUDA_SPIN_US must be a whole number of microseconds from 0 to {SPIN_US_MAX}, not {raw!r}"
+        )
+    return value / 1e6
+
+
 _modules: dict[int, Any] = {}
 _modules_lock = threading.Lock()
 
@@ -255,6 +279,7 @@ class _Slot:
         self.cp = cp
         self.capacity = 0
         self.host: Any = None
+        self.packed: np.ndarray = np.zeros(0, np.uint64)  # self.host, as 3 * capacity words
         self.dev: Any = None
         self.event: Any = None  # of the last work that used these buffers
 
@@ -271,7 +296,10 @@ class _Slot:
             self.capacity = max(n, 2 * self.capacity, 1024)
             self.host = self.cp.cuda.alloc_pinned_memory(24 * self.capacity)
             self.dev = self.cp.cuda.alloc(24 * self.capacity)
-        packed = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * self.capacity)).from_address(self.host.ptr))
+            self.packed = np.ctypeslib.as_array(
+                (ctypes.c_uint64 * (3 * self.capacity)).from_address(self.host.ptr)
+            )
+        packed = self.packed
         packed[:n] = srcs
         packed[n : 2 * n] = dsts
         packed[2 * n : 3 * n] = lens
@@ -293,6 +321,7 @@ class Engine:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernel = _kernel(cp, device) if self.method == "kernel" else None
             self.grid_limit = 8 * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        self.spin_s = spin_seconds()
         self._slots = [_Slot(cp), _Slot(cp), _Slot(cp)]  # 0, 1: staging; 2: direct copies
         self._pinned: list[Any] = []
         self._staged: list[Any] = []
@@ -335,6 +364,19 @@ class Engine:
             self._launch(slot, dsts, srcs, lens)
             slot.event = self._event()
             return slot.event
+
+    def wait(self, event: Any) -> None:
+        """Wait for ``event`` of this engine's work: poll it for up to
+        ``spin_s`` (the GIL released in each query), then sleep on it.
+        Raises as ``synchronize`` does when the work failed."""
+        if self.spin_s > 0:
+            deadline = time.perf_counter() + self.spin_s
+            while not event.done:
+                if time.perf_counter() >= deadline:
+                    break
+            else:
+                return
+        event.synchronize()
 
     # The staging engine (kvx/_datapath/staging.py).
 

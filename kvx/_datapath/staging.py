@@ -82,9 +82,9 @@ def pieces(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, piece: int) -> 
     """(dst, src, len) triples with every len at most ``piece``: long copies
     are cut, so that a kernel spreads them over its blocks."""
     lens = np.asarray(lens, dtype=np.uint64)
-    counts = (lens + np.uint64(piece - 1)) // np.uint64(piece)
-    if (counts <= 1).all():
+    if not len(lens) or int(lens.max()) <= piece:
         return dsts, srcs, lens
+    counts = (lens + np.uint64(piece - 1)) // np.uint64(piece)
     counts = np.maximum(counts, 1).astype(np.intp)
     owner = np.repeat(np.arange(len(lens)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)

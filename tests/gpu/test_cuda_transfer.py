@@ -112,6 +112,39 @@ def test_a_peer_killed_mid_stream_fails_transfers_quickly(cp, make_agent, gpu_wo
     assert all(isinstance(e, (kvx.PeerLostError, kvx.TransferError, kvx.TimeoutError)) for e in errors)
 
 
+def test_deregister_revokes_the_ipc_lease_and_closes_the_mapping(cp, make_agent, gpu_worker):
+    """The target's deregister waits for the initiator's lease; the initiator
+    closes its CUDA IPC mapping of that allocation before it lets go, so the
+    target may free the memory; the region is then refused, and the peer
+    serves on."""
+    from kvx._datapath import gpu
+
+    agent = make_agent(auth_secret=SECRET, backend="cuda_ipc")
+    pool = cp.zeros(POOL, cp.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(gpu_worker.metadata)
+    assert peer.backend == "cuda_ipc"
+    opened_before = set(gpu._opened)
+    peer.read(region.descs(0, BLOCK), peer.regions[0].descs(BLOCK, BLOCK)).wait(30)
+    peer.read(region.descs(BLOCK, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(30)  # through the lease
+    mine = set(gpu._opened) - opened_before
+    assert len(mine) == 1  # the worker's pool, opened once for both copies
+    assert cp.asnumpy(pool[: 2 * BLOCK]).tobytes() == (
+        gpu_worker.expected(BLOCK, BLOCK).tobytes() + gpu_worker.expected(0, BLOCK).tobytes()
+    )
+    gpu_worker.call("deregister", 0)  # returns once the lease was given back
+    assert not mine & set(gpu._opened)
+    with pytest.raises(kvx.KvxError):
+        peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(30)
+    # The peer serves on: a region registered after the revoke is reachable.
+    rid = gpu_worker.call("register", BLOCK, True)
+    gpu_worker.call("fill_region", rid, 9)
+    host = np.zeros(BLOCK, np.uint8)
+    peer2 = agent.add_peer(gpu_worker.call("metadata"))
+    peer2.read(agent.register(host).descs(0, BLOCK), peer2.region(rid).descs(0, BLOCK)).wait(30)
+    assert (host == 9).all()
+
+
 @pytest.mark.parametrize("args", [["--backend", "cuda_ipc"], ["--backend", "tcp"]])
 def test_kvx_bench_with_gpu_memory(args):
     out = subprocess.run(

@@ -267,7 +267,8 @@ class IpcCopy(PinnedCopy):
             mapped = np.array(starts, np.uint64)
         dsts, srcs, lens = self.triples(mapped)
         try:
-            gpu.engine(self.device).copy(dsts, srcs, lens).synchronize()
+            engine = gpu.engine(self.device)
+            engine.wait(engine.copy(dsts, srcs, lens))
         except KvxError:
             raise
         except Exception as exc:  # CuPy's CUDA errors
