@@ -525,6 +525,153 @@ out:
     return result;
 }
 
+/* Walk two resolved range lists of equal total in order, cutting where a
+ * range of either side ends and at `piece` bytes: the (dst, src, len)
+ * triples of the copy. With `out` NULL only counts them. READ copies the
+ * remote ranges into the local ones; WRITE the other way. */
+static size_t pair_ranges(int writing, const uint64_t *l_addr, const uint64_t *l_len, size_t nlocal,
+                          const uint64_t *r_addr, const uint64_t *r_len, size_t nremote, uint64_t piece,
+                          uint64_t *srcs, uint64_t *dsts, uint64_t *lens)
+{
+    size_t i = 0, j = 0, k = 0;
+    uint64_t li = 0, rj = 0;
+    while (i < nlocal && j < nremote) {
+        if (li == l_len[i]) {
+            i++;
+            li = 0;
+            continue;
+        }
+        if (rj == r_len[j]) {
+            j++;
+            rj = 0;
+            continue;
+        }
+        uint64_t take = l_len[i] - li;
+        if (r_len[j] - rj < take)
+            take = r_len[j] - rj;
+        if (piece < take)
+            take = piece;
+        if (lens != NULL) {
+            uint64_t local = l_addr[i] + li, remote = r_addr[j] + rj;
+            dsts[k] = writing ? remote : local;
+            srcs[k] = writing ? local : remote;
+            lens[k] = take;
+        }
+        k++;
+        li += take;
+        rj += take;
+    }
+    return k;
+}
+
+/* leased_triples: the checks of leased_post for a copy that the GPU makes
+ * (cuda_ipc through a lease). The local descriptors resolved against this
+ * process's region table, each region on `device` (`devices`: int32 per
+ * region); the remote ones checked against the lease, whose (base, size)
+ * pairs are where each leased region lies in this process (its CUDA IPC
+ * mapping); the totals compared (equal, above 0, at most max_bytes). Then
+ * the copy's (dst, src, len) triples, each at most `piece` bytes, written
+ * at `out` (uint64 words: srcs[0:n], dsts[n:2n], lens[2n:3n]; the caller
+ * owns that memory, `out_words` long). No byte moves here.
+ *
+ * Returns n, the triples written; else, with nothing written, a pair
+ * (side, index): (0, i) local descriptor i refused, (1, i) remote
+ * descriptor i refused, (2, -1) the totals differ, are 0 or exceed
+ * max_bytes, (3, n) `out` holds fewer than 3n words. Malformed buffers
+ * raise ValueError. */
+static PyObject *kvx_leased_triples(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int writing, device;
+    unsigned int need, mask, granted;
+    unsigned long long max_bytes, piece, out, out_words;
+    Py_buffer ld, bb, sb, fb, vb, db, rb, lb;
+    if (!PyArg_ParseTuple(args, "py*y*y*y*y*iIIy*y*y*IKKKK:leased_triples", &writing, &ld, &bb, &sb, &fb, &vb,
+                          &device, &need, &mask, &db, &rb, &lb, &granted, &max_bytes, &piece, &out, &out_words))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t *work = NULL;
+    size_t nregions = (size_t)rb.len / sizeof(uint32_t), top = (size_t)fb.len;
+    if (ld.len % (Py_ssize_t)sizeof(struct kvx_desc) || bb.len != fb.len * 8 || sb.len != bb.len ||
+        vb.len != fb.len * 4 || db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 || lb.len % 8 ||
+        (size_t)lb.len / 8 < 2 * nregions || piece == 0 || (out == 0 && out_words != 0)) {
+        PyErr_SetString(PyExc_ValueError, "leased_triples: malformed descriptor, table, region or lease buffers");
+        goto out;
+    }
+    const uint32_t *ids = rb.buf;
+    for (size_t k = 1; k < nregions; k++) {
+        if (ids[k] <= ids[k - 1]) {
+            PyErr_SetString(PyExc_ValueError, "leased_triples: region ids must be sorted and distinct");
+            goto out;
+        }
+    }
+    size_t nlocal = (size_t)ld.len / sizeof(struct kvx_desc), ndescs = (size_t)db.len / sizeof(struct kvx_desc);
+    if (nlocal > (SIZE_MAX / 32) - ndescs) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
+    if (work == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
+    Py_ssize_t lbad, rbad = -1;
+    int totals = 0;
+    size_t n = 0;
+    unsigned int access = writing ? LEASE_WRITE : LEASE_READ;
+    uint64_t lt = 0, rt = 0;
+    Py_BEGIN_ALLOW_THREADS
+    lbad = table_resolve(ld.buf, nlocal, bb.buf, sb.buf, fb.buf, top, need, mask, l_addr, l_len, &lt);
+    if (lbad < 0) {
+        const struct kvx_desc *d = ld.buf;
+        const int32_t *devices = vb.buf;
+        for (size_t i = 0; i < nlocal; i++) {
+            if (devices[d[i].region] != device) { /* in range: table_resolve checked it */
+                lbad = (Py_ssize_t)i;
+                break;
+            }
+        }
+    }
+    if (lbad < 0)
+        rbad = lease_resolve(db.buf, ndescs, ids, nregions, lb.buf, (granted & access) == access, r_addr,
+                             r_len, &rt);
+    if (lbad < 0 && rbad < 0) {
+        totals = lt != rt || lt == 0 || lt > (uint64_t)max_bytes;
+        if (!totals) {
+            n = pair_ranges(writing, l_addr, l_len, nlocal, r_addr, r_len, ndescs, piece, NULL, NULL, NULL);
+            if (n <= out_words / 3) {
+                uint64_t *words = (uint64_t *)(uintptr_t)out;
+                pair_ranges(writing, l_addr, l_len, nlocal, r_addr, r_len, ndescs, piece, words, words + n,
+                            words + 2 * n);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (lbad >= 0) {
+        result = Py_BuildValue("(in)", 0, lbad);
+    } else if (rbad >= 0) {
+        result = Py_BuildValue("(in)", 1, rbad);
+    } else if (totals) {
+        result = Py_BuildValue("(in)", 2, (Py_ssize_t)-1);
+    } else if (n > out_words / 3) {
+        result = Py_BuildValue("(in)", 3, (Py_ssize_t)n);
+    } else {
+        result = PyLong_FromSize_t(n);
+    }
+out:
+    PyMem_RawFree(work);
+    PyBuffer_Release(&ld);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&lb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"descs_bad", kvx_descs_bad, METH_VARARGS, "descs_bad(descs, flags, sizes, need) -> first bad index or -1"},
     {"vm_readv", kvx_vm_readv, METH_VARARGS, "vm_readv(pid, local_addrs, local_lens, remote_addrs, remote_lens)"},
@@ -536,6 +683,9 @@ static PyMethodDef methods[] = {
     {"leased_post", kvx_leased_post, METH_VARARGS,
      "leased_post(pid, writing, local_descs, bases, sizes, flags, need, mask, descs, regions, lease, granted, "
      "max_bytes) -> bytes moved or (side, index)"},
+    {"leased_triples", kvx_leased_triples, METH_VARARGS,
+     "leased_triples(writing, local_descs, bases, sizes, flags, devices, device, need, mask, descs, regions, "
+     "lease, granted, max_bytes, piece, out, out_words) -> triples written or (side, index)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -758,11 +758,12 @@ class Peer:
         return transfer
 
     def _post_inline(self, op: Op, local_a: np.ndarray, remote_a: np.ndarray) -> Transfer | None:
-        """The latency path of a small host transfer on a channel that copies
-        on this thread through leases it holds (shm): one C call checks the
-        local descriptors against this agent's regions (pinned meanwhile, so
-        ``deregister`` waits) and the remote ones against the lease, and
-        copies. None when it does not apply or refuses something, with
+        """The latency path of a small transfer on a channel that copies on
+        this thread through leases it holds (shm; cuda_ipc between GPUs):
+        one C call checks the local descriptors against this agent's regions
+        (pinned meanwhile, so ``deregister`` waits) and the remote ones
+        against the lease, and copies (or, for the GPU, writes the copy
+        kernel's arguments). None when it does not apply or refuses something, with
         nothing moved: ``_post`` then takes the full path, which checks
         again and names the error."""
         agent = self.agent
@@ -770,7 +771,8 @@ class Peer:
             agent._closed
             or self._closed_error is not None
             or agent.verify
-            or self._table[2] is not None  # the peer has GPU regions: the full path sorts them out
+            # The peer has GPU regions: the full path sorts them out, unless the channel does.
+            or (self._table[2] is not None and not self._channel.inline_gpu)
             or not local_a.flags.c_contiguous
             or not remote_a.flags.c_contiguous
         ):

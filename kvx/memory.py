@@ -410,11 +410,12 @@ class RegionTable:
                 out.append((int(self._base[rid]), int(self._size[rid]), token))
             return out
 
-    def pin_table(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    def pin_table(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Pin the table as ``resolve`` does, without checking anything:
-        (token, bases, sizes, flags) for a caller that checks and resolves
-        the descriptors itself (kvx._datapath leased_post) and reads only the
-        regions whose flags carry VALID; ``release(token)`` after.
+        (token, bases, sizes, flags, devices) for a caller that checks and
+        resolves the descriptors itself (kvx._datapath leased_post,
+        leased_triples) and reads only the regions whose flags carry VALID;
+        ``release(token)`` after.
 
         Sound without the lock: ``remove`` clears a region's flags under the
         lock before it takes the set of pins to wait for, so a pin taken
@@ -422,7 +423,7 @@ class RegionTable:
         flags. A region added later is absent from these arrays (refused).
         """
         with self._lock:
-            return self._pin(), self._base, self._size, self._flags
+            return self._pin(), self._base, self._size, self._flags, self._device
 
     def _pin(self) -> int:
         token = next(self._tokens)

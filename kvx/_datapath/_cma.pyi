@@ -47,3 +47,23 @@ def leased_post(
     max_bytes: int,
     /,
 ) -> int | tuple[int, int]: ...
+def leased_triples(
+    writing: bool,
+    local_descs: ReadableBuffer,
+    bases: ReadableBuffer,
+    sizes: ReadableBuffer,
+    flags: ReadableBuffer,
+    devices: ReadableBuffer,
+    device: int,
+    need: int,
+    mask: int,
+    descs: ReadableBuffer,
+    regions: ReadableBuffer,
+    lease: ReadableBuffer,
+    granted: int,
+    max_bytes: int,
+    piece: int,
+    out: int,
+    out_words: int,
+    /,
+) -> int | tuple[int, int]: ...

@@ -185,6 +185,66 @@ def leased_copy(pid: int, writing: bool, local_addrs, local_lens, descs, regions
     return -1
 
 
+def _check_buffers(name: str, ld, b, z, f, d, r, w) -> list[int]:
+    """The shared checks of leased_post and leased_triples' buffers; the leased region ids."""
+    nregions = r.nbytes // 4
+    if (
+        ld.nbytes % 24
+        or b.nbytes != f.nbytes * 8
+        or z.nbytes != b.nbytes
+        or d.nbytes % 24
+        or r.nbytes % 4
+        or w.nbytes % 8
+        or w.nbytes // 8 < 2 * nregions
+    ):
+        raise ValueError(f"{name}: malformed descriptor, table, region or lease buffers")
+    ids = r.cast("I").tolist()
+    if any(y <= x for x, y in zip(ids, ids[1:], strict=False)):
+        raise ValueError(f"{name}: region ids must be sorted and distinct")
+    return ids
+
+
+def _resolve_local(ld, b, z, f, need: int, mask: int) -> tuple[list[list[int]], int] | int:
+    """The local descriptors against the region table: ([address, length]
+    per descriptor, total), or the index of the first one refused."""
+    base_of, size_of, flags_of = b.cast("Q"), z.cast("Q"), f
+    fields = ld.cast("Q").tolist()
+    local: list[list[int]] = []
+    total = 0
+    for i in range(ld.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        if region >= len(flags_of) or flags_of[region] & mask != need:
+            return i
+        base, size = base_of[region], size_of[region]
+        total += length
+        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
+            return i
+        local.append([base + offset, length])
+    return local, total
+
+
+def _resolve_remote(d, ids: list[int], w, granted: int, writing: bool) -> tuple[list[list[int]], int] | int:
+    """The remote descriptors against the lease: ([address, length] per
+    descriptor, total), or the index of the first one refused."""
+    words = w.cast("Q").tolist()
+    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
+    access = _LEASE_WRITE if writing else _LEASE_READ
+    fields = d.cast("Q").tolist()
+    remote: list[list[int]] = []
+    total = 0
+    for i in range(d.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        got = leased.get(region)
+        if got is None or granted & access != access:
+            return i
+        base, size = got
+        total += length
+        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
+            return i
+        remote.append([base + offset, length])
+    return remote, total
+
+
 def leased_post(
     pid: int,
     writing: bool,
@@ -210,57 +270,89 @@ def leased_post(
     ld = memoryview(local_descs).cast("B")
     b, z, f = memoryview(bases).cast("B"), memoryview(sizes).cast("B"), memoryview(flags).cast("B")
     d, r, w = memoryview(descs).cast("B"), memoryview(regions).cast("B"), memoryview(lease).cast("B")
-    nregions = r.nbytes // 4
-    if (
-        ld.nbytes % 24
-        or b.nbytes != f.nbytes * 8
-        or z.nbytes != b.nbytes
-        or d.nbytes % 24
-        or r.nbytes % 4
-        or w.nbytes % 8
-        or w.nbytes // 8 < 2 * nregions
-    ):
-        raise ValueError("leased_post: malformed descriptor, table, region or lease buffers")
-    ids = r.cast("I").tolist()
-    if any(y <= x for x, y in zip(ids, ids[1:], strict=False)):
-        raise ValueError("leased_post: region ids must be sorted and distinct")
-    base_of, size_of, flags_of = b.cast("Q"), z.cast("Q"), f
-    fields = ld.cast("Q").tolist()
-    local: list[list[int]] = []
-    total = 0
-    for i in range(ld.nbytes // 24):
-        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
-        if region >= len(flags_of) or flags_of[region] & mask != need:
-            return 0, i
-        base, size = base_of[region], size_of[region]
-        total += length
-        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
-            return 0, i
-        local.append([base + offset, length])
-    words = w.cast("Q").tolist()
-    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
-    access = _LEASE_WRITE if writing else _LEASE_READ
-    fields = d.cast("Q").tolist()
-    remote: list[list[int]] = []
-    remote_total = 0
-    for i in range(d.nbytes // 24):
-        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
-        got = leased.get(region)
-        if got is None or granted & access != access:
-            return 1, i
-        base, size = got
-        remote_total += length
-        if (
-            offset > size
-            or length > size - offset
-            or base + offset + length > _U64_MAX
-            or remote_total > _U64_MAX
-        ):
-            return 1, i
-        remote.append([base + offset, length])
+    ids = _check_buffers("leased_post", ld, b, z, f, d, r, w)
+    got = _resolve_local(ld, b, z, f, need, mask)
+    if isinstance(got, int):
+        return 0, got
+    local, total = got
+    got = _resolve_remote(d, ids, w, granted, writing)
+    if isinstance(got, int):
+        return 1, got
+    remote, remote_total = got
     if total != remote_total or total == 0 or total > max_bytes:
         return 2, -1
     _move_ranges(
         _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
     )
     return total
+
+
+def leased_triples(
+    writing: bool,
+    local_descs,
+    bases,
+    sizes,
+    flags,
+    devices,
+    device: int,
+    need: int,
+    mask: int,
+    descs,
+    regions,
+    lease,
+    granted: int,
+    max_bytes: int,
+    piece: int,
+    out: int,
+    out_words: int,
+) -> int | tuple[int, int]:
+    """The twin of the C leased_triples (csrc/kvx_cma.c): the checks of
+    ``leased_post``, each local region on ``device`` too, then the copy's
+    (dst, src, len) triples, each at most ``piece`` bytes, written at the
+    address ``out`` (srcs, then dsts, then lens; ``out_words`` uint64 words
+    there). The triples written; else, with nothing written, (side, index)
+    as ``leased_post``, or (3, n) when ``out`` is too short for n triples."""
+    ld = memoryview(local_descs).cast("B")
+    b, z, f = memoryview(bases).cast("B"), memoryview(sizes).cast("B"), memoryview(flags).cast("B")
+    v = memoryview(devices).cast("B")
+    d, r, w = memoryview(descs).cast("B"), memoryview(regions).cast("B"), memoryview(lease).cast("B")
+    ids = _check_buffers("leased_triples", ld, b, z, f, d, r, w)
+    if v.nbytes != f.nbytes * 4 or piece <= 0 or (out == 0 and out_words != 0):
+        raise ValueError("leased_triples: malformed descriptor, table, region or lease buffers")
+    got = _resolve_local(ld, b, z, f, need, mask)
+    if isinstance(got, int):
+        return 0, got
+    local, total = got
+    device_of = v.cast("i")
+    fields = ld.cast("Q").tolist()
+    for i in range(len(local)):
+        if device_of[fields[3 * i] & 0xFFFFFFFF] != device:
+            return 0, i
+    got = _resolve_remote(d, ids, w, granted, writing)
+    if isinstance(got, int):
+        return 1, got
+    remote, remote_total = got
+    if total != remote_total or total == 0 or total > max_bytes:
+        return 2, -1
+    triples: list[tuple[int, int, int]] = []
+    i = j = li = rj = 0
+    while i < len(local) and j < len(remote):
+        if li == local[i][1]:
+            i, li = i + 1, 0
+            continue
+        if rj == remote[j][1]:
+            j, rj = j + 1, 0
+            continue
+        take = min(local[i][1] - li, remote[j][1] - rj, piece)
+        mine, theirs = local[i][0] + li, remote[j][0] + rj
+        triples.append((theirs, mine, take) if writing else (mine, theirs, take))
+        li, rj = li + take, rj + take
+    n = len(triples)
+    if 3 * n > out_words:
+        return 3, n
+    if not n:
+        return 0
+    words = (ctypes.c_uint64 * (3 * n)).from_address(out)
+    for k, (dst, src, length) in enumerate(triples):
+        words[k], words[n + k], words[2 * n + k] = src, dst, length
+    return n

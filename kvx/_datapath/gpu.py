@@ -17,7 +17,7 @@ thread sleeps, CuPy releases the GIL). A thread that waits for its own
 copy (``Engine.wait``: a cuda_ipc transfer through a lease) first polls the
 event for a bounded time (``KVX_CUDA_SPIN_US``, 100 us by default), since
 waking from a blocking-sync event costs more than a copy of a few MiB
-takes. Nothing synchronises a device or another stream.
+takes; the poll holds the GIL between queries. Nothing synchronises a device or another stream.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,10 @@ MAX_LAUNCH_PIECES = 1 << 16
 # How copies of many (src, dst, len) triples run: one kernel launch ("kernel"),
 # or one cudaMemcpyAsync per triple ("memcpy"). KVX_CUDA_COPY overrides.
 COPY_METHODS = ("kernel", "memcpy")
+# What Engine.copy_packed answers, nothing launched, when this engine copies
+# with one cudaMemcpyAsync per block (KVX_CUDA_COPY=memcpy): the caller then
+# takes the path that copies block by block.
+NOT_PACKED = (4, -1)
 # How long a thread polls the event of its own copy before it sleeps on it, in
 # microseconds (Engine.wait). KVX_CUDA_SPIN_US overrides; 0 never polls.
 SPIN_US = 100
@@ -288,10 +293,8 @@ class _Slot:
             self.event.synchronize()
             self.event = None
 
-    def load(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, stream: Any) -> int:
-        """Copy the triples to the device (async); the device address of [src | dst | len]."""
-        self.wait()
-        n = len(lens)
+    def reserve(self, n: int) -> None:
+        """Room for n triples (call with the slot idle: after ``wait``)."""
         if n > self.capacity:
             self.capacity = max(n, 2 * self.capacity, 1024)
             self.host = self.cp.cuda.alloc_pinned_memory(24 * self.capacity)
@@ -299,14 +302,25 @@ class _Slot:
             self.packed = np.ctypeslib.as_array(
                 (ctypes.c_uint64 * (3 * self.capacity)).from_address(self.host.ptr)
             )
-        packed = self.packed
-        packed[:n] = srcs
-        packed[n : 2 * n] = dsts
-        packed[2 * n : 3 * n] = lens
+
+    def send(self, n: int, stream: Any) -> int:
+        """Copy the n triples packed in the pinned buffer to the device
+        (async); the device address of [src | dst | len]."""
         self.cp.cuda.runtime.memcpyAsync(
             self.dev.ptr, self.host.ptr, 24 * n, _MEMCPY_HOST_TO_DEVICE, stream.ptr
         )
         return self.dev.ptr
+
+    def load(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, stream: Any) -> int:
+        """Copy the triples to the device (async); the device address of [src | dst | len]."""
+        self.wait()
+        n = len(lens)
+        self.reserve(n)
+        packed = self.packed
+        packed[:n] = srcs
+        packed[n : 2 * n] = dsts
+        packed[2 * n : 3 * n] = lens
+        return self.send(n, stream)
 
 
 class Engine:
@@ -331,6 +345,15 @@ class Engine:
         event.record(self.stream)
         return event
 
+    def _kernel_launch(self, args: int, k: int) -> None:
+        assert self.kernel is not None  # compiled in __init__ when the method is "kernel"
+        with self.stream:  # launches on the current stream
+            self.kernel(
+                (min(k, self.grid_limit),),
+                (THREADS,),
+                (np.uint64(args), np.uint64(args + 8 * k), np.uint64(args + 16 * k), np.uint32(k)),
+            )
+
     def _launch(self, slot: _Slot, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:
         """Queue the copies of (dst, src, len) triples on the stream."""
         dsts, srcs, lens = _staging.pieces(
@@ -343,19 +366,12 @@ class Engine:
             for d, s, k in zip(dsts.tolist(), srcs.tolist(), lens.tolist(), strict=True):
                 memcpy(d, s, k, _MEMCPY_DEFAULT, self.stream.ptr)
             return
-        assert self.kernel is not None  # compiled in __init__ when the method is "kernel"
         for at in range(0, n, MAX_LAUNCH_PIECES):
             if at:  # the next load waits until this launch has read its arguments
                 slot.event = self._event()
             cut = slice(at, at + MAX_LAUNCH_PIECES)
             k = len(lens[cut])
-            args = slot.load(dsts[cut], srcs[cut], lens[cut], self.stream)
-            with self.stream:  # launches on the current stream
-                self.kernel(
-                    (min(k, self.grid_limit),),
-                    (THREADS,),
-                    (np.uint64(args), np.uint64(args + 8 * k), np.uint64(args + 16 * k), np.uint32(k)),
-                )
+            self._kernel_launch(slot.load(dsts[cut], srcs[cut], lens[cut], self.stream), k)
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> Any:
         """Start the copies (device or IPC-opened memory on both sides); an event."""
@@ -365,17 +381,48 @@ class Engine:
             slot.event = self._event()
             return slot.event
 
+    def copy_packed(self, pack: Callable[[int, int], int | tuple[int, int]]) -> Any:
+        """Start a copy whose triples ``pack(address, words)`` writes into
+        this engine's argument buffer (srcs, dsts, lens: at most ``words``
+        uint64 words at ``address``) and counts (kvx._datapath leased_triples);
+        an event. What ``pack`` refused (a pair) comes back as it is,
+        nothing launched; ``(3, n)`` (no room for n triples) grows the buffer
+        and packs again, up to MAX_LAUNCH_PIECES triples (one launch); more
+        come back as ``(3, n)``. NOT_PACKED when this engine does not copy
+        with the kernel."""
+        if self.method != "kernel":
+            return NOT_PACKED
+        with self.cp.cuda.Device(self.device):
+            slot = self._slots[2]
+            slot.wait()
+            slot.reserve(1024)
+            got = pack(slot.host.ptr, 3 * min(slot.capacity, MAX_LAUNCH_PIECES))
+            if isinstance(got, tuple) and got[0] == 3 and got[1] <= MAX_LAUNCH_PIECES:
+                slot.reserve(got[1])
+                got = pack(slot.host.ptr, 3 * min(slot.capacity, MAX_LAUNCH_PIECES))
+            if isinstance(got, tuple):
+                return got
+            self._kernel_launch(slot.send(got, self.stream), got)
+            slot.event = self._event()
+            return slot.event
+
     def wait(self, event: Any) -> None:
         """Wait for ``event`` of this engine's work: poll it for up to
-        ``spin_s`` (the GIL released in each query), then sleep on it.
-        Raises as ``synchronize`` does when the work failed."""
+        ``spin_s``, then sleep on it. Raises as ``synchronize`` does when
+        the work failed. Returns or raises only once the work has ended: an
+        exception raised into the poll (KeyboardInterrupt) waits for the
+        copy first, since the caller then lets go of the memory it uses."""
         if self.spin_s > 0:
             deadline = time.perf_counter() + self.spin_s
-            while not event.done:
-                if time.perf_counter() >= deadline:
-                    break
-            else:
-                return
+            try:
+                while not event.done:
+                    if time.perf_counter() >= deadline:
+                        break
+                else:
+                    return
+            except BaseException:
+                event.synchronize()
+                raise
         event.synchronize()
 
     # The staging engine (kvx/_datapath/staging.py).

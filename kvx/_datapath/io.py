@@ -2,7 +2,9 @@
 (sendv, recvv) and cross-memory attach to same-host processes (vm_readv,
 vm_writev, and leased_copy: the shm backend's check of descriptors against a
 lease, resolution and copy in one call; leased_post: the same with the local
-descriptors resolved against this agent's regions in that call too).
+descriptors resolved against this agent's regions in that call too;
+leased_triples: leased_post's checks for a copy the GPU makes, which
+writes the copy's triples for the kernel instead of moving bytes).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -36,6 +38,7 @@ leased_copy: Callable[[int, bool, Any, Any, Any, Any, Any, int], int]
 leased_post: Callable[
     [int, bool, Any, Any, Any, Any, int, int, Any, Any, Any, int, int], int | tuple[int, int]
 ]
+leased_triples: Callable[..., int | tuple[int, int]]
 
 
 def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
@@ -64,11 +67,22 @@ def use(choice: str) -> str:
     Callers reach the functions as ``_io.sendv``, so the switch takes effect
     for the next call.
     """
-    global IMPL, sendv, recvv, vm_readv, vm_writev, memcpyv, descs_bad, leased_copy, leased_post
+    global \
+        IMPL, \
+        sendv, \
+        recvv, \
+        vm_readv, \
+        vm_writev, \
+        memcpyv, \
+        descs_bad, \
+        leased_copy, \
+        leased_post, \
+        leased_triples
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
+    leased_triples = cma.leased_triples
     return IMPL
 
 

@@ -84,10 +84,14 @@ class Channel(abc.ABC):
     # True when ``post`` merges adjacent ranges itself (shm does, in C): the
     # agent then skips coalescing the descriptor lists before posting.
     merges_ranges = False
-    # Set by a channel that can move a small host transfer at once, on the
-    # posting thread, through what the peer already leased (shm's
-    # ``copy_inline``); None sends every transfer through ``post``.
+    # Set by a channel that can move a small transfer at once, on the posting
+    # thread, through what the peer already leased (shm's ``copy_inline`` for
+    # host memory, cuda_ipc's between GPUs); None sends every transfer
+    # through ``post``.
     copy_inline: Callable[..., Any] | None = None
+    # True when ``copy_inline`` takes transfers to a peer that has GPU regions
+    # (cuda_ipc: it sorts out which leases it can copy through itself).
+    inline_gpu = False
 
     def __init__(self, link: Link) -> None:
         self._link = link

@@ -258,19 +258,136 @@ def test_cuda_ipc_copies_through_a_lease_with_no_message_to_the_target(fake, mak
     assert not mine.host.any()
 
 
+def test_a_leased_gpu_copy_is_one_c_check_and_one_launch(fake, make_agent, monkeypatch):
+    """Through a lease, a GPU transfer is checked and turned into the copy
+    kernel's arguments by one C call (leased_triples) on the posting thread;
+    what that check refuses goes down the full path, which names the error,
+    with no byte moved. Another process's lease is mapped once and kept."""
+    from kvx._datapath import io as _io
+
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    _as_another_process(peer)  # the IPC handle is opened, as in a process of its own
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased from here on
+    calls = []
+    real = _io.leased_triples
+    monkeypatch.setattr(_io, "leased_triples", lambda *args: (calls.append(args), real(*args))[1])
+    opened = gpu.IpcMap.open
+    opens = []
+    monkeypatch.setattr(gpu.IpcMap, "open", lambda self, h: (opens.append(h), opened(self, h))[1])
+    launches = fake.state["launches"]
+    local = Descs.from_blocks(local_region, [5, 1, 3], BLOCK)
+    theirs_ids = [2, 7, 4]
+    for _ in range(3):
+        transfer = peer.read(local, Descs.from_blocks(remote, theirs_ids, BLOCK))
+        assert transfer.done()  # copied on this thread
+        transfer.wait(1)
+    assert len(calls) == 3 and fake.state["launches"] - launches == 3
+    assert len(opens) == 1  # the mapping is kept with the lease, not looked up per copy
+    got, want = mine.host.reshape(-1, BLOCK), theirs.host.reshape(-1, BLOCK)
+    assert all(np.array_equal(got[m], want[t]) for m, t in zip([5, 1, 3], theirs_ids, strict=True))
+    # Refused by the C check, then named by the full path; nothing moves.
+    before = mine.host.copy()
+    with pytest.raises(kvx.AccessError):
+        peer.read(local_region.descs(0, BLOCK), remote.descs(remote_region.size_bytes - 8, BLOCK)).wait(30)
+    host = a.register(np.zeros(BLOCK, np.uint8))
+    peer.read(host.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # host memory: not this path
+    assert len(calls) == 4  # the refused one was tried; the host one was not
+    assert np.array_equal(mine.host, before)
+
+
+def test_what_the_leased_gpu_path_leaves_the_full_path_copies(fake, make_agent, monkeypatch):
+    """Transfers the one-C-call path does not take still copy, through the
+    full path: remote blocks in two regions, more triples than one launch
+    carries, and KVX_CUDA_COPY=memcpy."""
+    from kvx._datapath import io as _io
+
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    other = fake.device_array(np.full(2 * BLOCK, 0x3C, np.uint8))
+    second = b.register(other)
+    peer = a.add_peer(b.metadata())
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # both leased
+    peer.read(local_region.descs(0, BLOCK), peer.region(second.id).descs(0, BLOCK)).wait(30)
+    taken = []
+    real = _io.leased_triples
+    monkeypatch.setattr(_io, "leased_triples", lambda *args: (taken.append(args), real(*args))[1])
+    both = Descs.concat([remote.descs(3 * BLOCK, BLOCK), peer.region(second.id).descs(BLOCK, BLOCK)])
+    peer.read(local_region.descs(0, 2 * BLOCK), both).wait(30)
+    assert not taken
+    assert np.array_equal(mine.host[:BLOCK], theirs.host[3 * BLOCK : 4 * BLOCK])
+    assert (mine.host[BLOCK : 2 * BLOCK] == 0x3C).all()
+    monkeypatch.setattr(gpu, "MAX_LAUNCH_PIECES", 2)  # three blocks: the C check says (3, 3)
+    mine.host[:] = 0
+    local = Descs.from_blocks(local_region, [0, 1, 2], BLOCK)
+    peer.read(local, Descs.from_blocks(remote, [6, 4, 5], BLOCK)).wait(30)
+    assert len(taken) == 1
+    got, want = mine.host.reshape(-1, BLOCK), theirs.host.reshape(-1, BLOCK)
+    assert np.array_equal(got[:3], want[[6, 4, 5]])
+    # One cudaMemcpyAsync per block: a channel opened then never takes the C path.
+    monkeypatch.setattr(gpu, "MAX_LAUNCH_PIECES", 1 << 16)
+    monkeypatch.setenv("KVX_CUDA_COPY", "memcpy")
+    c = make_agent(name="memcpy-initiator", backend="cuda_ipc")
+    mine2 = fake.device_array(np.zeros(2 * BLOCK, np.uint8))
+    region2 = c.register(mine2)
+    peer2 = c.add_peer(b.metadata())
+    for _ in range(2):
+        peer2.read(region2.descs(0, BLOCK), peer2.region(remote_region.id).descs(BLOCK, BLOCK)).wait(30)
+    assert len(taken) == 1
+    assert np.array_equal(mine2.host[:BLOCK], theirs.host[BLOCK : 2 * BLOCK])
+
+
+def test_a_leased_gpu_copy_that_cannot_start_gives_its_lease_back(fake, make_agent, monkeypatch):
+    """A failure before the launch (here: the thread's engine cannot be
+    made) fails the transfer, and the lease's use is given back: the
+    target's deregister does not wait on it."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased
+
+    def broken(device):
+        raise kvx.ConfigError("KVX_CUDA_SPIN_US must be a whole number of microseconds")
+
+    monkeypatch.setattr(gpu, "engine", broken)
+    with pytest.raises(kvx.ConfigError, match="KVX_CUDA_SPIN_US"):
+        peer.read(local_region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK)).wait(30)
+    conn = peer._channel.link.conns[0]
+    assert not conn.lease_uses and not conn.copies
+    started = time.monotonic()
+    b.deregister(remote_region, timeout_s=5)
+    assert time.monotonic() - started < 3
+
+
+def test_a_lease_placed_past_its_allocation_is_not_copied_through(fake, make_agent):
+    """The one-C-call path bounds a lease by the allocation's length, as
+    the full path does, when it maps the lease (once per lease)."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    _as_another_process(peer)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased, honestly
+    channel = peer._channel
+    honest = channel._link.conns[0].leases[(remote_region.id, False)]
+    length = remote_region.size_bytes
+    for size, offset in ((length + 1, 0), (length, 1), (8, length - 7), (1, 1 << 63)):
+        lie = (honest[0], size, offset, *honest[3:])
+        assert channel._leased_args(0, remote_region.id, False, lie) is None
+    assert channel._leased_args(0, remote_region.id, False, honest)[2].tolist()[1] == length
+    assert channel._leased_args(0, remote_region.id, False, honest[:2]) is None  # a host lease
+
+
 def test_a_copy_under_way_through_an_ipc_lease_holds_deregister(fake, make_agent, monkeypatch):
     a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
     remote = peer.region(remote_region.id)
     peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased from here on
     entered, release = threading.Event(), threading.Event()
-    copy = gpu.Engine.copy
+    wait = gpu.Engine.wait
 
-    def slow_copy(self, *args):
+    def slow_copy(self, event):  # launched: the GPU copies until the wait ends
         entered.set()
         assert release.wait(30)
-        return copy(self, *args)
+        return wait(self, event)
 
-    monkeypatch.setattr(gpu.Engine, "copy", slow_copy)
+    monkeypatch.setattr(gpu.Engine, "wait", slow_copy)
     reader = threading.Thread(
         target=lambda: peer.read(local_region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK)).wait(30)
     )

@@ -82,6 +82,7 @@ def test_native_data_path_under_asan(tmp_path):
             str(ROOT),
             str(ROOT / "tests/unit/test_io.py"),
             str(ROOT / "tests/unit/test_cma.py"),
+            str(ROOT / "tests/unit/test_leased_triples.py"),
             str(ROOT / "tests/integration/test_transfer.py"),
         ],
         env=env,

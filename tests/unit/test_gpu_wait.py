@@ -73,6 +73,17 @@ def test_a_failed_copy_raises_from_the_poll():
     assert event.synchronized == 0
 
 
+def test_an_interrupt_in_the_poll_waits_for_the_copy_first():
+    """The caller lets go of the copy's memory when the wait unwinds: an
+    exception raised into the poll (Ctrl-C) must not end it before the GPU
+    has finished."""
+    event = CountingEvent(ready_after=None, error=KeyboardInterrupt())
+    event.synchronize = lambda: setattr(event, "synchronized", event.synchronized + 1)  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        _wait(0.5, event)
+    assert event.synchronized == 1
+
+
 def test_spin_setting(monkeypatch):
     monkeypatch.delenv("KVX_CUDA_SPIN_US", raising=False)
     assert gpu.spin_seconds() == gpu.SPIN_US / 1e6

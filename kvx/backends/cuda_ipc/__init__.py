@@ -19,6 +19,7 @@ memory paired with GPU memory is staged through pinned host buffers.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import gpu
+from kvx._datapath import io as _io
 from kvx.backends.base import Backend, Channel, Unreachable, same_host
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.link import Link
@@ -35,6 +37,7 @@ from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, merge
 from kvx.backends.tcp import TcpChannel
 from kvx.descs import Descs
 from kvx.errors import KvxError, ProtocolError, TransferError
+from kvx.memory import DEVICE, REMOTE_READ, REMOTE_WRITE
 from kvx.transfer import Op, Transfer
 from kvx.v1 import agent_pb2
 
@@ -44,6 +47,8 @@ logger = logging.getLogger(__name__)
 INLINE_COPY_BYTES = 64 << 20
 # Words of a cuda_ipc lease: base, size, the offset in the allocation, the 64-byte handle.
 _LEASE_WORDS = 2 + _wire.pin_extra_words(_wire.PIN_IPC)
+# Leases whose leased_triples arguments a channel keeps (CudaIpcChannel._lease_args).
+_LEASE_ARGS_KEPT = 1024
 
 
 class CudaIpcBackend(Backend):
@@ -129,6 +134,9 @@ class CudaIpcChannel(Channel):
     # are (pairing equal blocks costs nothing; merging one side only makes the
     # two lists cut each other), and the host channel merges as it needs.
     merges_ranges = True
+    # copy_inline takes transfers to peers with GPU regions: it copies GPU to GPU
+    # through CUDA IPC leases, and leaves everything else to the full path.
+    inline_gpu = True
 
     def __init__(self, link: Link, pid: int, host: Channel) -> None:
         super().__init__(link)
@@ -136,6 +144,15 @@ class CudaIpcChannel(Channel):
         self.host = host
         self._maps: dict[int, Any] = {}  # local device -> gpu.IpcMap
         self._lock = threading.Lock()
+        # Per (local device, leased region, direction): the lease's answer and
+        # what leased_triples takes for it (the region id; where the region
+        # lies in this process, and its leased size), built once per lease.
+        self._lease_args: dict[tuple[int, int, bool], tuple[tuple[int, ...], array.array, array.array]] = {}
+        try:
+            self._inline_kernel = gpu.copy_method() == "kernel"
+        except KvxError:  # a bad KVX_CUDA_COPY: the full path names it
+            self._inline_kernel = False
+        self.copy_inline = self._copy_inline
         link.when_closed(self._close_maps)  # after the last reader: no copy can run
         link.hook_revoked(self._revoked)
 
@@ -197,6 +214,110 @@ class CudaIpcChannel(Channel):
                 remote_device,
                 remote_ipc,
             )
+
+    def _copy_inline(
+        self,
+        writing: bool,
+        local: np.ndarray,
+        table: tuple[Any, ...],
+        need: int,
+        remote: np.ndarray,
+        max_bytes: int,
+    ) -> int | BaseException | None:
+        """A whole small GPU-to-GPU transfer through a lease, on this thread:
+        a C call (leased_triples; a second one when the argument buffer must
+        grow) checks the local descriptors against this agent's pinned region
+        ``table`` (bases, sizes, flags, devices: GPU memory on one device,
+        with ``need``) and the remote ones against the lease, and writes the
+        copy kernel's arguments; then one launch, and a wait for it. The
+        bytes moved; the error of a copy that failed; None when nothing was
+        done (host memory, a remote list over more than one region, a region
+        not leased yet, KVX_CUDA_COPY=memcpy, anything refused): the caller
+        then takes the full path, which names any error."""
+        bases, sizes, flags, devices = table
+        if not self._inline_kernel or not len(local) or not len(remote):
+            return None
+        first = int(local["region"][0])
+        if first >= len(flags) or not flags[first] & DEVICE:
+            return None  # host memory: the full path (it picks cross-memory attach or tcp)
+        rid = int(remote["region"][0])
+        if len(remote) > 1 and not (remote["region"] == rid).all():
+            return None  # several remote regions: the full path checks they share one device
+        device = int(devices[first])
+        conn = self._link.conns[0]
+        pinned = conn.lease([rid], writing)  # counts a use: a revoke waits for unlease
+        if pinned is None:
+            return None
+        try:
+            args = self._leased_args(device, rid, writing, pinned)
+            if args is None:
+                return None  # host memory there, or a mapping the full path reports on
+            engine = gpu.engine(device)
+            granted = REMOTE_WRITE if writing else REMOTE_READ
+            limit = min(max_bytes, INLINE_COPY_BYTES)
+            event = engine.copy_packed(
+                lambda out, words: _io.leased_triples(
+                    writing,
+                    local,
+                    bases,
+                    sizes,
+                    flags,
+                    devices,
+                    device,
+                    need | DEVICE,
+                    need | DEVICE,
+                    remote,
+                    args[1],
+                    args[2],
+                    granted,
+                    limit,
+                    gpu.PIECE_BYTES,
+                    out,
+                    words,
+                )
+            )
+            if isinstance(event, tuple):
+                return None
+            engine.wait(event)
+        except KvxError as exc:
+            return exc
+        except Exception as exc:  # CuPy's CUDA errors, or a bug: the transfer must still finish
+            logger.exception("CUDA IPC copy with peer %s failed", self._link.peer)
+            return TransferError(f"CUDA IPC copy with peer {self._link.peer!r} failed: {exc!r}")
+        finally:
+            conn.unlease([rid])
+        return int(remote["length"].sum(dtype=np.uint64))
+
+    def _leased_args(
+        self, device: int, rid: int, writing: bool, pinned: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], array.array, array.array] | None:
+        """leased_triples' region and lease arrays for a CUDA IPC lease on
+        ``rid``: where the region lies in this process (its allocation,
+        opened once, plus its offset) and its leased size. None when the
+        lease is not one of CUDA IPC (host memory), or the mapping fails or
+        the peer placed the region outside its allocation: the full path
+        then reports it."""
+        key = (device, rid, writing)
+        found = self._lease_args.get(key)
+        if found is not None and found[0] is pinned:  # one answer per lease for its life
+            return found
+        if len(pinned) != _LEASE_WORDS:
+            return None
+        size, offset = pinned[1], pinned[2]
+        if self.pid == os.getpid():
+            start = pinned[0]  # the same process: the peer's device address is ours
+        else:
+            try:
+                address, length = self._map(device).open(_handle(pinned))
+            except KvxError:
+                return None
+            if offset > length or size > length - offset:
+                return None
+            start = address + offset
+        if len(self._lease_args) >= _LEASE_ARGS_KEPT:
+            self._lease_args.clear()  # regions come and go: keep the cache small
+        found = self._lease_args[key] = (pinned, array.array("I", [rid]), array.array("Q", [start, size]))
+        return found
 
     def _map(self, device: int) -> Any:
         with self._lock:

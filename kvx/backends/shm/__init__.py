@@ -279,14 +279,14 @@ class ShmChannel(Channel):
         self,
         writing: bool,
         local: np.ndarray,
-        table: tuple[Any, Any, Any],
+        table: tuple[Any, ...],
         need: int,
         remote: np.ndarray,
         max_bytes: int,
     ) -> int | BaseException | None:
         """A whole small host transfer in one C call (leased_post): the local
         descriptors resolved against this agent's pinned region ``table``
-        (bases, sizes, flags; each region's flags carry ``need`` and no
+        (bases, sizes, flags, devices; each region's flags carry ``need`` and no
         DEVICE), the remote ones checked against what the peer leased, the
         bytes moved. The bytes moved; the error of a copy that failed; None
         when nothing was done (a region not leased yet, a descriptor refused,
@@ -320,7 +320,9 @@ class ShmChannel(Channel):
                 self.pid,
                 writing,
                 local,
-                *table,
+                table[0],
+                table[1],
+                table[2],
                 need,
                 need | DEVICE,
                 remote,
