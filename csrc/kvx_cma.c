@@ -430,11 +430,98 @@ static Py_ssize_t table_resolve(const struct kvx_desc *d, size_t ndescs, const u
     return -1;
 }
 
-/* leased_post: a whole small shm transfer in one call. The local
- * descriptors resolved against this process's region table (as
- * table_resolve), the remote ones checked against the lease (as
- * leased_copy), the totals compared (equal, above 0, at most max_bytes),
- * adjacent pieces merged, the bytes moved with the GIL released.
+/* The local and remote lists of leased_post and leased_triples, resolved:
+ * l_addr, l_len (nlocal each), then r_addr, r_len (ndescs each), in work. */
+struct leased {
+    uint64_t *work, *l_addr, *l_len, *r_addr, *r_len;
+    size_t nlocal, ndescs, nregions;
+    uint64_t total;
+};
+
+/* What leased_post and leased_triples check of their buffers before any
+ * descriptor: whole descriptors, a table of equal lengths (bases and sizes
+ * uint64, flags uint8), whole region ids and lease words, a (base, size)
+ * pair per leased region, the ids sorted and distinct; then room for the
+ * resolved lists. 0, or -1 with a Python error set (`name` in its message). */
+static int leased_prepare(const char *name, const Py_buffer *ld, const Py_buffer *bb, const Py_buffer *sb,
+                          const Py_buffer *fb, const Py_buffer *db, const Py_buffer *rb, const Py_buffer *lb,
+                          struct leased *r)
+{
+    r->work = NULL;
+    r->nregions = (size_t)rb->len / sizeof(uint32_t);
+    if (ld->len % (Py_ssize_t)sizeof(struct kvx_desc) || bb->len != fb->len * 8 || sb->len != bb->len ||
+        db->len % (Py_ssize_t)sizeof(struct kvx_desc) || rb->len % 4 || lb->len % 8 ||
+        (size_t)lb->len / 8 < 2 * r->nregions) {
+        PyErr_Format(PyExc_ValueError, "%s: malformed descriptor, table, region or lease buffers", name);
+        return -1;
+    }
+    const uint32_t *ids = rb->buf;
+    for (size_t k = 1; k < r->nregions; k++) {
+        if (ids[k] <= ids[k - 1]) {
+            PyErr_Format(PyExc_ValueError, "%s: region ids must be sorted and distinct", name);
+            return -1;
+        }
+    }
+    r->nlocal = (size_t)ld->len / sizeof(struct kvx_desc);
+    r->ndescs = (size_t)db->len / sizeof(struct kvx_desc);
+    if (r->nlocal > (SIZE_MAX / 32) - r->ndescs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->work = PyMem_RawMalloc((2 * r->nlocal + 2 * r->ndescs + 1) * sizeof(uint64_t));
+    if (r->work == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->l_addr = r->work;
+    r->l_len = r->work + r->nlocal;
+    r->r_addr = r->work + 2 * r->nlocal;
+    r->r_len = r->r_addr + r->ndescs;
+    return 0;
+}
+
+/* Resolve both lists (no GIL needed): the local descriptors against this
+ * process's region table (as table_resolve; each region on `device` too
+ * when `devices`, int32 per region, is not NULL), the remote ones against
+ * the lease (as lease_resolve), then the totals compared (equal, above 0,
+ * at most max_bytes). -1 when all passed (r->total: the bytes); else the
+ * side refused, with *index: 0 local descriptor *index, 1 remote
+ * descriptor *index, 2 the totals (*index -1). */
+static int leased_resolve(struct leased *r, int writing, const Py_buffer *ld, const Py_buffer *bb,
+                          const Py_buffer *sb, const Py_buffer *fb, const int32_t *devices, int device,
+                          unsigned int need, unsigned int mask, const Py_buffer *db, const Py_buffer *rb,
+                          const Py_buffer *lb, unsigned int granted, unsigned long long max_bytes, Py_ssize_t *index)
+{
+    uint64_t lt = 0, rt = 0;
+    unsigned int access = writing ? LEASE_WRITE : LEASE_READ;
+    *index = table_resolve(ld->buf, r->nlocal, bb->buf, sb->buf, fb->buf, (size_t)fb->len, need, mask, r->l_addr,
+                           r->l_len, &lt);
+    if (*index >= 0)
+        return 0;
+    if (devices != NULL) {
+        const struct kvx_desc *d = ld->buf;
+        for (size_t i = 0; i < r->nlocal; i++) {
+            if (devices[d[i].region] != device) { /* in range: table_resolve checked it */
+                *index = (Py_ssize_t)i;
+                return 0;
+            }
+        }
+    }
+    *index = lease_resolve(db->buf, r->ndescs, rb->buf, r->nregions, lb->buf, (granted & access) == access,
+                           r->r_addr, r->r_len, &rt);
+    if (*index >= 0)
+        return 1;
+    if (lt != rt || lt == 0 || lt > (uint64_t)max_bytes) {
+        *index = -1;
+        return 2;
+    }
+    r->total = lt;
+    return -1;
+}
+
+/* leased_post: a whole small shm transfer in one call. The lists resolved
+ * and checked (leased_resolve, no device table), adjacent pieces merged,
+ * the bytes moved with the GIL released.
  *
  * Returns the bytes moved once every byte moved; else, with nothing moved, a pair
  * (side, index): (0, i) local descriptor i refused, (1, i) remote
@@ -452,67 +539,37 @@ static PyObject *kvx_leased_post(PyObject *self, PyObject *args)
                           &mask, &db, &rb, &lb, &granted, &max_bytes))
         return NULL;
     PyObject *result = NULL;
-    uint64_t *work = NULL;
+    struct leased r;
     struct iovec *liov = NULL, *riov = NULL;
-    size_t nregions = (size_t)rb.len / sizeof(uint32_t), top = (size_t)fb.len;
-    if (ld.len % (Py_ssize_t)sizeof(struct kvx_desc) || bb.len != fb.len * 8 || sb.len != bb.len ||
-        db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 || lb.len % 8 ||
-        (size_t)lb.len / 8 < 2 * nregions) {
-        PyErr_SetString(PyExc_ValueError, "leased_post: malformed descriptor, table, region or lease buffers");
+    if (leased_prepare("leased_post", &ld, &bb, &sb, &fb, &db, &rb, &lb, &r) < 0)
         goto out;
-    }
-    const uint32_t *ids = rb.buf;
-    for (size_t k = 1; k < nregions; k++) {
-        if (ids[k] <= ids[k - 1]) {
-            PyErr_SetString(PyExc_ValueError, "leased_post: region ids must be sorted and distinct");
-            goto out;
-        }
-    }
-    size_t nlocal = (size_t)ld.len / sizeof(struct kvx_desc), ndescs = (size_t)db.len / sizeof(struct kvx_desc);
-    if (nlocal > (SIZE_MAX / 32) - ndescs) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
     liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
     riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
-    if (work == NULL || liov == NULL || riov == NULL) {
+    if (liov == NULL || riov == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
-    Py_ssize_t lbad, rbad = -1;
-    int err = 0, totals = 0;
-    unsigned int access = writing ? LEASE_WRITE : LEASE_READ;
-    uint64_t lt = 0, rt = 0;
+    Py_ssize_t bad;
+    int side, err = 0;
     Py_BEGIN_ALLOW_THREADS
-    lbad = table_resolve(ld.buf, nlocal, bb.buf, sb.buf, fb.buf, top, need, mask, l_addr, l_len, &lt);
-    if (lbad < 0)
-        rbad = lease_resolve(db.buf, ndescs, ids, nregions, lb.buf, (granted & access) == access, r_addr,
-                             r_len, &rt);
-    if (lbad < 0 && rbad < 0) {
-        totals = lt != rt || lt == 0 || lt > (uint64_t)max_bytes;
-        if (!totals) {
-            struct cursor local = {l_addr, l_len, merge(l_addr, l_len, nlocal), 0, 0};
-            struct cursor remote = {r_addr, r_len, merge(r_addr, r_len, ndescs), 0, 0};
-            err = move_ranges(pid, writing, &local, &remote, lt, liov, riov);
-        }
+    side = leased_resolve(&r, writing, &ld, &bb, &sb, &fb, NULL, 0, need, mask, &db, &rb, &lb, granted, max_bytes,
+                          &bad);
+    if (side < 0) {
+        struct cursor local = {r.l_addr, r.l_len, merge(r.l_addr, r.l_len, r.nlocal), 0, 0};
+        struct cursor remote = {r.r_addr, r.r_len, merge(r.r_addr, r.r_len, r.ndescs), 0, 0};
+        err = move_ranges(pid, writing, &local, &remote, r.total, liov, riov);
     }
     Py_END_ALLOW_THREADS
-    if (lbad >= 0) {
-        result = Py_BuildValue("(in)", 0, lbad);
-    } else if (rbad >= 0) {
-        result = Py_BuildValue("(in)", 1, rbad);
-    } else if (totals) {
-        result = Py_BuildValue("(in)", 2, (Py_ssize_t)-1);
+    if (side >= 0) {
+        result = Py_BuildValue("(in)", side, bad);
     } else if (err) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
     } else {
-        result = PyLong_FromUnsignedLongLong((unsigned long long)lt);
+        result = PyLong_FromUnsignedLongLong((unsigned long long)r.total);
     }
 out:
-    PyMem_RawFree(work);
+    PyMem_RawFree(r.work);
     PyMem_RawFree(liov);
     PyMem_RawFree(riov);
     PyBuffer_Release(&ld);
@@ -527,32 +584,31 @@ out:
 
 /* Walk two resolved range lists of equal total in order, cutting where a
  * range of either side ends and at `piece` bytes: the (dst, src, len)
- * triples of the copy. With `out` NULL only counts them. READ copies the
+ * triples of the copy. With `lens` NULL only counts them. READ copies the
  * remote ranges into the local ones; WRITE the other way. */
-static size_t pair_ranges(int writing, const uint64_t *l_addr, const uint64_t *l_len, size_t nlocal,
-                          const uint64_t *r_addr, const uint64_t *r_len, size_t nremote, uint64_t piece,
-                          uint64_t *srcs, uint64_t *dsts, uint64_t *lens)
+static size_t pair_ranges(int writing, const struct leased *r, uint64_t piece, uint64_t *srcs, uint64_t *dsts,
+                          uint64_t *lens)
 {
     size_t i = 0, j = 0, k = 0;
     uint64_t li = 0, rj = 0;
-    while (i < nlocal && j < nremote) {
-        if (li == l_len[i]) {
+    while (i < r->nlocal && j < r->ndescs) {
+        if (li == r->l_len[i]) {
             i++;
             li = 0;
             continue;
         }
-        if (rj == r_len[j]) {
+        if (rj == r->r_len[j]) {
             j++;
             rj = 0;
             continue;
         }
-        uint64_t take = l_len[i] - li;
-        if (r_len[j] - rj < take)
-            take = r_len[j] - rj;
+        uint64_t take = r->l_len[i] - li;
+        if (r->r_len[j] - rj < take)
+            take = r->r_len[j] - rj;
         if (piece < take)
             take = piece;
         if (lens != NULL) {
-            uint64_t local = l_addr[i] + li, remote = r_addr[j] + rj;
+            uint64_t local = r->l_addr[i] + li, remote = r->r_addr[j] + rj;
             dsts[k] = writing ? remote : local;
             srcs[k] = writing ? local : remote;
             lens[k] = take;
@@ -565,14 +621,13 @@ static size_t pair_ranges(int writing, const uint64_t *l_addr, const uint64_t *l
 }
 
 /* leased_triples: the checks of leased_post for a copy that the GPU makes
- * (cuda_ipc through a lease). The local descriptors resolved against this
- * process's region table, each region on `device` (`devices`: int32 per
- * region); the remote ones checked against the lease, whose (base, size)
- * pairs are where each leased region lies in this process (its CUDA IPC
- * mapping); the totals compared (equal, above 0, at most max_bytes). Then
- * the copy's (dst, src, len) triples, each at most `piece` bytes, written
- * at `out` (uint64 words: srcs[0:n], dsts[n:2n], lens[2n:3n]; the caller
- * owns that memory, `out_words` long). No byte moves here.
+ * (cuda_ipc through a lease). The lists resolved and checked
+ * (leased_resolve), each local region on `device` (`devices`: int32 per
+ * region), the lease's (base, size) pairs being where each leased region
+ * lies in this process (its CUDA IPC mapping). Then the copy's (dst, src,
+ * len) triples, each at most `piece` bytes, written at `out` (uint64 words:
+ * srcs[0:n], dsts[n:2n], lens[2n:3n]; the caller owns that memory,
+ * `out_words` long). No byte moves here.
  *
  * Returns n, the triples written; else, with nothing written, a pair
  * (side, index): (0, i) local descriptor i refused, (1, i) remote
@@ -590,77 +645,36 @@ static PyObject *kvx_leased_triples(PyObject *self, PyObject *args)
                           &device, &need, &mask, &db, &rb, &lb, &granted, &max_bytes, &piece, &out, &out_words))
         return NULL;
     PyObject *result = NULL;
-    uint64_t *work = NULL;
-    size_t nregions = (size_t)rb.len / sizeof(uint32_t), top = (size_t)fb.len;
-    if (ld.len % (Py_ssize_t)sizeof(struct kvx_desc) || bb.len != fb.len * 8 || sb.len != bb.len ||
-        vb.len != fb.len * 4 || db.len % (Py_ssize_t)sizeof(struct kvx_desc) || rb.len % 4 || lb.len % 8 ||
-        (size_t)lb.len / 8 < 2 * nregions || piece == 0 || (out == 0 && out_words != 0)) {
+    struct leased r = {0};
+    if (vb.len != fb.len * 4 || piece == 0 || (out == 0 && out_words != 0)) {
         PyErr_SetString(PyExc_ValueError, "leased_triples: malformed descriptor, table, region or lease buffers");
         goto out;
     }
-    const uint32_t *ids = rb.buf;
-    for (size_t k = 1; k < nregions; k++) {
-        if (ids[k] <= ids[k - 1]) {
-            PyErr_SetString(PyExc_ValueError, "leased_triples: region ids must be sorted and distinct");
-            goto out;
-        }
-    }
-    size_t nlocal = (size_t)ld.len / sizeof(struct kvx_desc), ndescs = (size_t)db.len / sizeof(struct kvx_desc);
-    if (nlocal > (SIZE_MAX / 32) - ndescs) {
-        PyErr_NoMemory();
+    if (leased_prepare("leased_triples", &ld, &bb, &sb, &fb, &db, &rb, &lb, &r) < 0)
         goto out;
-    }
-    work = PyMem_RawMalloc((2 * nlocal + 2 * ndescs + 1) * sizeof(uint64_t));
-    if (work == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    uint64_t *l_addr = work, *l_len = work + nlocal, *r_addr = work + 2 * nlocal, *r_len = r_addr + ndescs;
-    Py_ssize_t lbad, rbad = -1;
-    int totals = 0;
+    Py_ssize_t bad;
+    int side;
     size_t n = 0;
-    unsigned int access = writing ? LEASE_WRITE : LEASE_READ;
-    uint64_t lt = 0, rt = 0;
     Py_BEGIN_ALLOW_THREADS
-    lbad = table_resolve(ld.buf, nlocal, bb.buf, sb.buf, fb.buf, top, need, mask, l_addr, l_len, &lt);
-    if (lbad < 0) {
-        const struct kvx_desc *d = ld.buf;
-        const int32_t *devices = vb.buf;
-        for (size_t i = 0; i < nlocal; i++) {
-            if (devices[d[i].region] != device) { /* in range: table_resolve checked it */
-                lbad = (Py_ssize_t)i;
-                break;
-            }
-        }
-    }
-    if (lbad < 0)
-        rbad = lease_resolve(db.buf, ndescs, ids, nregions, lb.buf, (granted & access) == access, r_addr,
-                             r_len, &rt);
-    if (lbad < 0 && rbad < 0) {
-        totals = lt != rt || lt == 0 || lt > (uint64_t)max_bytes;
-        if (!totals) {
-            n = pair_ranges(writing, l_addr, l_len, nlocal, r_addr, r_len, ndescs, piece, NULL, NULL, NULL);
-            if (n <= out_words / 3) {
-                uint64_t *words = (uint64_t *)(uintptr_t)out;
-                pair_ranges(writing, l_addr, l_len, nlocal, r_addr, r_len, ndescs, piece, words, words + n,
-                            words + 2 * n);
-            }
+    side = leased_resolve(&r, writing, &ld, &bb, &sb, &fb, vb.buf, device, need, mask, &db, &rb, &lb, granted,
+                          max_bytes, &bad);
+    if (side < 0) {
+        n = pair_ranges(writing, &r, piece, NULL, NULL, NULL);
+        if (n <= out_words / 3) {
+            uint64_t *words = (uint64_t *)(uintptr_t)out;
+            pair_ranges(writing, &r, piece, words, words + n, words + 2 * n);
         }
     }
     Py_END_ALLOW_THREADS
-    if (lbad >= 0) {
-        result = Py_BuildValue("(in)", 0, lbad);
-    } else if (rbad >= 0) {
-        result = Py_BuildValue("(in)", 1, rbad);
-    } else if (totals) {
-        result = Py_BuildValue("(in)", 2, (Py_ssize_t)-1);
+    if (side >= 0) {
+        result = Py_BuildValue("(in)", side, bad);
     } else if (n > out_words / 3) {
         result = Py_BuildValue("(in)", 3, (Py_ssize_t)n);
     } else {
         result = PyLong_FromSize_t(n);
     }
 out:
-    PyMem_RawFree(work);
+    PyMem_RawFree(r.work);
     PyBuffer_Release(&ld);
     PyBuffer_Release(&bb);
     PyBuffer_Release(&sb);

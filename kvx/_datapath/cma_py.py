@@ -159,23 +159,10 @@ def leased_copy(pid: int, writing: bool, local_addrs, local_lens, descs, regions
     ids = r.cast("I").tolist()
     if any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
         raise ValueError("leased_copy: region ids must be sorted and distinct")
-    words = w.cast("Q").tolist()
-    leased = {rid: (words[2 * k], words[2 * k + 1]) for k, rid in enumerate(ids)}
-    need = _LEASE_WRITE if writing else _LEASE_READ
-    # DESC_DTYPE records: region (u32), 4 bytes of padding, offset, length (u64).
-    fields = d.cast("Q").tolist()
-    remote: list[list[int]] = []
-    total = 0
-    for i in range(d.nbytes // 24):
-        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
-        got = leased.get(region)
-        if got is None or granted & need != need:
-            return i
-        base, size = got
-        total += length
-        if offset > size or length > size - offset or base + offset + length > _U64_MAX or total > _U64_MAX:
-            return i
-        remote.append([base + offset, length])
+    got = _resolve_remote(d, ids, w, granted, writing)
+    if isinstance(got, int):
+        return got
+    remote, total = got
     local = _pairs(local_addrs, local_lens)
     if sum(n for _, n in local) != total:
         raise ValueError("local and remote ranges must cover the same number of bytes")
@@ -183,25 +170,6 @@ def leased_copy(pid: int, writing: bool, local_addrs, local_lens, descs, regions
         _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
     )
     return -1
-
-
-def _check_buffers(name: str, ld, b, z, f, d, r, w) -> list[int]:
-    """The shared checks of leased_post and leased_triples' buffers; the leased region ids."""
-    nregions = r.nbytes // 4
-    if (
-        ld.nbytes % 24
-        or b.nbytes != f.nbytes * 8
-        or z.nbytes != b.nbytes
-        or d.nbytes % 24
-        or r.nbytes % 4
-        or w.nbytes % 8
-        or w.nbytes // 8 < 2 * nregions
-    ):
-        raise ValueError(f"{name}: malformed descriptor, table, region or lease buffers")
-    ids = r.cast("I").tolist()
-    if any(y <= x for x, y in zip(ids, ids[1:], strict=False)):
-        raise ValueError(f"{name}: region ids must be sorted and distinct")
-    return ids
 
 
 def _resolve_local(ld, b, z, f, need: int, mask: int) -> tuple[list[list[int]], int] | int:
@@ -245,6 +213,68 @@ def _resolve_remote(d, ids: list[int], w, granted: int, writing: bool) -> tuple[
     return remote, total
 
 
+def _leased_resolve(
+    name: str,
+    writing: bool,
+    local_descs,
+    bases,
+    sizes,
+    flags,
+    devices,
+    device: int,
+    need: int,
+    mask: int,
+    descs,
+    regions,
+    lease,
+    granted: int,
+    max_bytes: int,
+) -> tuple[int, int, tuple[list[list[int]], list[list[int]], int] | None]:
+    """What leased_post and leased_triples share (the C's leased_prepare and
+    leased_resolve): the buffers checked (ValueError naming ``name``), the
+    local descriptors resolved against the region table (``flags`` masked by
+    ``mask`` equal ``need``, each range inside its region; each region on
+    ``device`` too when ``devices`` is given), the remote ones against the
+    lease, the totals compared (equal, above 0, at most ``max_bytes``).
+    (-1, -1, (local, remote, total)) when all passed; else (side, index,
+    None): (0, i) local descriptor i refused, (1, i) remote descriptor i,
+    (2, -1) the totals."""
+    ld = memoryview(local_descs).cast("B")
+    b, z, f = (memoryview(x).cast("B") for x in (bases, sizes, flags))
+    d, r, w = (memoryview(x).cast("B") for x in (descs, regions, lease))
+    nregions = r.nbytes // 4
+    if (
+        ld.nbytes % 24
+        or b.nbytes != f.nbytes * 8
+        or z.nbytes != b.nbytes
+        or d.nbytes % 24
+        or r.nbytes % 4
+        or w.nbytes % 8
+        or w.nbytes // 8 < 2 * nregions
+    ):
+        raise ValueError(f"{name}: malformed descriptor, table, region or lease buffers")
+    ids = r.cast("I").tolist()
+    if any(y <= x for x, y in zip(ids, ids[1:], strict=False)):
+        raise ValueError(f"{name}: region ids must be sorted and distinct")
+    got = _resolve_local(ld, b, z, f, need, mask)
+    if isinstance(got, int):
+        return 0, got, None
+    local, total = got
+    if devices is not None:
+        device_of = memoryview(devices).cast("B").cast("i")
+        fields = ld.cast("Q").tolist()
+        for i in range(len(local)):
+            if device_of[fields[3 * i] & 0xFFFFFFFF] != device:
+                return 0, i, None
+    got = _resolve_remote(d, ids, w, granted, writing)
+    if isinstance(got, int):
+        return 1, got, None
+    remote, remote_total = got
+    if total != remote_total or total == 0 or total > max_bytes:
+        return 2, -1, None
+    return -1, -1, (local, remote, total)
+
+
 def leased_post(
     pid: int,
     writing: bool,
@@ -260,27 +290,17 @@ def leased_post(
     granted: int,
     max_bytes: int,
 ) -> int | tuple[int, int]:
-    """The twin of the C leased_post (csrc/kvx_cma.c): the local descriptors
-    resolved against this process's region table (``flags`` masked by
-    ``mask`` equal ``need``, each range inside its region), the remote ones
-    checked against the lease (as ``leased_copy``), the totals compared
-    (equal, above 0, at most ``max_bytes``), then the bytes moved. The bytes
-    moved once they moved; else, with nothing moved, (0, i): local descriptor i
-    refused, (1, i): remote descriptor i refused, (2, -1): the totals."""
-    ld = memoryview(local_descs).cast("B")
-    b, z, f = memoryview(bases).cast("B"), memoryview(sizes).cast("B"), memoryview(flags).cast("B")
-    d, r, w = memoryview(descs).cast("B"), memoryview(regions).cast("B"), memoryview(lease).cast("B")
-    ids = _check_buffers("leased_post", ld, b, z, f, d, r, w)
-    got = _resolve_local(ld, b, z, f, need, mask)
-    if isinstance(got, int):
-        return 0, got
-    local, total = got
-    got = _resolve_remote(d, ids, w, granted, writing)
-    if isinstance(got, int):
-        return 1, got
-    remote, remote_total = got
-    if total != remote_total or total == 0 or total > max_bytes:
-        return 2, -1
+    """The twin of the C leased_post (csrc/kvx_cma.c): both lists resolved
+    and checked (``_leased_resolve``), then the bytes moved. The bytes moved
+    once they moved; else, with nothing moved, (side, index) as
+    ``_leased_resolve`` says."""
+    side, index, lists = _leased_resolve(
+        "leased_post", writing, local_descs, bases, sizes, flags, None, 0, need, mask, descs, regions, lease,
+        granted, max_bytes,
+    )  # fmt: skip
+    if lists is None:
+        return side, index
+    local, remote, total = lists
     _move_ranges(
         _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
     )
@@ -312,28 +332,19 @@ def leased_triples(
     address ``out`` (srcs, then dsts, then lens; ``out_words`` uint64 words
     there). The triples written; else, with nothing written, (side, index)
     as ``leased_post``, or (3, n) when ``out`` is too short for n triples."""
-    ld = memoryview(local_descs).cast("B")
-    b, z, f = memoryview(bases).cast("B"), memoryview(sizes).cast("B"), memoryview(flags).cast("B")
-    v = memoryview(devices).cast("B")
-    d, r, w = memoryview(descs).cast("B"), memoryview(regions).cast("B"), memoryview(lease).cast("B")
-    ids = _check_buffers("leased_triples", ld, b, z, f, d, r, w)
-    if v.nbytes != f.nbytes * 4 or piece <= 0 or (out == 0 and out_words != 0):
+    if (
+        memoryview(devices).nbytes != memoryview(flags).nbytes * 4
+        or piece <= 0
+        or (out == 0 and out_words != 0)
+    ):
         raise ValueError("leased_triples: malformed descriptor, table, region or lease buffers")
-    got = _resolve_local(ld, b, z, f, need, mask)
-    if isinstance(got, int):
-        return 0, got
-    local, total = got
-    device_of = v.cast("i")
-    fields = ld.cast("Q").tolist()
-    for i in range(len(local)):
-        if device_of[fields[3 * i] & 0xFFFFFFFF] != device:
-            return 0, i
-    got = _resolve_remote(d, ids, w, granted, writing)
-    if isinstance(got, int):
-        return 1, got
-    remote, remote_total = got
-    if total != remote_total or total == 0 or total > max_bytes:
-        return 2, -1
+    side, index, lists = _leased_resolve(
+        "leased_triples", writing, local_descs, bases, sizes, flags, devices, device, need, mask, descs,
+        regions, lease, granted, max_bytes,
+    )  # fmt: skip
+    if lists is None:
+        return side, index
+    local, remote, _ = lists
     triples: list[tuple[int, int, int]] = []
     i = j = li = rj = 0
     while i < len(local) and j < len(remote):
