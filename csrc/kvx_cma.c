@@ -15,6 +15,10 @@
  *   leased_post(pid, writing, local_descs, bases, sizes, flags, need, mask,
  *               descs, regions, lease, granted, max_bytes)
  *       -> bytes moved, or (side, index) of what was refused (nothing moved)
+ *   conn_leased_post(conn, pid, writing, local_descs, bases, sizes, flags,
+ *                    need, mask, descs, granted, max_bytes)
+ *       -> as leased_post, through the leases of connection `conn`, taken and
+ *          given back in the call; None when a region is not leased
  *
  * The four arguments are C-contiguous uint64 buffers; the local and remote
  * lists may be cut differently but must cover the same number of bytes.
@@ -528,20 +532,16 @@ static int leased_resolve(struct leased *r, int writing, const Py_buffer *ld, co
  * descriptor i refused, (2, -1) the totals differ, are 0 or exceed
  * max_bytes. The copy's failures raise OSError with errno; malformed
  * buffers ValueError. */
-static PyObject *kvx_leased_post(PyObject *self, PyObject *args)
+/* leased_post's work once its buffers are parsed; the region ids and lease
+ * words may be the caller's own (conn_leased_post). */
+static PyObject *leased_post_run(int pid, int writing, Py_buffer *ld, Py_buffer *bb, Py_buffer *sb, Py_buffer *fb,
+                                 unsigned int need, unsigned int mask, Py_buffer *db, Py_buffer *rb, Py_buffer *lb,
+                                 unsigned int granted, unsigned long long max_bytes)
 {
-    (void)self;
-    int pid, writing;
-    unsigned int need, mask, granted;
-    unsigned long long max_bytes;
-    Py_buffer ld, bb, sb, fb, db, rb, lb;
-    if (!PyArg_ParseTuple(args, "ipy*y*y*y*IIy*y*y*IK:leased_post", &pid, &writing, &ld, &bb, &sb, &fb, &need,
-                          &mask, &db, &rb, &lb, &granted, &max_bytes))
-        return NULL;
     PyObject *result = NULL;
     struct leased r;
     struct iovec *liov = NULL, *riov = NULL;
-    if (leased_prepare("leased_post", &ld, &bb, &sb, &fb, &db, &rb, &lb, &r) < 0)
+    if (leased_prepare("leased_post", ld, bb, sb, fb, db, rb, lb, &r) < 0)
         goto out;
     liov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
     riov = PyMem_RawMalloc(IOV_MAX * sizeof(struct iovec));
@@ -552,8 +552,7 @@ static PyObject *kvx_leased_post(PyObject *self, PyObject *args)
     Py_ssize_t bad;
     int side, err = 0;
     Py_BEGIN_ALLOW_THREADS
-    side = leased_resolve(&r, writing, &ld, &bb, &sb, &fb, NULL, 0, need, mask, &db, &rb, &lb, granted, max_bytes,
-                          &bad);
+    side = leased_resolve(&r, writing, ld, bb, sb, fb, NULL, 0, need, mask, db, rb, lb, granted, max_bytes, &bad);
     if (side < 0) {
         struct cursor local = {r.l_addr, r.l_len, merge(r.l_addr, r.l_len, r.nlocal), 0, 0};
         struct cursor remote = {r.r_addr, r.r_len, merge(r.r_addr, r.r_len, r.ndescs), 0, 0};
@@ -572,6 +571,20 @@ out:
     PyMem_RawFree(r.work);
     PyMem_RawFree(liov);
     PyMem_RawFree(riov);
+    return result;
+}
+
+static PyObject *kvx_leased_post(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int pid, writing;
+    unsigned int need, mask, granted;
+    unsigned long long max_bytes;
+    Py_buffer ld, bb, sb, fb, db, rb, lb;
+    if (!PyArg_ParseTuple(args, "ipy*y*y*y*IIy*y*y*IK:leased_post", &pid, &writing, &ld, &bb, &sb, &fb, &need,
+                          &mask, &db, &rb, &lb, &granted, &max_bytes))
+        return NULL;
+    PyObject *result = leased_post_run(pid, writing, &ld, &bb, &sb, &fb, need, mask, &db, &rb, &lb, granted, max_bytes);
     PyBuffer_Release(&ld);
     PyBuffer_Release(&bb);
     PyBuffer_Release(&sb);
@@ -579,6 +592,345 @@ out:
     PyBuffer_Release(&db);
     PyBuffer_Release(&rb);
     PyBuffer_Release(&lb);
+    return result;
+}
+
+/* A connection's leases, as kvx.backends.control.link.Connection keeps them:
+ * under conn.lock, conn.leases maps (region id, writing) to the lease's
+ * answer (base, size, extras...), conn.lease_uses counts per region the
+ * copies using its lease, conn.copies all copies under way; a copy's end
+ * notifies conn.copies_done when conn.copy_waiters, and one that ends after
+ * conn.error was set and leaves no copy calls conn._copies_ended_broken().
+ * lease_take and lease_give are Connection.lease and Connection.unlease,
+ * here so that conn_leased_post is one call; keep the three in step. */
+static PyObject *s_lock, *s_acquire, *s_release, *s_error, *s_leases, *s_lease_uses, *s_copies, *s_copy_waiters,
+    *s_copies_done, *s_notify_all, *s_ended_broken;
+
+static int intern_names(void)
+{
+    struct {
+        PyObject **slot;
+        const char *name;
+    } names[] = {
+        {&s_lock, "lock"},
+        {&s_acquire, "acquire"},
+        {&s_release, "release"},
+        {&s_error, "error"},
+        {&s_leases, "leases"},
+        {&s_lease_uses, "lease_uses"},
+        {&s_copies, "copies"},
+        {&s_copy_waiters, "copy_waiters"},
+        {&s_copies_done, "copies_done"},
+        {&s_notify_all, "notify_all"},
+        {&s_ended_broken, "_copies_ended_broken"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].name);
+        if (*names[i].slot == NULL)
+            return -1;
+    }
+    return 0;
+}
+
+/* conn.<name> += delta (the sum into *sum when not NULL); 0 or -1 with an
+ * error set. */
+static int attr_add(PyObject *conn, PyObject *name, long delta, long *sum)
+{
+    PyObject *v = PyObject_GetAttr(conn, name);
+    if (v == NULL)
+        return -1;
+    long n = PyLong_AsLong(v);
+    Py_DECREF(v);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (sum != NULL)
+        *sum = n + delta;
+    PyObject *nv = PyLong_FromLong(n + delta);
+    if (nv == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(conn, name, nv);
+    Py_DECREF(nv);
+    return rc;
+}
+
+/* uses[rid] += delta, the entry deleted at 0; 0 or -1 with an error set. */
+static int uses_add(PyObject *uses, uint32_t rid, long delta)
+{
+    PyObject *key = PyLong_FromUnsignedLong(rid);
+    if (key == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *cur = PyDict_GetItemWithError(uses, key); /* borrowed */
+    long n = 0;
+    if (cur != NULL) {
+        n = PyLong_AsLong(cur);
+        if (n == -1 && PyErr_Occurred())
+            goto out;
+    } else if (PyErr_Occurred()) {
+        goto out;
+    }
+    n += delta;
+    if (n < 0) { /* a use given back twice: never store it, or a revoke would wait for good */
+        PyErr_Format(PyExc_SystemError, "conn_leased_post: region %lu has no use to give back", (unsigned long)rid);
+        goto out;
+    }
+    if (n) {
+        PyObject *nv = PyLong_FromLong(n);
+        if (nv == NULL)
+            goto out;
+        rc = PyDict_SetItem(uses, key, nv);
+        Py_DECREF(nv);
+    } else {
+        rc = cur != NULL ? PyDict_DelItem(uses, key) : 0;
+    }
+out:
+    Py_DECREF(key);
+    return rc;
+}
+
+/* The first error of a sequence of steps that must all run (a lease given
+ * back): keep_error moves the pending error aside, keeping only the first;
+ * restore_error raises it again at the end (-1), or returns 0. */
+struct first_error {
+    PyObject *type, *value, *tb;
+};
+
+static void keep_error(struct first_error *e)
+{
+    if (!PyErr_Occurred())
+        return;
+    if (e->type == NULL)
+        PyErr_Fetch(&e->type, &e->value, &e->tb);
+    else
+        PyErr_Clear();
+}
+
+static int restore_error(struct first_error *e)
+{
+    if (e->type == NULL)
+        return 0;
+    PyErr_Restore(e->type, e->value, e->tb);
+    return -1;
+}
+
+/* lock.acquire() or lock.release() with no error pending, retried when it
+ * fails (a signal's exception while the acquire waits): what the lock guards
+ * must be given back. The failures go to *e. 0, or -1 after many tries. */
+static int lock_call(PyObject *lock, PyObject *name, struct first_error *e)
+{
+    for (int tries = 0; tries < 1000; tries++) {
+        PyObject *got = PyObject_CallMethodNoArgs(lock, name);
+        if (got != NULL) {
+            Py_DECREF(got);
+            return 0;
+        }
+        keep_error(e);
+    }
+    return -1;
+}
+
+/* Connection.lease for the sorted, distinct `ids`: with conn.lock held, and
+ * conn.error None, every (id, writing) leased; then its (base, size) into
+ * words (a pair per id), a use counted per id and a copy under way.
+ * 1 leased, 0 not (nothing counted), -1 with an error set (nothing counted). */
+static int lease_take(PyObject *conn, PyObject *lock, const uint32_t *ids, size_t n, int writing, uint64_t *words)
+{
+    PyObject *got = PyObject_CallMethodNoArgs(lock, s_acquire);
+    if (got == NULL)
+        return -1;
+    Py_DECREF(got);
+    int rc = -1;
+    size_t counted = 0;
+    PyObject *leases = NULL, *uses = NULL, *error = PyObject_GetAttr(conn, s_error);
+    if (error == NULL)
+        goto unlock;
+    if (error != Py_None) {
+        rc = 0;
+        goto unlock;
+    }
+    leases = PyObject_GetAttr(conn, s_leases);
+    uses = PyObject_GetAttr(conn, s_lease_uses);
+    if (leases == NULL || uses == NULL)
+        goto unlock;
+    if (!PyDict_Check(leases) || !PyDict_Check(uses)) {
+        PyErr_SetString(PyExc_TypeError, "conn_leased_post: conn.leases and conn.lease_uses must be dicts");
+        goto unlock;
+    }
+    for (size_t k = 0; k < n; k++) {
+        PyObject *rid = PyLong_FromUnsignedLong(ids[k]);
+        PyObject *key = rid == NULL ? NULL : PyTuple_Pack(2, rid, writing ? Py_True : Py_False);
+        Py_XDECREF(rid);
+        if (key == NULL)
+            goto unlock;
+        PyObject *pairs = PyDict_GetItemWithError(leases, key); /* borrowed */
+        Py_DECREF(key);
+        if (pairs == NULL) {
+            if (!PyErr_Occurred())
+                rc = 0;
+            goto unlock;
+        }
+        if (!PyTuple_Check(pairs) || PyTuple_GET_SIZE(pairs) < 2) {
+            PyErr_SetString(PyExc_TypeError, "conn_leased_post: a lease is a tuple (base, size, ...)");
+            goto unlock;
+        }
+        words[2 * k] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pairs, 0));
+        words[2 * k + 1] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(pairs, 1));
+        if (PyErr_Occurred())
+            goto unlock;
+    }
+    for (; counted < n; counted++) {
+        if (uses_add(uses, ids[counted], 1) < 0)
+            goto unlock;
+    }
+    if (attr_add(conn, s_copies, 1, NULL) < 0)
+        goto unlock;
+    rc = 1;
+unlock:;
+    /* No Python code runs with an error pending: it waits aside until the lock is released. */
+    struct first_error e = {NULL, NULL, NULL};
+    keep_error(&e);
+    for (size_t k = 0; rc < 0 && k < counted; k++) { /* a failure: take back what was counted */
+        if (uses_add(uses, ids[k], -1) < 0)
+            keep_error(&e);
+    }
+    Py_XDECREF(error);
+    Py_XDECREF(leases);
+    Py_XDECREF(uses);
+    lock_call(lock, s_release, &e);
+    return restore_error(&e) < 0 ? -1 : rc;
+}
+
+/* Connection.unlease for what lease_take counted: each id's use and the copy
+ * given back, the copy's waiters woken, and a connection that broke
+ * meanwhile shut down once no copy runs. 0, or -1 with an error set. */
+static int lease_give(PyObject *conn, PyObject *lock, const uint32_t *ids, size_t n)
+{
+    /* Every step runs whatever failed before it; the first error (the
+     * copy's, when one is pending) is the one raised. */
+    struct first_error e = {NULL, NULL, NULL};
+    keep_error(&e);
+    int broken = 0;
+    if (lock_call(lock, s_acquire, &e) < 0) { /* the lock is not a lock */
+        restore_error(&e);
+        return -1;
+    }
+    PyObject *uses = PyObject_GetAttr(conn, s_lease_uses);
+    if (uses != NULL) {
+        for (size_t k = 0; k < n; k++) {
+            if (uses_add(uses, ids[k], -1) < 0)
+                keep_error(&e);
+        }
+        Py_DECREF(uses);
+    }
+    keep_error(&e);
+    long copies = 1;
+    if (attr_add(conn, s_copies, -1, &copies) < 0)
+        keep_error(&e);
+    PyObject *waiters = PyObject_GetAttr(conn, s_copy_waiters);
+    int wake = waiters == NULL ? -1 : PyObject_IsTrue(waiters);
+    Py_XDECREF(waiters);
+    keep_error(&e);
+    if (wake) { /* on an error too: a waiter must not sleep through it */
+        PyObject *cond = PyObject_GetAttr(conn, s_copies_done);
+        PyObject *woke = cond == NULL ? NULL : PyObject_CallMethodNoArgs(cond, s_notify_all);
+        Py_XDECREF(cond);
+        Py_XDECREF(woke);
+        keep_error(&e);
+    }
+    PyObject *error = PyObject_GetAttr(conn, s_error);
+    broken = error != NULL && error != Py_None && copies == 0;
+    Py_XDECREF(error);
+    keep_error(&e);
+    lock_call(lock, s_release, &e);
+    if (broken) { /* shutdown() came during the copy and left the socket to us */
+        PyObject *got = PyObject_CallMethodNoArgs(conn, s_ended_broken);
+        Py_XDECREF(got);
+        keep_error(&e);
+    }
+    return restore_error(&e);
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* conn_leased_post: leased_post through what connection `conn` leases. The
+ * regions of the remote descriptors leased to conn for this direction and
+ * their uses counted (Connection.lease), the copy (leased_post), the uses
+ * given back (Connection.unlease), in one call. None, with nothing done,
+ * when a region is not leased or the connection broke; else as
+ * leased_post. */
+static PyObject *kvx_conn_leased_post(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *conn;
+    int pid, writing;
+    unsigned int need, mask, granted;
+    unsigned long long max_bytes;
+    Py_buffer ld, bb, sb, fb, db;
+    if (!PyArg_ParseTuple(args, "Oipy*y*y*y*IIy*IK:conn_leased_post", &conn, &pid, &writing, &ld, &bb, &sb, &fb,
+                          &need, &mask, &db, &granted, &max_bytes))
+        return NULL;
+    PyObject *result = NULL, *lock = NULL;
+    uint32_t small_ids[16];
+    uint64_t small_words[32];
+    uint32_t *ids = small_ids;
+    uint64_t *words = small_words;
+    size_t ndescs = (size_t)db.len / sizeof(struct kvx_desc), n = 0;
+    if (db.len % (Py_ssize_t)sizeof(struct kvx_desc)) {
+        PyErr_SetString(PyExc_ValueError, "conn_leased_post: malformed descriptor buffer");
+        goto out;
+    }
+    if (ndescs > 16) {
+        ids = PyMem_Malloc(ndescs * sizeof(uint32_t));
+        words = PyMem_Malloc(2 * ndescs * sizeof(uint64_t));
+        if (ids == NULL || words == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    /* The remote regions, sorted and distinct: runs of one region are common. */
+    const struct kvx_desc *d = db.buf;
+    for (size_t i = 0; i < ndescs; i++) {
+        if (n == 0 || ids[n - 1] != d[i].region)
+            ids[n++] = d[i].region;
+    }
+    if (n > 1) {
+        qsort(ids, n, sizeof(uint32_t), cmp_u32);
+        size_t m = 1;
+        for (size_t i = 1; i < n; i++) {
+            if (ids[i] != ids[m - 1])
+                ids[m++] = ids[i];
+        }
+        n = m;
+    }
+    lock = PyObject_GetAttr(conn, s_lock);
+    if (lock == NULL)
+        goto out;
+    int leased = lease_take(conn, lock, ids, n, writing, words);
+    if (leased <= 0) {
+        if (leased == 0)
+            result = Py_NewRef(Py_None);
+        goto out;
+    }
+    Py_buffer rb = {.buf = ids, .len = (Py_ssize_t)(n * sizeof(uint32_t))};
+    Py_buffer lb = {.buf = words, .len = (Py_ssize_t)(2 * n * sizeof(uint64_t))};
+    result = leased_post_run(pid, writing, &ld, &bb, &sb, &fb, need, mask, &db, &rb, &lb, granted, max_bytes);
+    if (lease_give(conn, lock, ids, n) < 0)
+        Py_CLEAR(result);
+out:
+    Py_XDECREF(lock);
+    if (ids != small_ids)
+        PyMem_Free(ids);
+    if (words != small_words)
+        PyMem_Free(words);
+    PyBuffer_Release(&ld);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&db);
     return result;
 }
 
@@ -697,6 +1049,9 @@ static PyMethodDef methods[] = {
     {"leased_post", kvx_leased_post, METH_VARARGS,
      "leased_post(pid, writing, local_descs, bases, sizes, flags, need, mask, descs, regions, lease, granted, "
      "max_bytes) -> bytes moved or (side, index)"},
+    {"conn_leased_post", kvx_conn_leased_post, METH_VARARGS,
+     "conn_leased_post(conn, pid, writing, local_descs, bases, sizes, flags, need, mask, descs, granted, max_bytes) "
+     "-> None (not leased), bytes moved or (side, index)"},
     {"leased_triples", kvx_leased_triples, METH_VARARGS,
      "leased_triples(writing, local_descs, bases, sizes, flags, devices, device, need, mask, descs, regions, "
      "lease, granted, max_bytes, piece, out, out_words) -> triples written or (side, index)"},
@@ -710,5 +1065,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__cma(void)
 {
+    if (intern_names() < 0)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -1,5 +1,7 @@
 """Types of the C extension built from csrc/kvx_cma.c; the twin is cma_py.py."""
 
+from typing import Any
+
 from _typeshed import ReadableBuffer
 
 def vm_readv(
@@ -47,6 +49,21 @@ def leased_post(
     max_bytes: int,
     /,
 ) -> int | tuple[int, int]: ...
+def conn_leased_post(
+    conn: Any,
+    pid: int,
+    writing: bool,
+    local_descs: ReadableBuffer,
+    bases: ReadableBuffer,
+    sizes: ReadableBuffer,
+    flags: ReadableBuffer,
+    need: int,
+    mask: int,
+    descs: ReadableBuffer,
+    granted: int,
+    max_bytes: int,
+    /,
+) -> int | tuple[int, int] | None: ...
 def leased_triples(
     writing: bool,
     local_descs: ReadableBuffer,

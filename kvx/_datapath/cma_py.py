@@ -5,6 +5,8 @@ Same functions, same errors; one Python object per range. Tests run both.
 
 from __future__ import annotations
 
+import array
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -305,6 +307,46 @@ def leased_post(
         _libc.process_vm_writev if writing else _libc.process_vm_readv, pid, _merge(local), _merge(remote)
     )
     return total
+
+
+def conn_leased_post(
+    conn,
+    pid: int,
+    writing: bool,
+    local_descs,
+    bases,
+    sizes,
+    flags,
+    need: int,
+    mask: int,
+    descs,
+    granted: int,
+    max_bytes: int,
+) -> int | tuple[int, int] | None:
+    """The twin of the C conn_leased_post (csrc/kvx_cma.c): ``leased_post``
+    through what connection ``conn`` leases (``Connection.lease``, which
+    counts the uses, and ``unlease``). None, with nothing done, when a region
+    is not leased or the connection broke."""
+    d = memoryview(descs).cast("B")
+    if d.nbytes % 24:
+        raise ValueError("conn_leased_post: malformed descriptor buffer")
+    fields = d.cast("Q").tolist()
+    rids = sorted({fields[3 * i] & 0xFFFFFFFF for i in range(len(fields) // 3)})
+    pairs = conn.lease(rids, writing)
+    if pairs is None:
+        return None
+    try:
+        lease = array.array("Q", pairs[: 2 * len(rids)])
+        got = leased_post(
+            pid, writing, local_descs, bases, sizes, flags, need, mask, descs, array.array("I", rids), lease,
+            granted, max_bytes,
+        )  # fmt: skip
+    except BaseException:
+        with contextlib.suppress(Exception):  # the copy's error is the one raised, as in C
+            conn.unlease(rids)
+        raise
+    conn.unlease(rids)
+    return got
 
 
 def leased_triples(

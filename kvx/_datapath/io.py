@@ -3,7 +3,8 @@
 vm_writev, and leased_copy: the shm backend's check of descriptors against a
 lease, resolution and copy in one call; leased_post: the same with the local
 descriptors resolved against this agent's regions in that call too;
-leased_triples: leased_post's checks for a copy the GPU makes, which
+conn_leased_post: leased_post with the connection's lease taken and given
+back in that call too; leased_triples: leased_post's checks for a copy the GPU makes, which
 writes the copy's triples for the kernel instead of moving bytes).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
@@ -37,6 +38,9 @@ descs_bad: Callable[[Any, Any, Any, int], int]
 leased_copy: Callable[[int, bool, Any, Any, Any, Any, Any, int], int]
 leased_post: Callable[
     [int, bool, Any, Any, Any, Any, int, int, Any, Any, Any, int, int], int | tuple[int, int]
+]
+conn_leased_post: Callable[
+    [Any, int, bool, Any, Any, Any, Any, int, int, Any, int, int], int | tuple[int, int] | None
 ]
 leased_triples: Callable[..., int | tuple[int, int]]
 
@@ -77,12 +81,13 @@ def use(choice: str) -> str:
         descs_bad, \
         leased_copy, \
         leased_post, \
+        conn_leased_post, \
         leased_triples
     (io, cma), IMPL = _select(choice)
     sendv, recvv = io.sendv, io.recvv
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
-    leased_triples = cma.leased_triples
+    conn_leased_post, leased_triples = cma.conn_leased_post, cma.leased_triples
     return IMPL
 
 

@@ -634,9 +634,12 @@ class Connection:
             if self.copy_waiters:
                 self.copies_done.notify_all()
             broken = self.error is not None and not self.copies
-        if broken:  # shutdown() came during the copy and left the socket to us
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        if broken:
+            self._copies_ended_broken()
+
+    # lease and unlease have a twin in C, for the shm backend's latency path
+    # (conn_leased_post in csrc/kvx_cma.c): the same fields, under the same
+    # lock. Keep the three in step.
 
     def _copy_ended(self) -> None:
         with self.lock:
@@ -644,9 +647,14 @@ class Connection:
             if self.copy_waiters:
                 self.copies_done.notify_all()
             broken = self.error is not None and not self.copies
-        if broken:  # shutdown() came during the copy and left the socket to us
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+        if broken:
+            self._copies_ended_broken()
+
+    def _copies_ended_broken(self) -> None:
+        """The last copy ended after ``shutdown()``, which left the socket up
+        while it ran: shut it down now."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _revoke(self, region_id: int, payload_len: int, aux: int, data_len: int) -> None:
         """SHM_REVOKE: forget the lease, let the copies using it end, release it."""

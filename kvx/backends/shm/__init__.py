@@ -156,10 +156,6 @@ class ShmBackend(Backend):
             server.close()
 
 
-# Leases whose leased_post arguments a channel keeps (ShmChannel._lease_args).
-_LEASE_ARGS_KEPT = 1024
-
-
 class ShmChannel(Channel):
     """Host bytes through cross-memory attach (``cma``) or the peer's shared
     segments; anything else (GPU memory on either side, memory outside the
@@ -178,9 +174,6 @@ class ShmChannel(Channel):
         self.cma = cma
         self.segment_maps = segment_maps or {}
         self._segment_ids = np.array(sorted(self.segment_maps), dtype=np.int64)
-        # Per leased region and direction: the lease's answer and the two
-        # arrays leased_post takes, built once per lease rather than per copy.
-        self._lease_args: dict[tuple[int, bool], tuple[tuple[int, ...], array.array, array.array]] = {}
         if cma:
             self.copy_inline = self._copy_inline
         if self.segment_maps:
@@ -284,39 +277,19 @@ class ShmChannel(Channel):
         remote: np.ndarray,
         max_bytes: int,
     ) -> int | BaseException | None:
-        """A whole small host transfer in one C call (leased_post): the local
-        descriptors resolved against this agent's pinned region ``table``
-        (bases, sizes, flags, devices; each region's flags carry ``need`` and no
-        DEVICE), the remote ones checked against what the peer leased, the
-        bytes moved. The bytes moved; the error of a copy that failed; None
-        when nothing was done (a region not leased yet, a descriptor refused,
-        totals that differ or exceed ``max_bytes`` or INLINE_COPY_BYTES): the
-        caller then takes the full path, which names any error."""
-        if len(remote) == 1:
-            rids = remote["region"].tolist()
-        elif len(remote) <= SMALL_LIST:
-            rids = sorted(set(remote["region"].tolist()))
-        else:
-            rids = region_ids(remote).tolist()
-        conn = self._link.conns[0]
-        pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
-        if pinned is None:
-            return None
-        if len(rids) == 1:
-            # A lease's answer is one tuple for its life (Connection.leases), so
-            # its identity says whether the arrays built for it still fit.
-            key = (rids[0], writing)
-            args = self._lease_args.get(key)
-            if args is None or args[0] is not pinned:
-                args = (pinned, array.array("I", rids), array.array("Q", pinned))
-                if len(self._lease_args) >= _LEASE_ARGS_KEPT:
-                    self._lease_args.clear()  # regions come and go: keep the cache small
-                self._lease_args[key] = args
-            rid_array, pinned_array = args[1], args[2]
-        else:
-            rid_array, pinned_array = array.array("I", rids), array.array("Q", pinned)
+        """A whole small host transfer in one C call (conn_leased_post): the
+        regions of the remote descriptors leased (a use counted, so a revoke
+        waits), the local descriptors resolved against this agent's pinned
+        region ``table`` (bases, sizes, flags, devices; each region's flags
+        carry ``need`` and no DEVICE), the remote ones checked against the
+        lease, the bytes moved, the lease given back. The bytes moved; the
+        error of a copy that failed; None when nothing was done (a region not
+        leased yet, a descriptor refused, totals that differ or exceed
+        ``max_bytes`` or INLINE_COPY_BYTES): the caller then takes the full
+        path, which names any error."""
         try:
-            got = _io.leased_post(
+            got = _io.conn_leased_post(
+                self._link.conns[0],
                 self.pid,
                 writing,
                 local,
@@ -326,8 +299,6 @@ class ShmChannel(Channel):
                 need,
                 need | DEVICE,
                 remote,
-                rid_array,
-                pinned_array,
                 REMOTE_WRITE if writing else REMOTE_READ,
                 min(max_bytes, INLINE_COPY_BYTES),
             )
@@ -336,8 +307,6 @@ class ShmChannel(Channel):
         except Exception as exc:  # a bug: the transfer must still finish
             logger.exception("copy to peer %s failed", self._link.peer)
             return TransferError(f"internal error: {exc!r}")
-        finally:
-            conn.unlease(rids)
         return got if type(got) is int else None
 
     def _in_segments(self, remote: np.ndarray) -> bool:
