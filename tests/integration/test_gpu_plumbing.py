@@ -311,17 +311,22 @@ def test_what_the_leased_gpu_path_leaves_the_full_path_copies(fake, make_agent, 
     peer.read(local_region.descs(0, BLOCK), peer.region(second.id).descs(0, BLOCK)).wait(30)
     taken = []
     real = _io.leased_triples
-    monkeypatch.setattr(_io, "leased_triples", lambda *args: (taken.append(args), real(*args))[1])
+
+    def traced(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(_io, "leased_triples", traced)
     both = Descs.concat([remote.descs(3 * BLOCK, BLOCK), peer.region(second.id).descs(BLOCK, BLOCK)])
     peer.read(local_region.descs(0, 2 * BLOCK), both).wait(30)
-    assert not taken
+    assert taken == [(1, 1)]  # the second region is not in the lease the call holds
     assert np.array_equal(mine.host[:BLOCK], theirs.host[3 * BLOCK : 4 * BLOCK])
     assert (mine.host[BLOCK : 2 * BLOCK] == 0x3C).all()
     monkeypatch.setattr(gpu, "MAX_LAUNCH_PIECES", 2)  # three blocks: the C check says (3, 3)
     mine.host[:] = 0
     local = Descs.from_blocks(local_region, [0, 1, 2], BLOCK)
     peer.read(local, Descs.from_blocks(remote, [6, 4, 5], BLOCK)).wait(30)
-    assert len(taken) == 1
+    assert taken[1:] == [(3, 3)]
     got, want = mine.host.reshape(-1, BLOCK), theirs.host.reshape(-1, BLOCK)
     assert np.array_equal(got[:3], want[[6, 4, 5]])
     # One cudaMemcpyAsync per block: a channel opened then never takes the C path.
@@ -333,7 +338,7 @@ def test_what_the_leased_gpu_path_leaves_the_full_path_copies(fake, make_agent, 
     peer2 = c.add_peer(b.metadata())
     for _ in range(2):
         peer2.read(region2.descs(0, BLOCK), peer2.region(remote_region.id).descs(BLOCK, BLOCK)).wait(30)
-    assert len(taken) == 1
+    assert len(taken) == 2  # none more
     assert np.array_equal(mine2.host[:BLOCK], theirs.host[BLOCK : 2 * BLOCK])
 
 

@@ -35,7 +35,7 @@ from kvx.backends.control.link import Link
 from kvx.backends.control.pinned import PinnedCopy
 from kvx.backends.shm import ShmChannel, cma_problem, lanes, map_segments, merge_ranges, prove
 from kvx.backends.tcp import TcpChannel
-from kvx.descs import Descs
+from kvx.descs import Descs, total_bytes
 from kvx.errors import KvxError, ProtocolError, TransferError
 from kvx.memory import DEVICE, REMOTE_READ, REMOTE_WRITE
 from kvx.transfer import Op, Transfer
@@ -240,9 +240,9 @@ class CudaIpcChannel(Channel):
         first = int(local["region"][0])
         if first >= len(flags) or not flags[first] & DEVICE:
             return None  # host memory: the full path (it picks cross-memory attach or tcp)
+        # One remote region, the first's: leased_triples refuses a descriptor of
+        # any other (the full path then checks that the regions share one device).
         rid = int(remote["region"][0])
-        if len(remote) > 1 and not (remote["region"] == rid).all():
-            return None  # several remote regions: the full path checks they share one device
         device = int(devices[first])
         conn = self._link.conns[0]
         pinned = conn.lease([rid], writing)  # counts a use: a revoke waits for unlease
@@ -286,7 +286,7 @@ class CudaIpcChannel(Channel):
             return TransferError(f"CUDA IPC copy with peer {self._link.peer!r} failed: {exc!r}")
         finally:
             conn.unlease([rid])
-        return int(remote["length"].sum(dtype=np.uint64))
+        return total_bytes(remote)
 
     def _leased_args(
         self, device: int, rid: int, writing: bool, pinned: tuple[int, ...]
