@@ -11,11 +11,17 @@ median total.
     python benchmarks/breakdown.py --backend tcp --size 4096 --iters 2000
     python benchmarks/breakdown.py --backend shm --size 16384
     python benchmarks/breakdown.py --backend shm --size 16384 --untraced --iters 20000
+    python benchmarks/breakdown.py --backend shm --size 16384 --steps --iters 20000
 
 ``--untraced`` wraps nothing and prints one JSON line instead: p10, p50 and
 p99 of the same READ, kvx's own latency for before/after comparisons of a
 change on the latency path (``kvx bench --sweep`` alternates each transfer
 with its limit's, which disturbs the caches of both).
+
+``--steps`` (shm) times, in this process, each step of the READ's inline
+path called on its own (the copy's C call with and without the lease's
+bookkeeping, the lease, the region table's pin, the finished Transfer),
+medians in microseconds, as JSON: what is left above the copy itself.
 
 The wrappers cost about a microsecond each; the total is a little above
 ``kvx bench``'s p50 for the same size.
@@ -24,6 +30,7 @@ The wrappers cost about a microsecond each; the total is a little above
 from __future__ import annotations
 
 import argparse
+import array
 import functools
 import json
 import multiprocessing
@@ -96,6 +103,66 @@ def instrument_initiator() -> None:
     wrap(transfer.Transfer, "_finish", "transfer finishing", None)
 
 
+def time_steps(agent: Any, peer: Any, local: Any, remote: Any, iters: int) -> dict[str, Any]:
+    """Each step of the shm inline path, called alone ``iters`` times: medians in us."""
+    from kvx._datapath import io as _io
+    from kvx.backends.shm import DEVICE, INLINE_COPY_BYTES, REMOTE_READ
+    from kvx.memory import LOCAL_WRITE, VALID
+    from kvx.transfer import Op, Transfer
+
+    channel, regions = peer._channel, agent._regions
+    conn = channel._link.conns[0]
+    rids = sorted(set(remote.array["region"].tolist()))
+    pinned = conn.lease(rids, False)
+    conn.unlease(rids)
+    if pinned is None:
+        raise RuntimeError("the region is not leased: the READs before did not take the leased path")
+    pin = regions.pin_table()
+    regions.release(pin[0])
+    need, ids, words = LOCAL_WRITE | VALID, array.array("I", rids), array.array("Q", pinned)
+    la, ra = local.array, remote.array
+    table = (pin[1], pin[2], pin[3])
+    steps = {
+        "read_wait": lambda: peer.read(local, remote).wait(30),
+        "post_inline": lambda: peer._post_inline(Op.READ, la, ra),
+        "copy_inline": lambda: channel._copy_inline(False, la, pin[1:], need, ra, 1 << 40),
+        "conn_leased_post": lambda: _io.conn_leased_post(
+            conn, channel.pid, False, la, *table, need, need | DEVICE, ra, REMOTE_READ, INLINE_COPY_BYTES
+        ),
+        "leased_post": lambda: _io.leased_post(
+            channel.pid,
+            False,
+            la,
+            *table,
+            need,
+            need | DEVICE,
+            ra,
+            ids,
+            words,
+            REMOTE_READ,
+            INLINE_COPY_BYTES,
+        ),
+        "lease_unlease": lambda: conn.lease(rids, False) is not None and conn.unlease(rids),
+        "pin_release": lambda: regions.release(regions.pin_table()[0]),
+        "transfer_finished": lambda: Transfer.finished(Op.READ, "x", 0, 0.0, None),
+    }
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "size": int(local.total_bytes),
+        "iters": iters,
+    }
+    for name, step in steps.items():
+        for _ in range(min(iters, 500)):
+            step()
+        took = []
+        for _ in range(iters):
+            start = time.perf_counter_ns()
+            step()
+            took.append(time.perf_counter_ns() - start)
+        out[f"{name}_us"] = round(float(np.median(took)) / 1e3, 2)
+    return out
+
+
 def target_main(conn: Any, size: int, backend: str, secret: bytes, traced: bool) -> None:
     if traced:
         instrument_target()
@@ -121,8 +188,13 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--untraced", action="store_true", help="no stages: the latency alone, as JSON")
+    parser.add_argument(
+        "--steps", action="store_true", help="shm: each step of the inline path alone, as JSON"
+    )
     args = parser.parse_args()
-    traced = not args.untraced
+    if args.steps and args.backend != "shm":
+        parser.error("--steps times the shm backend's inline path: add --backend shm")
+    traced = not (args.untraced or args.steps)
 
     import kvx
     import kvx.backends.shm  # noqa: F401  (instrumented below)
@@ -149,11 +221,13 @@ def main() -> int:
             remote = kvx.Descs.from_blocks(peer.regions[0], [1], args.size)
             for _ in range(args.warmup):
                 peer.read(local, remote).wait(30)
+            if args.steps:
+                print(json.dumps(time_steps(agent, peer, local, remote, args.iters)))
             mine.send("start")
             STAMPS.clear()
             bounds = []
             took = []
-            for _ in range(args.iters):
+            for _ in range(0 if args.steps else args.iters):
                 begin = len(STAMPS)
                 start = time.perf_counter()
                 peer.read(local, remote).wait(30)
@@ -169,6 +243,8 @@ def main() -> int:
         child.join(10)
         if child.is_alive():
             child.kill()
+    if args.steps:
+        return 0
     if not traced:
         us = np.array(took) * 1e6
         print(
