@@ -192,6 +192,57 @@ def test_deregister_completes_once_released():
         table.remove(r, timeout_s=1)
 
 
+def test_a_table_pin_holds_deregister_and_a_later_one_sees_the_region_gone():
+    """pin_table and release take no lock (the shm latency path): a pin taken
+    before a deregister is waited for, and woken on, and one taken while the
+    deregister waits already sees the region's flags cleared."""
+    from kvx.memory import VALID
+
+    table = RegionTable(16)
+    r = table.add(np.zeros(100, np.uint8), remote_access=True)
+    token, _, _, flags, _ = table.pin_table()
+    assert flags[r.id] & VALID
+    removed = threading.Event()
+    remover = threading.Thread(target=lambda: (table.remove(r, timeout_s=30), removed.set()))
+    remover.start()
+    deadline = time.monotonic() + 10
+    while not table._waiters:  # the deregister waits for the pin now
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    later, _, _, flags, _ = table.pin_table()
+    assert not flags[r.id], "a pin taken during the deregister saw the region as valid"
+    table.release(later)  # not one the deregister waits for
+    assert not removed.wait(0.2), "the deregister did not wait for the pin taken before it"
+    started = time.monotonic()
+    table.release(token)
+    assert removed.wait(10), "the release did not wake the deregister"
+    assert time.monotonic() - started < 5
+    remover.join(10)
+
+
+def test_table_pins_are_of_one_generation_while_the_table_grows():
+    table = RegionTable(4096)
+    stop = threading.Event()
+    seen = []
+
+    def pin():
+        while not stop.is_set():
+            token, *arrays = table.pin_table()
+            seen.append({len(a) for a in arrays})
+            table.release(token)
+
+    pinner = threading.Thread(target=pin)
+    pinner.start()
+    try:
+        for _ in range(600):  # the arrays grow from 64 to 1,024 entries, four times
+            table.add(bytearray(1), remote_access=True)
+    finally:
+        stop.set()
+        pinner.join(10)
+    assert seen and all(len(lengths) == 1 for lengths in seen)
+    assert not table._active
+
+
 def test_region_limit():
     table = RegionTable(2)
     table.add(bytearray(1), remote_access=True)
