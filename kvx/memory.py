@@ -146,7 +146,7 @@ class RegionTable:
         # Pins: token -> None (a transfer's: any region it named) or the one
         # region a lease holds (a same-host peer's pin that outlives transfers).
         # pin_table and release change it without the lock (each a single
-        # dict operation, atomic under the GIL): read it whole (list(...)).
+        # dict operation, atomic under the GIL): read it whole (.copy()).
         self._active: dict[int, int | None] = {}
         # Called with a region id when its deregistration starts (outside the
         # lock): the listener revokes the leases on it (Listener.revoke).
@@ -255,9 +255,16 @@ class RegionTable:
             self._removing.add(rid)
             saved = self._flags[rid]
             self._flags[rid] = 0  # no new access can resolve against it from here on
-            pins = list(self._active.items())
-            before = {t for t, held in pins if held is None}
-            leased = any(held == rid for _, held in pins)
+            try:
+                # Whole, and in C (dict.copy runs no Python code, so no other
+                # thread runs meanwhile): pins come and go without the lock.
+                pins = self._active.copy()
+            except BaseException:
+                self._flags[rid] = saved
+                self._removing.discard(rid)
+                raise
+            before = {t for t, held in pins.items() if held is None}
+            leased = any(held == rid for held in pins.values())
         if leased and self.on_remove is not None:
             try:
                 self.on_remove(rid)  # the holders give their leases back (release)
@@ -268,7 +275,7 @@ class RegionTable:
             try:
                 while any(
                     held == rid or (held is None and token in before)
-                    for token, held in list(self._active.items())
+                    for token, held in self._active.copy().items()
                 ):
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -430,8 +437,10 @@ class RegionTable:
         the caller reads a flag, and ``remove`` clears a region's flags
         before it takes the set of pins to wait for, so a pin taken before
         that is waited for, and one taken after sees the cleared flags. The
-        arrays are one generation (``_tables``); a region added later is
-        absent from them (refused).
+        arrays are one generation (``_tables``): a region added later is
+        absent from them (they grew since) or refused until ``add`` sets its
+        flags, last. All of this leans on the GIL (atomic dict operations
+        and token counter, ordered reads), as kvx's C extensions do.
         """
         token = next(self._tokens)
         self._active[token] = None

@@ -203,7 +203,7 @@ def test_a_table_pin_holds_deregister_and_a_later_one_sees_the_region_gone():
     token, _, _, flags, _ = table.pin_table()
     assert flags[r.id] & VALID
     removed = threading.Event()
-    remover = threading.Thread(target=lambda: (table.remove(r, timeout_s=30), removed.set()))
+    remover = threading.Thread(target=lambda: (table.remove(r, timeout_s=20), removed.set()), daemon=True)
     remover.start()
     deadline = time.monotonic() + 10
     while not table._waiters:  # the deregister waits for the pin now
@@ -220,27 +220,29 @@ def test_a_table_pin_holds_deregister_and_a_later_one_sees_the_region_gone():
     remover.join(10)
 
 
-def test_table_pins_are_of_one_generation_while_the_table_grows():
-    table = RegionTable(4096)
-    stop = threading.Event()
-    seen = []
+def test_a_release_racing_a_deregister_wakes_it():
+    """release() pops its pin, then looks for a waiting deregister: a pop that
+    lands just as the deregister goes to sleep still wakes it (looking first,
+    then popping, would leave it asleep until its timeout)."""
+    table = RegionTable(16)
+    r = table.add(np.zeros(100, np.uint8), remote_access=True)
+    token, *_ = table.pin_table()
 
-    def pin():
-        while not stop.is_set():
-            token, *arrays = table.pin_table()
-            seen.append({len(a) for a in arrays})
-            table.release(token)
+    class PopOnceAsleep(dict):
+        def pop(self, *args):
+            while not table._waiters:
+                time.sleep(0.001)
+            with table._lock:  # free only once the deregister sleeps in its wait
+                pass
+            return super().pop(*args)
 
-    pinner = threading.Thread(target=pin)
-    pinner.start()
-    try:
-        for _ in range(600):  # the arrays grow from 64 to 1,024 entries, four times
-            table.add(bytearray(1), remote_access=True)
-    finally:
-        stop.set()
-        pinner.join(10)
-    assert seen and all(len(lengths) == 1 for lengths in seen)
-    assert not table._active
+    table._active = PopOnceAsleep(table._active)
+    releaser = threading.Thread(target=table.release, args=(token,), daemon=True)
+    releaser.start()
+    started = time.monotonic()
+    table.remove(r, timeout_s=20)
+    assert time.monotonic() - started < 10, "the deregister slept through the release"
+    releaser.join(10)
 
 
 def test_region_limit():
