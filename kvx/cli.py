@@ -511,7 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve one cluster.",
     )
     meta.add_argument("--listen", default="127.0.0.1:50051", help="gRPC host:port (default: 127.0.0.1:50051)")
-    meta.add_argument("--store", default="memory", help="memory (default) or etcd://host:port[,host:port...]")
+    meta.add_argument(
+        "--store",
+        default="memory",
+        help="memory (default), etcd://host:port[,host:port...], or mirror://host:port: a read "
+        "replica of that service, which answers lookups and watches from a copy it keeps "
+        "and refuses registrations and renewals",
+    )
     meta.add_argument(
         "--admin-listen",
         default="127.0.0.1:8081",
@@ -547,6 +553,20 @@ def build_parser() -> argparse.ArgumentParser:
         "the etcd lease every third of this. An agent that died with its replica lingers up to it "
         "(default: 60)",
     )
+    meta.add_argument(
+        "--mirror-stale-s",
+        type=_positive,
+        default=None,
+        help="with a mirror store: once its copy has not followed the primary for this long, the "
+        "replica answers no read (UNAVAILABLE) until it follows again (default: 10, the default lease)",
+    )
+    meta.add_argument(
+        "--primary-tls-ca",
+        help="with a mirror store: PEM CA of the primary's certificate (TLS to the primary); the "
+        "mirror sends the primary the token of --token-file",
+    )
+    meta.add_argument("--primary-tls-cert", help="with a mirror store: client certificate for the primary")
+    meta.add_argument("--primary-tls-key", help="with a mirror store: its private key")
     meta.add_argument(
         "--max-agents",
         type=_positive,
@@ -708,6 +728,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 def _read_token(path: str | None) -> str | None:
     if path is None:
         return None
@@ -753,14 +778,46 @@ def _run_metadata(args: argparse.Namespace) -> int:
     from kvx.metadata.service import MetadataServer, ServiceLimits, TlsConfig
     from kvx.metadata.store import MemoryStore, Store
 
+    primary_tls = (args.primary_tls_ca, args.primary_tls_cert, args.primary_tls_key)
+    if (any(primary_tls) or args.mirror_stale_s is not None) and not args.store.startswith("mirror://"):
+        raise KvxError(
+            "--mirror-stale-s, --primary-tls-ca, --primary-tls-cert and --primary-tls-key go with "
+            "--store mirror://"
+        )
     if args.store == "memory":
         store: Store = MemoryStore()
     elif args.store.startswith("etcd://"):
         from kvx.metadata.etcd import EtcdStore
 
         store = EtcdStore(args.store, backstop_s=args.etcd_lease_backstop_s)
+    elif args.store.startswith("mirror://"):
+        from kvx.metadata.client import MetadataOptions
+        from kvx.metadata.mirror import MirrorStore, parse_mirror_url
+
+        options = MetadataOptions(
+            token=_read_token(args.token_file),
+            tls_ca=args.primary_tls_ca,
+            tls_cert=args.primary_tls_cert,
+            tls_key=args.primary_tls_key,
+        )
+        primary = parse_mirror_url(args.store)
+        if options.token and not args.primary_tls_ca and not _loopback(primary):
+            logging.getLogger("kvx.metadata").warning(
+                "read replica: the token of --token-file goes to the primary %s in plaintext; "
+                "give --primary-tls-ca (the primary serving TLS) outside a trusted network",
+                primary,
+            )
+        store = MirrorStore(
+            primary,
+            options,
+            stale_s=args.mirror_stale_s or 10,
+            max_agents=args.max_agents,
+            max_bytes=args.max_registry_bytes,
+        )
     else:
-        raise KvxError(f"--store must be 'memory' or etcd://host:port[,...], not {args.store!r}")
+        raise KvxError(
+            f"--store must be 'memory', etcd://host:port[,...] or mirror://host:port, not {args.store!r}"
+        )
     if bool(args.tls_cert) != bool(args.tls_key):
         raise KvxError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 AgentRecord = metadata_pb2.AgentRecord
 _Response = TypeVar("_Response")
 
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -74,6 +74,10 @@ class MetadataOptions:
     tls_cert, tls_key: client certificate, when the service requires one.
     lease_ttl_s: the agent's lease; it is renewed every third of it.
     timeout_s:  per call.
+    read_target: "host:port" of a read replica of the service (``kvx metadata
+                --store mirror://SERVICE``), with the same token and TLS
+                settings: an agent's peer lookups and its watch go there,
+                its registration and renewals to the service itself.
     """
 
     token: str | None = None
@@ -82,6 +86,7 @@ class MetadataOptions:
     tls_key: str | None = None
     lease_ttl_s: int = 10
     timeout_s: float = 5.0
+    read_target: str | None = None
 
 
 def translate(exc: grpc.RpcError, target: str) -> Exception:
@@ -103,24 +108,54 @@ def translate(exc: grpc.RpcError, target: str) -> Exception:
     return MetadataError(f"metadata service at {target}: {detail}", code)
 
 
+def credentials(opts: MetadataOptions) -> grpc.ChannelCredentials | None:
+    """The channel's TLS credentials from ``opts``; None for plaintext."""
+    if bool(opts.tls_cert) != bool(opts.tls_key):
+        raise ConfigError("MetadataOptions: tls_cert and tls_key go together")
+    if not (opts.tls_ca or opts.tls_cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_file(opts.tls_ca) if opts.tls_ca else None,
+        private_key=read_file(opts.tls_key) if opts.tls_key else None,
+        certificate_chain=read_file(opts.tls_cert) if opts.tls_cert else None,
+    )
+
+
+def call_metadata(opts: MetadataOptions) -> list[tuple[str, str]] | None:
+    """What every call carries: the bearer token, when there is one."""
+    return [("authorization", f"Bearer {opts.token}")] if opts.token else None
+
+
+def read_through(
+    reader: MetadataClient, service: MetadataClient, name: str
+) -> tuple[AgentRecord | None, bool]:
+    """``name``'s record from ``reader`` (a read replica), else from ``service``
+    itself, and whether it came from ``reader``. A replica that lacks the name
+    (it may not have copied a registration of a moment ago) or does not answer
+    is not the last word; the service's revisions are not the replica's, so a
+    caller compares only the revisions of one of them."""
+    if reader is not service:
+        try:
+            record = reader.get(name)
+        except ConnectError:
+            record = None
+        if record is not None:
+            return record, True
+    return service.get(name), reader is service
+
+
 class MetadataClient:
     def __init__(self, target: str, options: MetadataOptions | None = None) -> None:
         self.target = target
         self.options = options or MetadataOptions()
         opts = self.options
-        if bool(opts.tls_cert) != bool(opts.tls_key):
-            raise ConfigError("MetadataOptions: tls_cert and tls_key go together")
-        if opts.tls_ca or opts.tls_cert:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=read_file(opts.tls_ca) if opts.tls_ca else None,
-                private_key=read_file(opts.tls_key) if opts.tls_key else None,
-                certificate_chain=read_file(opts.tls_cert) if opts.tls_cert else None,
-            )
-            self._channel = grpc.secure_channel(target, creds, options=_CHANNEL_OPTIONS)
+        creds = credentials(opts)
+        if creds is not None:
+            self._channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = metadata_pb2_grpc.MetadataServiceStub(self._channel)
-        self.call_metadata = [("authorization", f"Bearer {opts.token}")] if opts.token else None
+        self.call_metadata = call_metadata(opts)
 
     def close(self) -> None:
         self._channel.close()
@@ -361,7 +396,8 @@ class _Renewer:
 
     @classmethod
     def renew(cls, registration: Registration, lease_id: int, ttl_s: int) -> None:
-        key = (registration.client.target, registration.client.options)
+        # Where reads go does not matter to renewals: one stream for all of them.
+        key = (registration.client.target, dataclasses.replace(registration.client.options, read_target=None))
         with cls._registry_lock:
             if registration._stop.is_set():
                 return  # stopped meanwhile: leave() has run or will not find it
@@ -557,6 +593,9 @@ class Watcher:
         )
         self.synced = threading.Event()  # the current request's snapshot has been passed on
         self.snapshot_names: frozenset[str] = frozenset()
+        # True while the events passed on are a new stream's snapshot (before its SYNCED):
+        # a reconnection may have reached another replica, whose revisions are its own.
+        self.snapshotting = True
         self.names_refused = False  # the service refused a watch of names: every agent is watched
         self._lock = threading.Lock()
         self._generation = 0  # counts watch_names calls: a stream of an older one is cut short
@@ -592,6 +631,7 @@ class Watcher:
                     request, metadata=self.client.call_metadata
                 )
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
+            self.snapshotting = True
             answered = False
             try:
                 for event in stream:
@@ -602,6 +642,7 @@ class Watcher:
                     if synced:
                         self.snapshot_names = frozenset(present or ())
                         present = None
+                        self.snapshotting = False
                     try:
                         self.on_event(event)
                     except Exception:

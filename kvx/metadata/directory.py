@@ -27,7 +27,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvx.errors import ConfigError, ConnectError
-from kvx.metadata.client import MAX_WATCH_NAMES, MetadataClient, MetadataOptions, Registration, Watcher
+from kvx.metadata.client import (
+    MAX_WATCH_NAMES,
+    MetadataClient,
+    MetadataOptions,
+    Registration,
+    Watcher,
+    read_through,
+)
 from kvx.metadata.roles import ROLES
 from kvx.v1 import metadata_pb2
 
@@ -60,6 +67,14 @@ class Directory:
         self.engine_info = dict(engine_info or {})
         self.started_unix_ms = int(time.time() * 1000)
         self.client = MetadataClient(target, options)
+        # Lookups and the watch: a read replica's when there is one, so that they do
+        # not queue behind the renewals of every agent at the service.
+        read_target = options.read_target if options is not None else None
+        try:
+            self.reader = MetadataClient(read_target, options) if read_target else self.client
+        except BaseException:
+            self.client.close()
+            raise
         self.registration = Registration(self.client, self.record)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
@@ -72,7 +87,7 @@ class Directory:
         try:
             self.registration.start()
         except BaseException:
-            self.client.close()
+            self._close_clients()
             raise
 
     def record(self) -> metadata_pb2.AgentRecord:
@@ -98,20 +113,23 @@ class Directory:
         if cached is not None and cached.alive and fresh:
             return cached
         for _ in range(5):
-            record = self.client.get(name)
+            record, comparable = read_through(self.reader, self.client, name)
             if record is None:
                 self._forget(name, cached)
                 raise ConnectError(
                     f"no agent named {name!r} is registered with the metadata service at {self.client.target}"
                 )
             with self._lock:
-                # A watch event newer than this answer means the answer is already old: ask again.
-                if self._seen_revision.get(name, 0) > record.revision:
+                # A watch event newer than this answer means the answer is already old: ask
+                # again. (An answer of the service itself, when a read replica lacked the
+                # name, counts in the service's revisions, not the watch's: not compared.)
+                if comparable and self._seen_revision.get(name, 0) > record.revision:
                     continue
                 self._stale.discard(name)
                 self._known[name] = record.epoch
-                # The watch's snapshot of this record, if it comes later, is no news.
-                self._seen_revision[name] = max(self._seen_revision.get(name, 0), record.revision)
+                if comparable:
+                    # The watch's snapshot of this record, if it comes later, is no news.
+                    self._seen_revision[name] = max(self._seen_revision.get(name, 0), record.revision)
             return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
@@ -125,12 +143,12 @@ class Directory:
             names = self._watched if len(self._watched) <= MAX_WATCHED_NAMES else ()
             watcher = self._watcher
             if watcher is None:
-                watcher = self._watcher = Watcher(self.client, self._on_event, names=names)
+                watcher = self._watcher = Watcher(self.reader, self._on_event, names=names)
             elif watcher.names_refused or (not watcher.request.names and not names):
                 return  # it already watches every agent
             else:
                 watcher.watch_names(names)
-        watcher.synced.wait(self.client.options.timeout_s)
+        watcher.synced.wait(self.reader.options.timeout_s)
 
     def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:
         if event.type == _SYNCED:
@@ -139,6 +157,11 @@ class Directory:
         if event.type not in (_PUT, _DELETE):
             return
         name, epoch = event.record.name, event.record.epoch
+        watcher = self._watcher
+        # A new stream's snapshot (the first, or after a reconnection that may have reached
+        # another read replica, or a restarted service) sets the revisions anew: those of an
+        # earlier stream may count in another service's revisions.
+        snapshot = event.type == _PUT and (watcher is None or watcher.snapshotting)
         with self._lock:
             # Regions may have changed, or the agent is gone. A PUT of the very record
             # this agent knows (a restarted watch's snapshot) changes nothing.
@@ -146,7 +169,10 @@ class Directory:
                 event.revision != self._seen_revision.get(name) or epoch != self._known.get(name)
             ):
                 self._stale.add(name)
-            self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
+            if snapshot:
+                self._seen_revision[name] = event.revision
+            else:
+                self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             if event.type == _PUT:
                 self._known[name] = epoch
         if event.type == _PUT:
@@ -183,10 +209,18 @@ class Directory:
             return
         present = watcher.snapshot_names
         with self._lock:
-            self._stale.update(self._watched - present)
+            missing = self._watched - present
+            self._stale.update(missing)
+            for name in missing:  # its revision was another stream's: the next lookup sets it
+                self._seen_revision.pop(name, None)
 
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
         self.registration.stop(unregister=True)
+        self._close_clients()
+
+    def _close_clients(self) -> None:
+        if self.reader is not self.client:
+            self.reader.close()
         self.client.close()

@@ -282,6 +282,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def register(
         self, request: metadata_pb2.RegisterAgentRequest
     ) -> metadata_pb2.RegisterAgentResponse:
+        self.store.refuse_writes()
         record = request.record
         self._validate(record)
         ttl = request.ttl_s or self.limits.default_ttl_s
@@ -385,6 +386,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     async def KeepAlive(self, request_iterator, context):  # noqa: N802
         try:
             self._authorize(context)
+            self.store.refuse_writes()
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         self.metrics.keep_alive_streams.inc()
@@ -437,6 +439,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     ) -> metadata_pb2.UnregisterAgentResponse:
         """Ends the record of ``name`` if it is under ``lease_id``; ``evict`` (the admin
         API, behind the admin token) ends it whatever its lease."""
+        self.store.refuse_writes()
         for _ in range(8):
             current = await self.store.get(name)
             if current is None or (epoch and current.epoch != epoch):

@@ -83,6 +83,11 @@ class Store(abc.ABC):
     async def ready(self) -> bool:
         """True when the store answers (for /readyz and gRPC health)."""
 
+    def refuse_writes(self) -> None:
+        """Raises ``Refused`` where this store takes no writes (a read replica,
+        ``mirror.py``); the service calls it before a registration, a renewal or
+        an unregistration."""
+
     @abc.abstractmethod
     async def grant_lease(self, ttl_s: int) -> int:
         """A new lease id, expiring ttl_s seconds from now unless renewed."""

@@ -1,0 +1,377 @@
+"""Read replicas of the memory store (``kvx metadata --store mirror://PRIMARY``),
+against real services on loopback: the copy follows the primary's changes,
+refuses every write, resynchronises after the primary restarts, stops
+answering once it is stale, and needs the primary's token."""
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvx
+from kvx.errors import ConfigError
+from kvx.metadata.client import MetadataClient, MetadataOptions
+from kvx.metadata.mirror import MirrorStore, parse_mirror_url
+from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.v1 import metadata_pb2
+from tests.conftest import native_pass_only, wait_until
+from tests.integration.metadata_util import agent_record, stub
+
+pytestmark = native_pass_only
+
+TOKEN = "mirror-token-0123456789"
+
+
+def _mirror(primary: str, token: str | None = None, stale_s: float = 10.0, **server) -> ThreadedServer:
+    store = MirrorStore(primary, MetadataOptions(token=token), stale_s=stale_s)
+    return ThreadedServer(MetadataServer("127.0.0.1:0", store, token=token, **server))
+
+
+def _get(address: str, name: str, token: str | None = None):
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    return stub(address).GetAgent(metadata_pb2.GetAgentRequest(name=name), timeout=5, metadata=metadata)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def _epoch_at(address: str, name: str) -> int | None:
+    try:
+        return _get(address, name).record.epoch
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def _register(address: str, name: str, epoch: int = 7, ttl_s: int = 30, lease_id: int = 0):
+    return stub(address).RegisterAgent(
+        metadata_pb2.RegisterAgentRequest(
+            record=agent_record(name, epoch, 1), ttl_s=ttl_s, lease_id=lease_id
+        ),
+        timeout=5,
+    )
+
+
+def _serving(address: str) -> int:
+    channel = grpc.insecure_channel(address)
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    finally:
+        channel.close()
+
+
+def test_a_mirror_copies_the_records_and_follows_every_change(service):
+    first = _register(service.address, "before", 3)  # in the mirror's first snapshot
+    with _mirror(service.address) as mirror:
+        assert wait_until(lambda: _epoch_at(mirror.address, "before") == 3, tolerate=(grpc.RpcError,))
+        answer = _get(mirror.address, "before").record
+        assert answer.lease_id == 0 and answer.metadata.name == "before"
+        assert [r.id for r in answer.metadata.regions] == [1]
+
+        _register(service.address, "after", 5)
+        assert wait_until(lambda: _epoch_at(mirror.address, "after") == 5)
+        second = _register(service.address, "before", 4, lease_id=first.lease_id)  # re-registered, new epoch
+        assert wait_until(lambda: _epoch_at(mirror.address, "before") == 4)
+        stub(service.address).UnregisterAgent(
+            metadata_pb2.UnregisterAgentRequest(name="before", lease_id=second.lease_id), timeout=5
+        )
+        code, _ = _code(
+            lambda: stub(service.address).UnregisterAgent(
+                metadata_pb2.UnregisterAgentRequest(name="after"), timeout=5
+            )
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert wait_until(lambda: _epoch_at(mirror.address, "before") is None)
+        assert _epoch_at(mirror.address, "after") == 5  # its unregistration without the lease was refused
+
+        # A lease that runs out at the primary takes the record out of the copy too.
+        _register(service.address, "short", 9, ttl_s=2)
+        assert wait_until(lambda: _epoch_at(mirror.address, "short") == 9)
+        assert wait_until(lambda: _epoch_at(mirror.address, "short") is None, timeout_s=10)
+
+        listed = MetadataClient(mirror.address).list()
+        assert [record.name for record in listed] == ["after"]
+        assert _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_mirror_refuses_every_write_and_names_its_primary(service):
+    with _mirror(service.address) as mirror:
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        calls = {
+            "RegisterAgent": lambda: _register(mirror.address, "w"),
+            "UnregisterAgent": lambda: stub(mirror.address).UnregisterAgent(
+                metadata_pb2.UnregisterAgentRequest(name="w", lease_id=1), timeout=5
+            ),
+            "KeepAlive": lambda: list(
+                stub(mirror.address).KeepAlive(iter([metadata_pb2.KeepAliveRequest(lease_id=1)]), timeout=5)
+            ),
+        }
+        for method, call in calls.items():
+            code, details = _code(call)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, method
+            assert service.address in details and "read replica" in details, details
+        assert mirror.server.store._records == {}  # nothing written to the copy
+        assert _epoch_at(service.address, "w") is None  # and nothing forwarded
+
+
+def test_an_agent_looks_its_peers_up_at_the_read_replica(service):
+    """MetadataOptions.read_target: registration and renewals at the service,
+    lookups and the watch at the replica."""
+
+    def lookups(srv: ThreadedServer) -> float:
+        value = srv.server.metrics.registry.get_sample_value(
+            "kvx_metadata_request_seconds_count", {"method": "GetAgent"}
+        )
+        return value or 0.0
+
+    with _mirror(service.address) as mirror:
+        options = MetadataOptions(read_target=mirror.address)
+        with (
+            kvx.Agent("mirror-a", metadata=service.address, metadata_options=options) as a,
+            kvx.Agent("mirror-b", metadata=service.address, metadata_options=options) as b,
+        ):
+            assert wait_until(lambda: _epoch_at(mirror.address, "mirror-b") == b.epoch)
+            before = lookups(service)
+            peer = a.connect("mirror-b")
+            assert peer.epoch == b.epoch
+            assert lookups(mirror) >= 1 and lookups(service) == before
+            assert wait_until(lambda: mirror.server.servicer.watch_streams >= 1)
+            assert service.server.servicer.watch_streams == 1  # the mirror's own, no agent's
+
+
+def test_a_mirror_resynchronises_after_the_primary_restarts():
+    primary = ThreadedServer(MetadataServer("127.0.0.1:0"))
+    address = primary.address
+    try:
+        _register(address, "stays", 1)
+        _register(address, "goes", 2)
+        with _mirror(address) as mirror:
+            assert wait_until(lambda: _epoch_at(mirror.address, "goes") == 2, tolerate=(grpc.RpcError,))
+            events: list = []
+            watch = stub(mirror.address).WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=30)
+            for event in watch:
+                events.append(event)
+                if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED:
+                    break
+
+            primary.stop()
+            # Within stale_s the copy still answers, as it was.
+            assert _epoch_at(mirror.address, "goes") == 2
+            primary = ThreadedServer(MetadataServer(address))  # same port, empty memory store
+            _register(address, "stays", 1)
+            _register(address, "new", 3)
+            store = mirror.server.store
+            assert wait_until(
+                lambda: store.resyncs >= 1 and _epoch_at(mirror.address, "new") == 3, timeout_s=15
+            )
+            assert _epoch_at(mirror.address, "goes") is None
+            assert _epoch_at(mirror.address, "stays") == 1
+
+            # The mirror's own watcher saw the difference: "goes" deleted, "new" put,
+            # "stays" (registered again: a new registration time) put, never deleted.
+            changes = []
+            for event in watch:
+                changes.append((event.type, event.record.name))
+                if {("goes", metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE)} <= {
+                    (name, kind) for kind, name in changes
+                } and any(name == "new" for _, name in changes):
+                    break
+            watch.cancel()
+            assert (metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE, "goes") in changes
+            assert (metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT, "new") in changes
+            assert (metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE, "stays") not in changes
+    finally:
+        primary.stop()
+
+
+def test_a_mirror_that_lost_its_primary_answers_nothing_once_stale():
+    primary = ThreadedServer(MetadataServer("127.0.0.1:0"))
+    try:
+        _register(primary.address, "p", 1)
+        with _mirror(primary.address, stale_s=1) as mirror:
+            assert wait_until(lambda: _epoch_at(mirror.address, "p") == 1, tolerate=(grpc.RpcError,))
+            watch = stub(mirror.address).WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=30)
+            assert next(watch).record.name == "p"
+            assert next(watch).type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+            primary.stop()
+            with pytest.raises(grpc.RpcError) as info:
+                next(watch)  # cut off once stale, not left waiting on a copy that no longer moves
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            code, details = _code(lambda: _get(mirror.address, "p"))
+            assert code == grpc.StatusCode.UNAVAILABLE and "lost the primary" in details
+            assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        primary.stop()
+
+
+def test_a_mirror_without_the_primary_token_copies_nothing_and_says_so():
+    """The primary's token guards its records from a mirror as from any client;
+    an unsynchronised mirror answers UNAVAILABLE, never 'not found'."""
+    with ThreadedServer(MetadataServer("127.0.0.1:0", token=TOKEN)) as primary:
+        metadata = [("authorization", f"Bearer {TOKEN}")]
+        stub(primary.address).RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=agent_record("secret", 1, 1), ttl_s=30),
+            timeout=5,
+            metadata=metadata,
+        )
+        wrong = "not-the-token-0123456789"
+        with _mirror(primary.address, token=wrong) as mirror:
+            time.sleep(1.0)  # several attempts at the primary, each refused
+            assert mirror.server.store._records == {}
+            code, details = _code(lambda: _get(mirror.address, "secret", wrong))
+            assert code == grpc.StatusCode.UNAVAILABLE and "not copied" in details
+        with _mirror(primary.address, token=TOKEN) as mirror:
+            assert wait_until(
+                lambda: _get(mirror.address, "secret", TOKEN).record.epoch == 1, tolerate=(grpc.RpcError,)
+            )
+            # The mirror asks its own clients for the token too.
+            code, _ = _code(lambda: _get(mirror.address, "secret"))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_mirror_urls_name_one_primary():
+    assert parse_mirror_url("mirror://10.0.0.5:50051") == "10.0.0.5:50051"
+    assert parse_mirror_url("mirror://[::1]:50051") == "[::1]:50051"
+    for bad in (
+        "mirror://",
+        "mirror://host",
+        "mirror://a:1,b:2",
+        "etcd://a:1",
+        "mirror://:1",
+        "mirror://h:x",
+    ):
+        with pytest.raises(ConfigError):
+            parse_mirror_url(bad)
+
+
+def test_a_resync_republishes_only_what_changed():
+    """A new snapshot's copy of a record the mirror holds is no change: its
+    watchers see nothing, and its revision stays."""
+    import asyncio
+
+    async def run() -> None:
+        store = MirrorStore("127.0.0.1:1")
+        store._following = store._synced_once = True  # as after a first snapshot
+        record = agent_record("same", 2, 1)
+        record.registered_unix_ms = 123
+        store._put(record)
+        revision = (await store.get("same")).revision
+        watch = store.watch()
+        assert (await watch.__anext__()).record.name == "same"
+        assert (await watch.__anext__()).type.value == "synced"
+        again = agent_record("same", 2, 1)
+        again.registered_unix_ms = 123
+        again.revision = 99  # the primary's revision is not the copy's
+        store._put(again)
+        changed = agent_record("same", 3, 1)
+        store._put(changed)
+        event = await asyncio.wait_for(watch.__anext__(), 5)
+        assert event.record.epoch == 3 and event.revision == revision + 1
+        await watch.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_mirror_holds_no_more_than_its_limits(service):
+    """The primary's stream is input from the network: a copy that would pass the
+    replica's --max-agents is not served, and says why."""
+    _register(service.address, "one", 1)
+    _register(service.address, "two", 2)
+    store = MirrorStore(service.address, stale_s=10, max_agents=1)
+    with ThreadedServer(MetadataServer("127.0.0.1:0", store)) as mirror:
+        assert wait_until(lambda: len(store._records) == 1)
+        time.sleep(0.5)  # more attempts, each stopped at the bound
+        assert len(store._records) == 1 and not store._synced_once
+        code, details = _code(lambda: _get(mirror.address, "one"))
+        assert code == grpc.StatusCode.UNAVAILABLE and "not copied" in details
+
+
+def test_an_agent_whose_reads_move_to_a_restarted_replica_keeps_resolving(service):
+    """Each replica counts revisions of its own: when an agent's watch reconnects
+    to a restarted replica (or another one), it takes its revisions from the new
+    snapshot, and a lookup there is not refused as older than what it saw before."""
+    mirror = ThreadedServer(MetadataServer("127.0.0.1:0", MirrorStore(service.address)))
+    address = mirror.address
+    try:
+        for i in range(30):  # the replica's counter runs ahead of a restarted one's
+            _register(service.address, f"pad-{i}", 1)
+        options = MetadataOptions(read_target=address)
+        with (
+            kvx.Agent("move-a", metadata=service.address, metadata_options=options) as a,
+            kvx.Agent("move-b", metadata=service.address, metadata_options=options) as b,
+        ):
+            assert wait_until(lambda: _epoch_at(address, "move-b") == b.epoch)
+            assert a.connect("move-b").epoch == b.epoch
+            directory = a._directory
+            assert directory is not None
+            before = directory._seen_revision["move-b"]
+            mirror.stop()
+            mirror = ThreadedServer(MetadataServer(address, MirrorStore(service.address)))
+            # The new replica's snapshot reaches the agent's watch: "move-b" counts lower there.
+            assert wait_until(lambda: directory._seen_revision.get("move-b", before) < before, timeout_s=15)
+            assert a.connect("move-b").epoch == b.epoch
+    finally:
+        mirror.stop()
+
+
+def test_a_name_the_replica_lacks_is_asked_of_the_service(service):
+    """A replica that has not copied a registration yet (here: one that follows
+    another service) is not the last word on a name."""
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0")) as elsewhere,
+        _mirror(elsewhere.address) as mirror,
+    ):
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        options = MetadataOptions(read_target=mirror.address)
+        with (
+            kvx.Agent("lack-a", metadata=service.address, metadata_options=options) as a,
+            kvx.Agent("lack-b", metadata=service.address) as b,
+        ):
+            assert a.connect("lack-b").epoch == b.epoch
+            with pytest.raises(kvx.ConnectError, match="no agent named 'lack-c'"):
+                a.connect("lack-c")
+
+
+def test_kvx_metadata_runs_a_read_replica(service, tmp_path):
+    """The command line: ``--store mirror://`` serves the primary's records; its
+    flags without a mirror store, or a malformed URL, are refused at start."""
+    import socket
+    import subprocess
+    import sys
+
+    def kvx_metadata(*flags: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvx.cli", "metadata", "--admin-listen", "off", *flags],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kw,
+        )
+
+    for flags, says in (
+        (["--mirror-stale-s", "5"], "go with --store mirror://"),
+        (["--primary-tls-ca", str(tmp_path / "ca.pem")], "go with --store mirror://"),
+        (["--store", "mirror://a:1,b:2"], "one primary service"),
+    ):
+        proc = kvx_metadata("--listen", "127.0.0.1:0", *flags)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and says in err, (flags, err)
+
+    _register(service.address, "cli", 4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = kvx_metadata("--listen", address, "--store", f"mirror://{service.address}")
+    try:
+        assert wait_until(lambda: _epoch_at(address, "cli") == 4, 30, (grpc.RpcError,))
+        code, details = _code(lambda: _register(address, "cli-2"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and service.address in details
+    finally:
+        proc.terminate()
+        proc.wait(10)
