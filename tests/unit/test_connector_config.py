@@ -20,12 +20,14 @@ def test_values_are_taken() -> None:
             "side_channel_port": 5600,
             "streams": 4,
             "metadata": "10.0.0.9:50051",
+            "metadata_read": "10.0.0.9:50052",
             "api_url": "http://x:8100",
             "backend": "tcp",
         }
     )
     assert (cfg.lease_s, cfg.side_channel_port, cfg.streams, cfg.metadata) == (5, 5600, 4, "10.0.0.9:50051")
     assert cfg.backend == "tcp" and KvxConnectorConfig.from_extra({}).backend == "auto"
+    assert cfg.metadata_read == "10.0.0.9:50052"
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,8 @@ def test_values_are_taken() -> None:
         ({"agent_port": -1}, "port"),
         ({"streams": 0}, "streams"),
         ({"backend": "udp"}, "backend must be one of auto, tcp, shm, cuda_ipc"),
+        ({"metadata_read": "10.0.0.9:50052"}, "set metadata too"),
+        ({"metadata": "m:1", "metadata_read": 50052}, "read replica"),
     ],
 )
 def test_bad_values_are_refused_with_the_key(extra, match) -> None:

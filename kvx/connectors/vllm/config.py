@@ -17,6 +17,7 @@ _KEYS = {
     "side_channel_port",
     "metadata",
     "metadata_token_file",
+    "metadata_read",
     "auth_secret_file",
     "allow_insecure",
     "transfer_timeout_s",
@@ -48,6 +49,9 @@ class KvxConnectorConfig:
     metadata:           "host:port" of a kvx metadata service: agents
                         register there and decode finds prefill by name.
     metadata_token_file: bearer token for that service.
+    metadata_read:      "host:port" of a read replica of that service
+                        (``kvx metadata --store mirror://...``): lookups
+                        and watches go there, registration to ``metadata``.
     auth_secret_file:   the cluster secret (>= 16 bytes); also $KVX_AUTH_SECRET.
     allow_insecure:     listen on a non-loopback host without a secret.
     transfer_timeout_s: a receive that has not finished by then fails.
@@ -66,6 +70,7 @@ class KvxConnectorConfig:
     agent_port: int = 0
     metadata: str | None = None
     metadata_token_file: str | None = None
+    metadata_read: str | None = None
     auth_secret_file: str | None = None
     allow_insecure: bool = False
     transfer_timeout_s: float = 30.0
@@ -101,6 +106,11 @@ class KvxConnectorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or not 0 <= v <= 65535:
                 raise ConfigError(f"kv_connector_extra_config {name} must be a port number, not {v!r}")
+        if self.metadata_read is not None and (not isinstance(self.metadata_read, str) or not self.metadata):
+            raise ConfigError(
+                'kv_connector_extra_config metadata_read is the "host:port" of a read replica of the '
+                "service named by metadata; set metadata too"
+            )
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
             raise ConfigError(f"kv_connector_extra_config streams must be 1..64, not {self.streams!r}")
         try:

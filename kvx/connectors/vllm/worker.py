@@ -129,6 +129,7 @@ class KvxWorker:
         # Notes that came before the scheduler told us of the hold: request -> (notes so far, expiry).
         self._early: dict[str, tuple[_Held, float]] = {}
         self._metadata_client: Any = None
+        self._metadata_reader: Any = None  # a read replica (metadata_read), else the same client
         self._engines: dict[tuple[str, tuple[str, ...]], _RemoteEngine] = {}
         self._engine_locks: dict[str, threading.Lock] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvx-recv")
@@ -190,7 +191,7 @@ class KvxWorker:
         token = None
         if self.cfg.metadata_token_file:
             token = read_file(self.cfg.metadata_token_file).decode().strip()
-        return MetadataOptions(token=token)
+        return MetadataOptions(token=token, read_target=self.cfg.metadata_read)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> list[RankCache]:
         """One RankCache per KV-cache group; under the hybrid allocator the groups' layers
@@ -518,14 +519,17 @@ class KvxWorker:
             )
         import json
 
-        from kvx.metadata.client import MetadataClient
+        from kvx.metadata.client import MetadataClient, read_through
 
         if self._metadata_client is None:
             self._metadata_client = MetadataClient(self.cfg.metadata, self._metadata_options())
+            self._metadata_reader = self._metadata_client
+            if self.cfg.metadata_read:
+                self._metadata_reader = MetadataClient(self.cfg.metadata_read, self._metadata_options())
         ranks: list[Any] = []
         info: dict[str, Any] = {}
         for name in params["kvx"]["agents"]:
-            record = self._metadata_client.get(str(name))
+            record, _ = read_through(self._metadata_reader, self._metadata_client, str(name))
             if record is None:
                 raise PeerLostError(
                     f"prefill agent {name!r} is not registered in the metadata service "
