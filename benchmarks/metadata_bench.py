@@ -6,6 +6,8 @@ Every mode prints one JSON object. The goal figures, one command each:
     python benchmarks/metadata_bench.py --agents 100000 --lookups-per-s 1000 --duration-s 60
     # the same on etcd (a local one is started), two replicas sharing the load
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --store etcd --replicas 2
+    # the memory store with two read replicas: lookups (and watches) go to them
+    python benchmarks/metadata_bench.py --agents 100000 --lookups-per-s 1000 --duration-s 60 --read-replicas 2
     # service CPU per lookup (no renewals) and per renewal (no lookups)
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --no-keepalive
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --renewals-only
@@ -14,8 +16,10 @@ Every mode prints one JSON object. The goal figures, one command each:
     # watch fan-out: 1,000 watchers of 8 agents each, 20 changes/s
     python benchmarks/metadata_bench.py --mode watch --agents 100000 --watchers 1000 --changes-per-s 20 --duration-s 60
 
-Processes: the service (`kvx metadata`, --replicas of them on one store), and
-load generators, each its own process, connected to every replica:
+Processes: the service (`kvx metadata`, --replicas of them on one store, and
+--read-replicas mirrors of the first: `--store mirror://`), and load
+generators, each its own process, connected to every replica (lookups and
+watchers to the read replicas when there are any):
   - agent hosts (--agent-procs): register their share of the --agents
     (ttl_s 0: the service default; --register-concurrency calls in flight
     each), then renew every lease every ttl/3 as a client does, the leases of
@@ -454,7 +458,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
     requests = [metadata_pb2.GetAgentRequest(name=_name(i)).SerializeToString() for i in range(cfg["agents"])]
 
     async def main() -> dict:
-        chans = [_channel(a) for a in cfg["addresses"]]
+        chans = [_channel(a) for a in cfg["read_addresses"]]
         methods = [c.unary_unary(SERVICE + "GetAgent") for c in chans]
         for m in methods:
             with contextlib.suppress(grpc.aio.AioRpcError):
@@ -518,7 +522,7 @@ def _watch_proc(cfg: dict, idx: int, count: int, ctl: dict, out: Any) -> None:
     pool = cfg["watched_agents"]
 
     async def main() -> dict:
-        chans = [_channel(a) for a in cfg["addresses"]]
+        chans = [_channel(a) for a in cfg["read_addresses"]]
         methods = [c.unary_stream(SERVICE + "WatchAgents") for c in chans]
         lat_ms: list[float] = []
         c = {"synced": 0, "delivered": 0, "received": 0, "snapshot_events": 0, "stream_errors": 0}
@@ -724,6 +728,22 @@ class _Replica:
                 self.kill()
 
 
+def _wait_serving(address: str, timeout_s: float = 60) -> None:
+    """Until the service at ``address`` reports SERVING (a read replica: its first copy is complete)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1:
+                    return
+            time.sleep(0.1)
+    raise RuntimeError(f"the service at {address} did not report SERVING within {timeout_s} s")
+
+
 def _count_registered(address: str) -> int:
     import grpc
 
@@ -846,6 +866,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--storm-timeout-s", type=float, default=600.0)
     p.add_argument("--store", default="memory", help="memory, etcd (a local one is started) or etcd://...")
     p.add_argument("--replicas", type=int, default=1, help="kvx metadata processes on the one store")
+    p.add_argument(
+        "--read-replicas",
+        type=int,
+        default=0,
+        help="kvx metadata --store mirror:// processes following the first replica; lookups and "
+        "watchers go to them",
+    )
     p.add_argument("--profile", action="store_true", help="sample replica 0 with py-spy")
     p.add_argument(
         "--service-cpus",
@@ -857,6 +884,8 @@ def _parse() -> argparse.Namespace:
     args = p.parse_args()
     if args.replicas > 1 and args.store == "memory":
         p.error("--replicas > 1 needs a shared store: --store etcd or etcd://...")
+    if args.read_replicas < 0 or (args.read_replicas and args.store != "memory"):
+        p.error("--read-replicas mirrors the memory store (etcd replicas share their store already)")
     if args.no_keepalive and args.mode != "steady":
         p.error("--no-keepalive is for --mode steady")
     if not 1 <= args.agents_per_process <= 1024:
@@ -881,6 +910,7 @@ def main() -> int:
         "mode": args.mode,
         "store": args.store,
         "replicas": args.replicas,
+        "read_replicas": args.read_replicas,
         "service_cpus": args.service_cpus or "all",
         "agents": args.agents,
         "agents_per_process": args.agents_per_process,
@@ -888,8 +918,15 @@ def main() -> int:
     try:
         for _ in range(args.replicas):
             replicas.append(_Replica(f"127.0.0.1:{_free_port()}", store, args))
+        mirrors: list[_Replica] = []
+        for _ in range(args.read_replicas):
+            mirrors.append(_Replica(f"127.0.0.1:{_free_port()}", f"mirror://{replicas[0].address}", args))
+            replicas.append(mirrors[-1])  # stopped with the others; their CPU is the service's too
+        for m in mirrors:
+            _wait_serving(m.address)
         cfg = {
-            "addresses": [r.address for r in replicas],
+            "addresses": [r.address for r in replicas if r not in mirrors],
+            "read_addresses": [r.address for r in (mirrors or replicas)],
             "agents": args.agents,
             "agents_per_process": args.agents_per_process,
             "agent_procs": args.agent_procs,
@@ -948,10 +985,13 @@ def main() -> int:
             t_kill = time.monotonic()
             cpu_before = [_cpu_s(pid) for pid in pids]
             for r in replicas:
-                r.kill()
+                if r not in mirrors:  # read replicas follow the restarted service by themselves
+                    r.kill()
             for r in replicas:
-                r.start()
+                if r not in mirrors:
+                    r.start()
             t_up = time.monotonic()
+            mirror_cpu_up = {r.proc.pid: _cpu_s(r.proc.pid) for r in mirrors}
             back = _collect_back(out_a, len(shares), t_kill, args.storm_timeout_s)
             t_back = max(back)
             time.sleep(2.0)
@@ -961,14 +1001,17 @@ def main() -> int:
                     "reregister_all_s": round(t_back - t_up, 2),
                     "reregister_all_from_kill_s": round(t_back - t_kill, 2),
                     "storm_service_cpu_cores": round(
-                        sum(_cpu_s(r.proc.pid) for r in replicas) / (time.monotonic() - t_up), 2
+                        sum(_cpu_s(r.proc.pid) - mirror_cpu_up.get(r.proc.pid, 0.0) for r in replicas)
+                        / (time.monotonic() - t_up),
+                        2,
                     ),
                 }
             )
             result["service_cpu_before_kill_cores"] = round(
                 sum(b - a for a, b in zip(cpu0, cpu_before, strict=True)) / (t_kill - w0), 3
             )
-            cpu0 = [0.0 for _ in replicas]  # the restarted processes: CPU since their start
+            # The restarted processes: CPU since their start; the read replicas: since then.
+            cpu0 = [mirror_cpu_up.get(r.proc.pid, 0.0) for r in replicas]
             w0 = t_up
             times = {"t_kill": t_kill, "t_up": t_up, "t_back": t_back}
         else:
@@ -999,7 +1042,7 @@ def main() -> int:
             _watch_figures(result, watches, service_cpu * window)
         result["service_cpu_cores"] = round(service_cpu, 3)
         result["service_peak_rss_mib"] = round(sum(rss) / 1024, 1)
-        if args.replicas > 1:
+        if args.replicas > 1 or mirrors:
             result["replicas_cpu_cores"] = [round(c, 3) for c in cpu]
             result["replicas_peak_rss_mib"] = [round(k / 1024, 1) for k in rss]
         if etcd:
@@ -1015,7 +1058,7 @@ def main() -> int:
             p.join(15)
             if p.is_alive():
                 p.kill()
-        for r in replicas:
+        for r in reversed(replicas):  # read replicas first: their primary outlives them
             r.stop()
         if etcd:
             etcd.stop()
