@@ -10,9 +10,13 @@ it costs the service what the peers cost, not what the registry costs. A
 name resolved for the first time restarts the watch with the larger set of
 names before the name is looked up; a change that lands while the watch
 restarts is in the new watch's snapshot (a peer missing from it is marked
-stale too). A snapshot's record marks its peer stale only when it is not
-the record this agent knows (another revision or epoch): a restart of the
-watch for one new peer costs no lookups of the others. Past
+stale too). A watch event marks its peer stale only when it is not the
+record this agent knows (other metadata or another epoch): a restart of the
+watch for one new peer costs no lookups of the others. No revisions are
+compared: lookups and the watch may be answered by different services (a
+read replica, the service itself when the replica lacks a name, a replica
+restarted with a counter of its own); a lookup during which a watch event
+of its name arrived is asked again instead. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -21,6 +25,7 @@ watch of names is watched whole (see ``Watcher``), with a warning.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -78,7 +83,10 @@ class Directory:
         self.registration = Registration(self.client, self.record)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
-        self._seen_revision: dict[str, int] = {}  # name -> store revision of its newest event
+        # name -> digest of the metadata of the record a lookup last returned: an event
+        # that carries the same is no news.
+        self._known_metadata: dict[str, bytes] = {}
+        self._events: dict[str, int] = {}  # name -> watch events seen of it (counted)
         self._stale: set[str] = set()
         self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
@@ -113,23 +121,22 @@ class Directory:
         if cached is not None and cached.alive and fresh:
             return cached
         for _ in range(5):
-            record, comparable = read_through(self.reader, self.client, name)
+            with self._lock:
+                events = self._events.get(name, 0)
+            record = read_through(self.reader, self.client, name)
             if record is None:
                 self._forget(name, cached)
                 raise ConnectError(
                     f"no agent named {name!r} is registered with the metadata service at {self.client.target}"
                 )
             with self._lock:
-                # A watch event newer than this answer means the answer is already old: ask
-                # again. (An answer of the service itself, when a read replica lacked the
-                # name, counts in the service's revisions, not the watch's: not compared.)
-                if comparable and self._seen_revision.get(name, 0) > record.revision:
+                # A watch event of this name during the lookup may be newer than the answer: ask again.
+                if self._events.get(name, 0) != events:
                     continue
                 self._stale.discard(name)
                 self._known[name] = record.epoch
-                if comparable:
-                    # The watch's snapshot of this record, if it comes later, is no news.
-                    self._seen_revision[name] = max(self._seen_revision.get(name, 0), record.revision)
+                # The watch's event of this record, if it comes later, is no news.
+                self._known_metadata[name] = _digest(record)
             return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
@@ -157,22 +164,17 @@ class Directory:
         if event.type not in (_PUT, _DELETE):
             return
         name, epoch = event.record.name, event.record.epoch
-        watcher = self._watcher
-        # A new stream's snapshot (the first, or after a reconnection that may have reached
-        # another read replica, or a restarted service) sets the revisions anew: those of an
-        # earlier stream may count in another service's revisions.
-        snapshot = event.type == _PUT and (watcher is None or watcher.snapshotting)
+        digest = _digest(event.record) if event.type == _PUT else None
         with self._lock:
+            self._events[name] = self._events.get(name, 0) + 1
             # Regions may have changed, or the agent is gone. A PUT of the very record
-            # this agent knows (a restarted watch's snapshot) changes nothing.
-            if event.type == _DELETE or (
-                event.revision != self._seen_revision.get(name) or epoch != self._known.get(name)
+            # this agent knows (a restarted watch's snapshot, a lookup's own change) changes nothing.
+            if (
+                event.type == _DELETE
+                or epoch != self._known.get(name)
+                or digest != self._known_metadata.get(name)
             ):
                 self._stale.add(name)
-            if snapshot:
-                self._seen_revision[name] = event.revision
-            else:
-                self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             if event.type == _PUT:
                 self._known[name] = epoch
         if event.type == _PUT:
@@ -195,7 +197,7 @@ class Directory:
         with self._lock:
             self._watched.discard(name)
             self._known.pop(name, None)
-            self._seen_revision.pop(name, None)
+            self._known_metadata.pop(name, None)
             if cached is None:
                 self._stale.discard(name)
             else:
@@ -209,10 +211,7 @@ class Directory:
             return
         present = watcher.snapshot_names
         with self._lock:
-            missing = self._watched - present
-            self._stale.update(missing)
-            for name in missing:  # its revision was another stream's: the next lookup sets it
-                self._seen_revision.pop(name, None)
+            self._stale.update(self._watched - present)
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -224,3 +223,8 @@ class Directory:
         if self.reader is not self.client:
             self.reader.close()
         self.client.close()
+
+
+def _digest(record: metadata_pb2.AgentRecord) -> bytes:
+    """What a peer connection is made from: the record's agent metadata (its epoch is compared apart)."""
+    return hashlib.blake2b(record.metadata.SerializeToString(deterministic=True), digest_size=16).digest()

@@ -275,36 +275,52 @@ class MirrorStore(MemoryStore):
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _copy_stream(self, call: AsyncIterator[metadata_pb2.WatchAgentsResponse]) -> None:
-        seen: set[str] | None = set()  # the snapshot's names, until SYNCED
+        seen: dict[str, int] | None = {}  # the snapshot's names and sizes, until SYNCED
         seen_bytes = 0
-        async for event in call:
-            if event.type == _SYNCED:
-                if seen is not None:
-                    # Gone from the primary while this copy did not follow. From the end of the
-                    # sorted names: each delete from the sorted list then moves nothing.
-                    for name in sorted((n for n in self._records if n not in seen), reverse=True):
-                        self._delete(name)
-                    if self._synced_once:
-                        self.resyncs += 1
-                    seen = None
-                    self._following = self._synced_once = True
-                    self._followed_at = time.monotonic()
-                    logger.info("read replica: following %s (%d agents)", self.primary, len(self._records))
-                continue
-            name = event.record.name
-            if event.type == _PUT:
-                if seen is not None and name not in seen:
-                    # A snapshot is bounded by itself: the old copy, held beside it until
-                    # SYNCED, must not make a registry within the bounds look too large.
-                    seen_bytes += event.record.ByteSize()
-                    if len(seen) >= self._max_agents or seen_bytes > self._max_bytes:
-                        raise self._too_large()
-                    seen.add(name)
-                self._put(event.record, bounded=seen is None)
-            elif event.type == _DELETE:
+        added: list[str] = []  # names this snapshot added to the copy
+        try:
+            async for event in call:
+                if event.type == _SYNCED:
+                    if seen is not None:
+                        # Gone from the primary while this copy did not follow. From the end of
+                        # the sorted names: each delete from the sorted list then moves nothing.
+                        for name in sorted((n for n in self._records if n not in seen), reverse=True):
+                            self._delete(name)
+                        if self._synced_once:
+                            self.resyncs += 1
+                        seen = None
+                        added = []
+                        self._following = self._synced_once = True
+                        self._followed_at = time.monotonic()
+                        logger.info(
+                            "read replica: following %s (%d agents)", self.primary, len(self._records)
+                        )
+                    continue
+                name = event.record.name
+                if event.type == _PUT:
+                    if seen is not None:
+                        # A snapshot is bounded by itself: the old copy, held beside it until
+                        # SYNCED, must not make a registry within the bounds look too large.
+                        size = event.record.ByteSize()
+                        seen_bytes += size - seen.get(name, 0)
+                        if (
+                            name not in seen and len(seen) >= self._max_agents
+                        ) or seen_bytes > self._max_bytes:
+                            raise self._too_large()
+                        seen[name] = size
+                        if name not in self._records:
+                            added.append(name)
+                    self._put(event.record, bounded=seen is None)
+                elif event.type == _DELETE:
+                    self._delete(name)
+                    if seen is not None:
+                        seen_bytes -= seen.pop(name, 0)
+        except BaseException:
+            # A snapshot cut short: what it added goes, so that failed attempts never hold
+            # more than the old copy and one snapshot. The old copy stays (served while fresh).
+            for name in sorted(added, reverse=True):
                 self._delete(name)
-                if seen is not None:
-                    seen.discard(name)
+            raise
 
     async def _watch_staleness(self) -> None:
         """Cuts the copy's watchers off once it is stale: they watch again, and are
@@ -328,7 +344,8 @@ class MirrorStore(MemoryStore):
         ``bounded``: the copy's own size is checked (a snapshot is checked by itself)."""
         name = record.name
         check_name(name)
-        if record.ByteSize() > self._max_record_bytes:
+        # The primary bounds a record as registered; it adds a revision and a timestamp.
+        if record.ByteSize() > self._max_record_bytes + 1024:
             raise StoreError(f"the primary sent a record of {record.ByteSize()} bytes for {name!r}")
         current = self._records.get(name)
         stored = _copy(record)

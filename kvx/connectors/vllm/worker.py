@@ -522,14 +522,28 @@ class KvxWorker:
         from kvx.metadata.client import MetadataClient, read_through
 
         if self._metadata_client is None:
-            self._metadata_client = MetadataClient(self.cfg.metadata, self._metadata_options())
-            self._metadata_reader = self._metadata_client
-            if self.cfg.metadata_read:
-                self._metadata_reader = MetadataClient(self.cfg.metadata_read, self._metadata_options())
+            client = MetadataClient(self.cfg.metadata, self._metadata_options())
+            reader = (
+                MetadataClient(self.cfg.metadata_read, self._metadata_options())
+                if self.cfg.metadata_read
+                else client
+            )
+            self._metadata_reader = reader  # before the client: a thread that sees the client sees it
+            self._metadata_client = client
         ranks: list[Any] = []
         info: dict[str, Any] = {}
-        for name in params["kvx"]["agents"]:
-            record, _ = read_through(self._metadata_reader, self._metadata_client, str(name))
+        epochs = [str(e) for e in params["kvx"].get("epochs", ())]
+        for i, name in enumerate(params["kvx"]["agents"]):
+            record = read_through(self._metadata_reader, self._metadata_client, str(name))
+            if (
+                record is not None
+                and self._metadata_reader is not self._metadata_client
+                and i < len(epochs)
+                and f"{record.epoch:#x}" != epochs[i]
+            ):
+                # Another epoch than the request names: a read replica may not have copied a
+                # restart of a moment ago; the service itself has the last word.
+                record = self._metadata_client.get(str(name))
             if record is None:
                 raise PeerLostError(
                     f"prefill agent {name!r} is not registered in the metadata service "

@@ -1,0 +1,91 @@
+"""``Directory.resolve`` and the watch's events, with the services replaced by
+fakes: which answers it keeps. No revisions are compared (a read replica,
+the service itself and a restarted replica count their own), so the order
+of a lookup and a watch event is told by the events that came during it,
+and a record is the one the agent knows when its metadata is."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvx.errors import ConnectError
+from kvx.metadata.directory import Directory
+from kvx.v1 import agent_pb2, metadata_pb2
+
+_PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
+
+
+def _record(regions: int, revision: int, epoch: int = 5) -> metadata_pb2.AgentRecord:
+    record = metadata_pb2.AgentRecord(name="peer", epoch=epoch, revision=revision)
+    record.metadata.name, record.metadata.epoch = "peer", epoch
+    for region_id in range(1, regions + 1):
+        record.metadata.regions.add(id=region_id, size_bytes=4096)
+    return record
+
+
+class _Agent:
+    name, epoch = "me", 1
+
+    def __init__(self) -> None:
+        self.added: list[agent_pb2.AgentMetadata] = []
+
+    def add_peer(self, metadata: bytes, streams: int | None = None) -> SimpleNamespace:
+        md = agent_pb2.AgentMetadata.FromString(metadata)
+        self.added.append(md)
+        return SimpleNamespace(epoch=md.epoch, alive=True)
+
+    def peer(self, name: str) -> None:
+        raise ConnectError(name)
+
+
+class _Reader:
+    def __init__(self, answers: list, during=None) -> None:
+        self.answers, self.during, self.calls = answers, during, 0
+
+    def get(self, name: str) -> metadata_pb2.AgentRecord:
+        self.calls += 1
+        if self.during is not None and self.calls == 1:
+            self.during()
+        return self.answers[min(self.calls, len(self.answers)) - 1]
+
+
+def _directory(agent: _Agent, reader: _Reader) -> Directory:
+    directory = Directory(agent, "127.0.0.1:1", "decode", None, None, None)  # never started: no call
+    directory.client.close()
+    directory.reader = reader  # type: ignore[assignment]
+    directory._watched.add("peer")
+    directory._watcher = SimpleNamespace(snapshot_names=frozenset())  # type: ignore[assignment]
+    return directory
+
+
+def _event(record: metadata_pb2.AgentRecord) -> metadata_pb2.WatchAgentsResponse:
+    return metadata_pb2.WatchAgentsResponse(type=_PUT, record=record, revision=record.revision)
+
+
+def test_an_answer_during_which_a_change_was_seen_is_asked_again() -> None:
+    """The lookup's answer (one region) was read before the change the watch
+    delivered meanwhile (two regions): it is not kept, even though its revision,
+    another service's, is higher."""
+    agent = _Agent()
+    newer = _record(2, revision=3)
+    reader = _Reader([_record(1, revision=900), newer])
+    directory = _directory(agent, reader)
+    reader.during = lambda: directory._on_event(_event(newer))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 2 and len(agent.added[-1].regions) == 2
+    assert "peer" not in directory._stale
+
+
+def test_an_event_of_the_record_the_agent_knows_is_no_news() -> None:
+    """A new stream's snapshot (another replica: another revision) of the record a
+    lookup returned leaves the peer fresh; a change of its metadata does not."""
+    agent = _Agent()
+    directory = _directory(agent, _Reader([_record(1, revision=40)]))
+    directory.resolve("peer", None, None)
+    directory._on_event(_event(_record(1, revision=2)))  # the same record, counted elsewhere
+    assert "peer" not in directory._stale
+    directory._on_event(_event(_record(2, revision=3)))  # its regions changed
+    assert "peer" in directory._stale
+    directory._stale.clear()
+    directory._on_event(_event(_record(1, revision=4, epoch=6)))  # restarted
+    assert "peer" in directory._stale
