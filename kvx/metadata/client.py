@@ -126,19 +126,22 @@ def call_metadata(opts: MetadataOptions) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {opts.token}")] if opts.token else None
 
 
-def read_through(reader: MetadataClient, service: MetadataClient, name: str) -> AgentRecord | None:
+def read_through(
+    reader: MetadataClient, service: MetadataClient, name: str
+) -> tuple[AgentRecord | None, bool]:
     """``name``'s record from ``reader`` (a read replica), else from ``service``
-    itself: a replica that lacks the name (it may not have copied a registration
-    of a moment ago) or does not answer is not the last word. The two count
-    revisions of their own: compare those of one service only."""
+    itself, and whether ``reader`` answered: a replica that lacks the name (it
+    may not have copied a registration of a moment ago) or does not answer is
+    not the last word. The two count revisions of their own: compare those of
+    one service only."""
     if reader is not service:
         try:
             record = reader.get(name)
         except ConnectError:
             record = None
         if record is not None:
-            return record
-    return service.get(name)
+            return record, True
+    return service.get(name), reader is service
 
 
 class MetadataClient:
@@ -590,6 +593,10 @@ class Watcher:
         )
         self.synced = threading.Event()  # the current request's snapshot has been passed on
         self.snapshot_names: frozenset[str] = frozenset()
+        # True while the events passed on are a new stream's snapshot (before its SYNCED):
+        # a reconnection may reach another replica, or a restarted service, whose
+        # revisions are numbered apart.
+        self.snapshotting = True
         self.names_refused = False  # the service refused a watch of names: every agent is watched
         self._lock = threading.Lock()
         self._generation = 0  # counts watch_names calls: a stream of an older one is cut short
@@ -625,6 +632,7 @@ class Watcher:
                     request, metadata=self.client.call_metadata
                 )
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
+            self.snapshotting = True
             answered = False
             try:
                 for event in stream:
@@ -635,6 +643,7 @@ class Watcher:
                     if synced:
                         self.snapshot_names = frozenset(present or ())
                         present = None
+                        self.snapshotting = False
                     try:
                         self.on_event(event)
                     except Exception:

@@ -12,11 +12,17 @@ names before the name is looked up; a change that lands while the watch
 restarts is in the new watch's snapshot (a peer missing from it is marked
 stale too). A watch event marks its peer stale only when it is not the
 record this agent knows (other metadata or another epoch): a restart of the
-watch for one new peer costs no lookups of the others. No revisions are
-compared: lookups and the watch may be answered by different services (a
-read replica, the service itself when the replica lacks a name, a replica
-restarted with a counter of its own); a lookup during which a watch event
-of its name arrived is asked again instead. Past
+watch for one new peer costs no lookups of the others.
+
+A lookup is not kept when it is older than what the watch has shown: when
+a change of its name (other metadata, epoch, or a delete) arrived while it
+was asked, or when it comes from the watch's service and carries a lower
+revision than the watch's newest event of the name. Revisions are compared
+only within one stream's numbering: a new stream (a reconnection, which may
+reach another read replica or a restarted service, each counting its own)
+takes them from its snapshot, and an answer of the service itself (asked
+when a read replica lacks the name) is not compared. A lookup refused so
+is asked again after a short wait. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -52,6 +58,9 @@ _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
 _SYNCED = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
 # The most names one watch may name (WatchAgentsRequest.names); past it, every agent is watched.
 MAX_WATCHED_NAMES = MAX_WATCH_NAMES
+# A lookup older than what the watch has shown is asked again, after a wait that grows.
+_LOOKUP_TRIES = 5
+_LOOKUP_RETRY_S = 0.02
 
 
 class Directory:
@@ -86,7 +95,12 @@ class Directory:
         # name -> digest of the metadata of the record a lookup last returned: an event
         # that carries the same is no news.
         self._known_metadata: dict[str, bytes] = {}
-        self._events: dict[str, int] = {}  # name -> watch events seen of it (counted)
+        # name -> changes the watch has shown of it (events whose type, epoch or metadata
+        # differ from the one before): a lookup during which this moved is asked again.
+        self._changes: dict[str, int] = {}
+        self._last_event: dict[str, tuple[int, int, bytes | None]] = {}  # name -> (type, epoch, digest)
+        # name -> the newest revision the current watch stream showed of it (that stream's numbering).
+        self._seen_revision: dict[str, int] = {}
         self._stale: set[str] = set()
         self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
@@ -120,24 +134,45 @@ class Directory:
             )
         if cached is not None and cached.alive and fresh:
             return cached
-        for _ in range(5):
+        for attempt in range(_LOOKUP_TRIES):
+            if attempt:
+                time.sleep(_LOOKUP_RETRY_S * attempt)  # the watch (or the replica) catches up
             with self._lock:
-                events = self._events.get(name, 0)
-            record = read_through(self.reader, self.client, name)
+                changes = self._changes.get(name, 0)
+            record, comparable = read_through(self.reader, self.client, name)
+            with self._lock:
+                # A change of this name shown during the lookup may be newer than the answer;
+                # a newer revision of the same numbering is.
+                changed = self._changes.get(name, 0) != changes
+                behind = (
+                    record is not None and comparable and self._seen_revision.get(name, 0) > record.revision
+                )
+                if changed or (behind and attempt < _LOOKUP_TRIES - 1):
+                    continue
+                if behind:
+                    # Behind the watch after every try: its numbering may be another service's
+                    # (a replica the watch has not reconnected from yet), or the service lags.
+                    # Used, but not trusted: the next resolve asks again.
+                    self._stale.add(name)
+                elif record is not None:
+                    self._stale.discard(name)
+                    self._known[name] = record.epoch
+                    # The watch's event of this record, if it comes later, is no news.
+                    self._known_metadata[name] = _digest(record)
+                    if comparable:
+                        self._seen_revision[name] = max(self._seen_revision.get(name, 0), record.revision)
             if record is None:
                 self._forget(name, cached)
                 raise ConnectError(
                     f"no agent named {name!r} is registered with the metadata service at {self.client.target}"
                 )
+            peer = self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
             with self._lock:
-                # A watch event of this name during the lookup may be newer than the answer: ask again.
-                if self._events.get(name, 0) != events:
-                    continue
-                self._stale.discard(name)
-                self._known[name] = record.epoch
-                # The watch's event of this record, if it comes later, is no news.
-                self._known_metadata[name] = _digest(record)
-            return self.agent.add_peer(record.metadata.SerializeToString(), streams=streams)
+                if self._changes.get(name, 0) != changes:
+                    # Changed while connecting: another resolve may have connected a newer record
+                    # first and this one replaced its regions. The next resolve asks again.
+                    self._stale.add(name)
+            return peer
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
     def _ensure_watch(self, name: str) -> None:
@@ -165,8 +200,18 @@ class Directory:
             return
         name, epoch = event.record.name, event.record.epoch
         digest = _digest(event.record) if event.type == _PUT else None
+        watcher = self._watcher
+        # A new stream's snapshot (the first, or after a reconnection that may have reached
+        # another read replica, or a restarted service) sets the revisions anew.
+        snapshot = event.type == _PUT and (watcher is None or watcher.snapshotting)
         with self._lock:
-            self._events[name] = self._events.get(name, 0) + 1
+            if self._last_event.get(name) != (event.type, epoch, digest):
+                self._last_event[name] = (event.type, epoch, digest)
+                self._changes[name] = self._changes.get(name, 0) + 1
+            if snapshot:
+                self._seen_revision[name] = event.revision
+            else:
+                self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             # Regions may have changed, or the agent is gone. A PUT of the very record
             # this agent knows (a restarted watch's snapshot, a lookup's own change) changes nothing.
             if (
@@ -198,6 +243,7 @@ class Directory:
             self._watched.discard(name)
             self._known.pop(name, None)
             self._known_metadata.pop(name, None)
+            self._seen_revision.pop(name, None)
             if cached is None:
                 self._stale.discard(name)
             else:
@@ -211,7 +257,14 @@ class Directory:
             return
         present = watcher.snapshot_names
         with self._lock:
-            self._stale.update(self._watched - present)
+            missing = self._watched - present
+            self._stale.update(missing)
+            for name in missing:  # gone meanwhile: a change, as a delete would be
+                self._changes[name] = self._changes.get(name, 0) + 1
+                self._last_event.pop(name, None)
+            # Revisions of names the new stream did not show were another stream's numbering.
+            for name in [n for n in self._seen_revision if n not in present]:
+                del self._seen_revision[name]
 
     def close(self) -> None:
         if self._watcher is not None:

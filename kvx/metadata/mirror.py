@@ -35,8 +35,10 @@ within the primary's own delay plus, while the stream is down, up to
 
 What the copy holds is bounded as the primary's registry is (``max_agents``,
 ``max_bytes``, each record ``max_record_bytes``, names checked): the stream
-is input from the network. During a resynchronisation the old copy and the
-new snapshot are held together, up to twice that.
+is input from the network. A snapshot is held apart until its SYNCED and
+then applied in one pass (a snapshot cut short changes nothing): during a
+resynchronisation the old copy and the new snapshot are held together, up
+to twice that.
 """
 
 from __future__ import annotations
@@ -275,52 +277,52 @@ class MirrorStore(MemoryStore):
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _copy_stream(self, call: AsyncIterator[metadata_pb2.WatchAgentsResponse]) -> None:
-        seen: dict[str, int] | None = {}  # the snapshot's names and sizes, until SYNCED
-        seen_bytes = 0
-        added: list[str] = []  # names this snapshot added to the copy
-        try:
-            async for event in call:
-                if event.type == _SYNCED:
-                    if seen is not None:
-                        # Gone from the primary while this copy did not follow. From the end of
-                        # the sorted names: each delete from the sorted list then moves nothing.
-                        for name in sorted((n for n in self._records if n not in seen), reverse=True):
-                            self._delete(name)
-                        if self._synced_once:
-                            self.resyncs += 1
-                        seen = None
-                        added = []
-                        self._following = self._synced_once = True
-                        self._followed_at = time.monotonic()
-                        logger.info(
-                            "read replica: following %s (%d agents)", self.primary, len(self._records)
-                        )
-                    continue
-                name = event.record.name
+        # The snapshot, until SYNCED: applied then, in one pass, so that a snapshot cut
+        # short changes nothing, and the copy's own watchers see only the difference.
+        snapshot: dict[str, AgentRecord] | None = {}
+        snapshot_bytes = 0
+        async for event in call:
+            if event.type == _SYNCED:
+                if snapshot is not None:
+                    await self._apply_snapshot(snapshot)
+                    if self._synced_once:
+                        self.resyncs += 1
+                    snapshot = None
+                    self._following = self._synced_once = True
+                    self._followed_at = time.monotonic()
+                    logger.info("read replica: following %s (%d agents)", self.primary, len(self._records))
+                continue
+            name = event.record.name
+            if snapshot is None:
                 if event.type == _PUT:
-                    if seen is not None:
-                        # A snapshot is bounded by itself: the old copy, held beside it until
-                        # SYNCED, must not make a registry within the bounds look too large.
-                        size = event.record.ByteSize()
-                        seen_bytes += size - seen.get(name, 0)
-                        if (
-                            name not in seen and len(seen) >= self._max_agents
-                        ) or seen_bytes > self._max_bytes:
-                            raise self._too_large()
-                        seen[name] = size
-                        if name not in self._records:
-                            added.append(name)
-                    self._put(event.record, bounded=seen is None)
+                    self._put(event.record)
                 elif event.type == _DELETE:
                     self._delete(name)
-                    if seen is not None:
-                        seen_bytes -= seen.pop(name, 0)
-        except BaseException:
-            # A snapshot cut short: what it added goes, so that failed attempts never hold
-            # more than the old copy and one snapshot. The old copy stays (served while fresh).
-            for name in sorted(added, reverse=True):
-                self._delete(name)
-            raise
+                continue
+            # A snapshot is bounded by itself, as the primary's registry is.
+            old = snapshot.pop(name, None)
+            if old is not None:
+                snapshot_bytes -= old.ByteSize()
+            if event.type == _PUT:
+                self._check(event.record)
+                snapshot_bytes += event.record.ByteSize()
+                if len(snapshot) >= self._max_agents or snapshot_bytes > self._max_bytes:
+                    raise self._too_large()
+                snapshot[name] = event.record
+
+    async def _apply_snapshot(self, snapshot: dict[str, AgentRecord]) -> None:
+        """Makes the copy the snapshot: deletes what it lacks, puts what changed. Yields to
+        the event loop every thousand records, so that reads go on meanwhile."""
+        # Deleted from the end of the sorted names: a delete there moves nothing.
+        gone = sorted((name for name in self._records if name not in snapshot), reverse=True)
+        for i, name in enumerate(gone, 1):
+            self._delete(name)
+            if i % 1000 == 0:
+                await asyncio.sleep(0)
+        for i, record in enumerate(snapshot.values(), 1):
+            self._put(record, bounded=False)  # the snapshot was bounded as it came
+            if i % 1000 == 0:
+                await asyncio.sleep(0)
 
     async def _watch_staleness(self) -> None:
         """Cuts the copy's watchers off once it is stale: they watch again, and are
@@ -339,14 +341,18 @@ class MirrorStore(MemoryStore):
             "give the replica the primary's limits"
         )
 
+    def _check(self, record: AgentRecord) -> None:
+        check_name(record.name)
+        # The primary bounds a record as registered; it adds a revision and a timestamp.
+        if record.ByteSize() > self._max_record_bytes + 1024:
+            raise StoreError(f"the primary sent a record of {record.ByteSize()} bytes for {record.name!r}")
+
     def _put(self, record: AgentRecord, bounded: bool = True) -> None:
         """Takes the primary's ``record`` into the copy, with a revision of the copy's own.
         ``bounded``: the copy's own size is checked (a snapshot is checked by itself)."""
         name = record.name
-        check_name(name)
-        # The primary bounds a record as registered; it adds a revision and a timestamp.
-        if record.ByteSize() > self._max_record_bytes + 1024:
-            raise StoreError(f"the primary sent a record of {record.ByteSize()} bytes for {name!r}")
+        if bounded:
+            self._check(record)
         current = self._records.get(name)
         stored = _copy(record)
         stored.ClearField("lease_id")  # the primary never sends it; nor is it ever kept here

@@ -1,8 +1,9 @@
 """``Directory.resolve`` and the watch's events, with the services replaced by
-fakes: which answers it keeps. No revisions are compared (a read replica,
-the service itself and a restarted replica count their own), so the order
-of a lookup and a watch event is told by the events that came during it,
-and a record is the one the agent knows when its metadata is."""
+fakes: which answers it keeps. An answer is older than the watch when a
+change of its name arrived during the lookup, or when it carries a lower
+revision of the same numbering; a new watch stream (which may be another
+read replica's) sets the revisions anew; a record is the one the agent knows
+when its epoch and metadata are."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _directory(agent: _Agent, reader: _Reader) -> Directory:
     directory.client.close()
     directory.reader = reader  # type: ignore[assignment]
     directory._watched.add("peer")
-    directory._watcher = SimpleNamespace(snapshot_names=frozenset())  # type: ignore[assignment]
+    directory._watcher = SimpleNamespace(snapshot_names=frozenset(), snapshotting=False)  # type: ignore[assignment]
     return directory
 
 
@@ -89,3 +90,54 @@ def test_an_event_of_the_record_the_agent_knows_is_no_news() -> None:
     directory._stale.clear()
     directory._on_event(_event(_record(1, revision=4, epoch=6)))  # restarted
     assert "peer" in directory._stale
+
+
+def test_an_answer_behind_an_event_seen_before_it_is_asked_again() -> None:
+    """The watch showed revision 10 before the lookup began; the service (an etcd
+    replica's mirror, say) still answered revision 8: not kept, asked again."""
+    agent = _Agent()
+    newer = _record(2, revision=10)
+    reader = _Reader([_record(1, revision=8), newer])
+    directory = _directory(agent, reader)
+    directory._on_event(_event(newer))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 2 and len(agent.added[-1].regions) == 2
+    assert "peer" not in directory._stale
+
+
+def test_a_new_streams_snapshot_sets_the_revisions_anew() -> None:
+    """After a reconnection to a replica that counts lower, its snapshot's revision
+    is the one lookups there are compared with."""
+    agent = _Agent()
+    reader = _Reader([_record(1, revision=2)])
+    directory = _directory(agent, reader)
+    directory._on_event(_event(_record(1, revision=33)))  # the old replica's numbering
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=2)))  # the new replica's snapshot
+    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    directory.resolve("peer", None, None)
+    assert reader.calls == 1 and "peer" not in directory._stale
+
+
+def test_an_answer_behind_the_watch_after_every_try_is_used_but_not_trusted() -> None:
+    """The watch still shows an old stream's numbering (it has not reconnected yet):
+    the lookup is used, and the next resolve asks again."""
+    agent = _Agent()
+    reader = _Reader([_record(1, revision=2)])
+    directory = _directory(agent, reader)
+    directory._on_event(_event(_record(1, revision=33)))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 5 and len(agent.added) == 1
+    assert "peer" in directory._stale
+
+
+def test_the_same_record_shown_again_during_a_lookup_is_no_change() -> None:
+    """A watch restart re-sends every watched record: that is no reason to ask again."""
+    agent = _Agent()
+    same = _record(1, revision=4)
+    reader = _Reader([same])
+    directory = _directory(agent, reader)
+    directory._on_event(_event(same))
+    reader.during = lambda: directory._on_event(_event(same))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 1 and "peer" not in directory._stale

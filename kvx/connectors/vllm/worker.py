@@ -534,7 +534,7 @@ class KvxWorker:
         info: dict[str, Any] = {}
         epochs = [str(e) for e in params["kvx"].get("epochs", ())]
         for i, name in enumerate(params["kvx"]["agents"]):
-            record = read_through(self._metadata_reader, self._metadata_client, str(name))
+            record, _ = read_through(self._metadata_reader, self._metadata_client, str(name))
             if (
                 record is not None
                 and self._metadata_reader is not self._metadata_client
