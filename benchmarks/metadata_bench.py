@@ -13,6 +13,8 @@ Every mode prints one JSON object. The goal figures, one command each:
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --renewals-only
     # registration storm: the service is killed and restarted, every agent registers again
     python benchmarks/metadata_bench.py --mode storm --agents 100000
+    # the same, the agents of a process registering together (RegisterAgents), lookups at replicas
+    python benchmarks/metadata_bench.py --mode storm --agents 100000 --register-batch 8 --read-replicas 2
     # watch fan-out: 1,000 watchers of 8 agents each, 20 changes/s
     python benchmarks/metadata_bench.py --mode watch --agents 100000 --watchers 1000 --changes-per-s 20 --duration-s 60
 
@@ -22,7 +24,7 @@ generators, each its own process, connected to every replica (lookups and
 watchers to the read replicas when there are any):
   - agent hosts (--agent-procs): register their share of the --agents
     (ttl_s 0: the service default; --register-concurrency calls in flight
-    each), then renew every lease every ttl/3 as a client does, the leases of
+    each, of --register-batch agents per RegisterAgents call), then renew every lease every ttl/3 as a client does, the leases of
     --agents-per-process agents together in one KeepAliveRequest (lease_ids),
     over --keepalive-streams streams in all, the renewals spread evenly in
     time. A lease answered ttl 0 is lost and its agent registers again; a
@@ -215,6 +217,11 @@ class _Agents:
         self.fifo: dict[int, deque] = {}
         self.outbox: dict[int, asyncio.Queue] = {}
         self.changing: set[int] = set()  # agents with an update in flight
+        # --register-batch: agents waiting to be sent in a RegisterAgents call, and how
+        # often each has been refused in a row (its backoff).
+        self.batch = cfg["register_batch"]
+        self.queued: list[int] = []
+        self.attempts = [0] * self.n
 
     def _replica(self, group: int) -> int:
         # Groups go to streams in turn, streams to replicas in turn: a host talks to one replica.
@@ -226,18 +233,26 @@ class _Agents:
         self.grpc = grpc
         self.chans = [_channel(a) for a in self.cfg["addresses"]]
         self.register_m = [c.unary_unary(SERVICE + "RegisterAgent") for c in self.chans]
+        self.register_many_m = [c.unary_unary(SERVICE + "RegisterAgents") for c in self.chans]
         self.keepalive_m = [c.stream_stream(SERVICE + "KeepAlive") for c in self.chans]
         self.sem = asyncio.Semaphore(self.cfg["register_concurrency"])
         t0 = time.monotonic()
 
         async def register_all() -> None:
-            await asyncio.gather(*(self.register(a) for a in range(self.n)))
+            if self.batch > 1:
+                self.queued.extend(range(self.n))
+                while self.pending and not self.stopping:
+                    await asyncio.sleep(_TICK_S)
+            else:
+                await asyncio.gather(*(self.register(a) for a in range(self.n)))
             self.out.put(("registered", self.idx, time.monotonic() - t0, self.errors.copy()))
 
         # Each lease is renewed from its registration on (the first ones would expire
         # before the last agents are in, at 100,000 agents), as an agent's own would be.
         window = _Window(self.ctl["go"], self.ctl["end"])
         runners = [register_all()]
+        if self.batch > 1:
+            runners.append(self._flush())
         if not self.cfg["no_keepalive"]:
             runners += [self._stream(s) for s in range(self.streams)]
         if self.cfg["changes_per_s"]:
@@ -307,23 +322,85 @@ class _Agents:
                             wait_s = int(value) / 1000
                     await asyncio.sleep(wait_s * random.uniform(0.5, 1.0))
                     continue
-                reply = self.pb.RegisterAgentResponse.FromString(raw)
-                self.lease[a] = reply.lease_id
-                self.ttl_s = reply.ttl_s
-                self.group_bytes[a // self.g] = None
-                self.c["registrations"] += 1
-                if a in self.pending:
-                    self.pending.discard(a)
-                    if not self.pending:
-                        self.back_at.append(time.monotonic())
-                        self.out.put(("back", self.idx, self.back_at[-1]))
+                self._registered(a, self.pb.RegisterAgentResponse.FromString(raw))
                 return True
         return False
 
     def _lost(self, a: int) -> None:
         if a not in self.pending:
             self.pending.add(a)
-            self._spawn(self.register(a))
+            if self.batch > 1:
+                self.queued.append(a)
+            else:
+                self._spawn(self.register(a))
+
+    def _registered(self, a: int, reply: Any) -> None:
+        self.lease[a] = reply.lease_id
+        self.ttl_s = reply.ttl_s
+        self.group_bytes[a // self.g] = None
+        self.c["registrations"] += 1
+        if a in self.pending:
+            self.pending.discard(a)
+            if not self.pending:
+                self.back_at.append(time.monotonic())
+                self.out.put(("back", self.idx, self.back_at[-1]))
+
+    async def _flush(self) -> None:
+        """--register-batch: every tick, what waits goes out in RegisterAgents calls of
+        up to that many agents (the agents of one process that lost their leases
+        together, as kvx's client sends them)."""
+        while not self.stopping:
+            if self.queued:
+                todo, self.queued = sorted(set(self.queued)), []
+                for start in range(0, len(todo), self.batch):
+                    self._spawn(self._register_batch(todo[start : start + self.batch]))
+            await asyncio.sleep(_TICK_S)
+
+    def _retry(self, agents: list[int], wait_s: float) -> None:
+        def again() -> None:
+            self.queued.extend(a for a in agents if a in self.pending)
+
+        asyncio.get_running_loop().call_later(wait_s * random.uniform(0.5, 1.0), again)
+
+    async def _register_batch(self, agents: list[int]) -> None:
+        req = self.pb.RegisterAgentsRequest()
+        for a in agents:
+            item = req.requests.add()
+            item.ParseFromString(self.prefix[a])
+            item.lease_id = self.lease[a]
+        async with self.sem:
+            if self.stopping:
+                return
+            try:
+                raw = await self.register_many_m[self._replica(agents[0] // self.g)](
+                    req.SerializeToString(), timeout=30
+                )
+            except self.grpc.aio.AioRpcError as exc:
+                if self.stopping:
+                    return
+                self.c["register_errors"] += len(agents)
+                self.errors[exc.code().name] = self.errors.get(exc.code().name, 0) + len(agents)
+                attempt = max(self.attempts[a] for a in agents)
+                for a in agents:
+                    self.attempts[a] += 1
+                self._retry(agents, _BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                return
+        for a, result in zip(agents, self.pb.RegisterAgentsResponse.FromString(raw).results, strict=True):
+            if result.code == 0:
+                self.attempts[a] = 0
+                self._registered(a, result.response)
+                continue
+            name = self.grpc.StatusCode.UNKNOWN.name
+            for status in self.grpc.StatusCode:
+                if status.value[0] == result.code:
+                    name = status.name
+            self.c["register_errors"] += 1
+            self.errors[name] = self.errors.get(name, 0) + 1
+            wait_s = _BACKOFF_S[min(self.attempts[a], len(_BACKOFF_S) - 1)]
+            if result.retry_after_ms:
+                wait_s = result.retry_after_ms / 1000
+            self.attempts[a] += 1
+            self._retry([a], wait_s)
 
     def _send(self, group: int) -> None:
         s = group % self.streams
@@ -856,7 +933,16 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--keepalive-streams", type=int, default=64, help="KeepAlive streams in all")
     p.add_argument("--agent-procs", type=int, default=2, help="agent-host load generator processes")
     p.add_argument("--lookup-procs", type=int, default=1)
-    p.add_argument("--register-concurrency", type=int, default=64, help="registrations in flight per process")
+    p.add_argument(
+        "--register-concurrency", type=int, default=64, help="registration calls in flight per process"
+    )
+    p.add_argument(
+        "--register-batch",
+        type=int,
+        default=1,
+        help="agents registered in one RegisterAgents call (as kvx's client sends the agents of one "
+        "process that register together); 1: one RegisterAgent call each",
+    )
     p.add_argument("--watchers", type=int, default=1000)
     p.add_argument("--watch-procs", type=int, default=2)
     p.add_argument("--watched-agents", type=int, default=1000, help="agents the change driver holds")
@@ -888,6 +974,8 @@ def _parse() -> argparse.Namespace:
         p.error("--read-replicas mirrors the memory store (etcd replicas share their store already)")
     if args.no_keepalive and args.mode != "steady":
         p.error("--no-keepalive is for --mode steady")
+    if not 1 <= args.register_batch <= 128:
+        p.error("--register-batch must be within [1, 128] (the service's bound per RegisterAgents call)")
     if not 1 <= args.agents_per_process <= 1024:
         p.error("--agents-per-process must be within [1, 1024] (the service's bound per request)")
     if args.mode == "watch":
@@ -914,6 +1002,7 @@ def main() -> int:
         "service_cpus": args.service_cpus or "all",
         "agents": args.agents,
         "agents_per_process": args.agents_per_process,
+        "register_batch": args.register_batch,
     }
     try:
         for _ in range(args.replicas):
@@ -932,6 +1021,7 @@ def main() -> int:
             "agent_procs": args.agent_procs,
             "streams_per_proc": max(1, args.keepalive_streams // args.agent_procs),
             "register_concurrency": args.register_concurrency,
+            "register_batch": args.register_batch,
             "no_keepalive": args.no_keepalive,
             "changes_per_s": 0.0,
             "watched_agents": args.watched_agents,

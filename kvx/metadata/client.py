@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -49,6 +50,11 @@ _HELD_RETRY_MAX_S = 310.0
 _HELD_WARN_EVERY_S = 60.0
 # Leases per KeepAlive message (the service refuses more: proto/kvx/v1/metadata.proto).
 MAX_LEASES_PER_MESSAGE = 1024
+# Registrations one RegisterAgents call carries at most (the service refuses more),
+# and the encoded bytes past which a batch is cut: within the receive limit of a
+# service with the default limits (a larger record goes alone).
+MAX_REGISTRATIONS_PER_CALL = 128
+_MAX_BATCH_BYTES = 256 * 1024
 # The most names one watch may name (WatchAgentsRequest.names; the proto's bound).
 MAX_WATCH_NAMES = 4096
 # KeepAlive messages sent and not yet answered past which a renewal round is skipped.
@@ -92,20 +98,30 @@ class MetadataOptions:
 def translate(exc: grpc.RpcError, target: str) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
+    retry_after_ms: str | None = None
+    if code == grpc.StatusCode.FAILED_PRECONDITION and hasattr(exc, "trailing_metadata"):
+        trailers = {str(item[0]): item[1] for item in exc.trailing_metadata() or ()}  # type: ignore[index]
+        retry_after_ms = trailers.get(_RETRY_AFTER_KEY)
+    return _status_error(target, code, detail, retry_after_ms)
+
+
+def _status_error(target: str, code: Any, detail: str | None, retry_after_ms: Any = None) -> Exception:
+    """The kvx error for a gRPC status (a call's, or one result of a RegisterAgents call)."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ConnectError(f"metadata service at {target} unavailable: {detail}")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        trailers: dict[str, Any] = {}
-        if hasattr(exc, "trailing_metadata"):
-            trailers = {str(item[0]): item[1] for item in exc.trailing_metadata() or ()}  # type: ignore[index]
+    if code == grpc.StatusCode.FAILED_PRECONDITION and retry_after_ms is not None:
         try:
-            retry_after_s = int(trailers[_RETRY_AFTER_KEY]) / 1000
-        except (KeyError, ValueError):
+            retry_after_s = int(retry_after_ms) / 1000
+        except ValueError:
             pass
         else:
             retry_after_s = min(max(retry_after_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
             return NameHeldError(f"metadata service at {target}: {detail}", code, retry_after_s)
     return MetadataError(f"metadata service at {target}: {detail}", code)
+
+
+# gRPC status codes by number (RegisterAgentResult.code).
+_STATUS_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def credentials(opts: MetadataOptions) -> grpc.ChannelCredentials | None:
@@ -177,6 +193,33 @@ class MetadataClient:
             metadata_pb2.RegisterAgentRequest(record=record, ttl_s=ttl_s, lease_id=lease_id),
         )
 
+    def register_many(
+        self, requests: list[metadata_pb2.RegisterAgentRequest]
+    ) -> list[metadata_pb2.RegisterAgentResponse | Exception]:
+        """Several registrations in one RegisterAgents call: each one's response, or
+        the error ``register`` would have raised for it. Raises (for all of them)
+        when the call itself fails: MetadataError with UNIMPLEMENTED from a service
+        older than the call."""
+        response = self._unary(
+            self.stub.RegisterAgents, metadata_pb2.RegisterAgentsRequest(requests=requests)
+        )
+        if len(response.results) != len(requests):
+            raise MetadataError(
+                f"metadata service at {self.target}: {len(response.results)} results "
+                f"answered for {len(requests)} registrations"
+            )
+        return [
+            result.response
+            if result.code == 0
+            else _status_error(
+                self.target,
+                _STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN),
+                result.message,
+                result.retry_after_ms if result.retry_after_ms > 0 else None,
+            )
+            for result in response.results
+        ]
+
     def get(self, name: str) -> AgentRecord | None:
         try:
             return self._unary(self.stub.GetAgent, metadata_pb2.GetAgentRequest(name=name)).record
@@ -228,6 +271,7 @@ class Registration:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._renewer: _Renewer | None = None  # shared with this process's other registrations
+        self._registrar = _Registrar.of(client)  # likewise
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
     def start(self) -> None:
@@ -292,7 +336,8 @@ class Registration:
     def _register(self) -> None:
         with self._lock:
             record = self.build_record()
-            response = self.client.register(record, self.ttl_s, self._proof)
+            request = metadata_pb2.RegisterAgentRequest(record=record, ttl_s=self.ttl_s, lease_id=self._proof)
+            response = self._registrar.register(self.client, request)
             self.name = record.name
             self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
@@ -362,6 +407,137 @@ class Registration:
         _Renewer.renew(self, lease_id, self.ttl_s)
         while not self._stop.is_set() and not self._wake.wait(1.0):
             pass
+
+
+class _Pending:
+    """One registration waiting in a _Registrar: its answer, or its error, once ``done``."""
+
+    __slots__ = ("request", "response", "error", "done")
+
+    def __init__(self, request: metadata_pb2.RegisterAgentRequest) -> None:
+        self.request = request
+        self.response: metadata_pb2.RegisterAgentResponse | None = None
+        self.error: Exception | None = None
+        self.done = False
+
+    def result(self) -> metadata_pb2.RegisterAgentResponse:
+        if self.error is not None:
+            raise self.error
+        assert self.response is not None
+        return self.response
+
+
+def _clone(exc: ConnectError | MetadataError) -> Exception:
+    if isinstance(exc, NameHeldError):
+        return NameHeldError(str(exc), exc.code, exc.retry_after_s)
+    if isinstance(exc, MetadataError):
+        return MetadataError(str(exc), exc.code)
+    return ConnectError(str(exc))
+
+
+class _Registrar:
+    """Sends together the registrations of every Registration of this process that
+    talks to the same service with the same options. Whoever finds no call in
+    flight sends every registration waiting, its own first, in one RegisterAgents
+    call; those that come while it is in flight go together in the next. So the
+    agents of one process that lose their leases together (the service restarted)
+    cost the service about two calls, not one each: most of a registration's cost
+    there is the call's (grpc.aio), not the record's. Nothing waits on purpose: a
+    lone registration goes at once, as RegisterAgent, and so does every one sent
+    to a service older than RegisterAgents.
+    """
+
+    _registry_lock = threading.Lock()
+    # Kept alive by the Registrations that use one (each holds its own).
+    _registry: weakref.WeakValueDictionary[tuple[str, MetadataOptions], _Registrar] = (
+        weakref.WeakValueDictionary()
+    )
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._sending = False
+        self._batches = True  # False once the service answered RegisterAgents UNIMPLEMENTED
+
+    @classmethod
+    def of(cls, client: MetadataClient) -> _Registrar:
+        key = (client.target, dataclasses.replace(client.options, read_target=None))
+        with cls._registry_lock:
+            registrar = cls._registry.get(key)
+            if registrar is None:
+                registrar = cls._registry[key] = cls()
+            return registrar
+
+    def register(
+        self, client: MetadataClient, request: metadata_pb2.RegisterAgentRequest
+    ) -> metadata_pb2.RegisterAgentResponse:
+        """``client.register`` of ``request``, sent with whatever else is waiting.
+        Raises what it would raise."""
+        pending = _Pending(request)
+        with self._cond:
+            self._queue.append(pending)
+            while not pending.done and self._sending:
+                self._cond.wait()
+            if pending.done:
+                return pending.result()
+            self._sending = True
+        try:
+            while not pending.done:  # its own is in the first batch unless 128 were ahead
+                with self._cond:
+                    batch = self._take()
+                self._send(client, batch)
+        finally:
+            with self._cond:
+                self._sending = False
+                self._cond.notify_all()
+        return pending.result()
+
+    def _take(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        size = 0
+        while self._queue and len(batch) < MAX_REGISTRATIONS_PER_CALL:
+            size += self._queue[0].request.ByteSize()
+            if batch and size > _MAX_BATCH_BYTES:
+                break
+            batch.append(self._queue.popleft())
+        return batch
+
+    def _send(self, client: MetadataClient, batch: list[_Pending]) -> None:
+        try:
+            if len(batch) > 1 and self._batches:
+                try:
+                    answers = client.register_many([pending.request for pending in batch])
+                except MetadataError as exc:
+                    if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    logger.info("the metadata service takes no RegisterAgents; registering one by one")
+                    self._batches = False
+                else:
+                    for pending, answer in zip(batch, answers, strict=True):
+                        if isinstance(answer, Exception):
+                            pending.error = answer
+                        else:
+                            pending.response = answer
+                        pending.done = True
+                    return
+            for pending in batch:
+                try:
+                    request = pending.request
+                    pending.response = client.register(request.record, request.ttl_s, request.lease_id)
+                except (ConnectError, MetadataError) as exc:
+                    pending.error = exc
+                pending.done = True
+        except (ConnectError, MetadataError) as exc:
+            for pending in batch:
+                if not pending.done:
+                    pending.error = _clone(exc)  # one each: they are raised on several threads
+                    pending.done = True
+        except BaseException as exc:  # a bug, or an interrupt: nobody waits for good
+            for pending in batch:
+                if not pending.done:
+                    pending.error = MetadataError(f"registration failed: {exc!r}")
+                    pending.done = True
+            raise
 
 
 class _Renewer:

@@ -58,6 +58,9 @@ _T = TypeVar("_T")
 RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Leases one KeepAliveRequest may renew, lease_id included (proto/kvx/v1/metadata.proto).
 MAX_KEEP_ALIVE_LEASES = 1024
+# Registrations one RegisterAgentsRequest may carry (the proto's bound): a call's
+# work stays bounded, as one registration's is.
+MAX_REGISTRATIONS_PER_CALL = 128
 # WatchAgentsRequest.names: at most this many (the proto's bound).
 MAX_WATCH_NAMES = 4096
 # The longest valid agent name (kvx.config.check_name), in bytes (ASCII only).
@@ -336,6 +339,37 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             )
             return metadata_pb2.RegisterAgentResponse(lease_id=lease_id, ttl_s=ttl, revision=revision)
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
+
+    async def RegisterAgents(self, request, context):  # noqa: N802
+        return await self._call("RegisterAgents", request, context, lambda: self.register_many(request))
+
+    async def register_many(
+        self, request: metadata_pb2.RegisterAgentsRequest
+    ) -> metadata_pb2.RegisterAgentsResponse:
+        """Each of ``request.requests`` as ``register`` does it, in order, each answered
+        on its own: the call's per-call cost (most of a registration's, in grpc.aio)
+        is paid once for all of them."""
+        self.store.refuse_writes()
+        if len(request.requests) > MAX_REGISTRATIONS_PER_CALL:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.requests)} registrations in one RegisterAgentsRequest; at most "
+                f"{MAX_REGISTRATIONS_PER_CALL}: split them over several calls",
+            )
+        response = metadata_pb2.RegisterAgentsResponse()
+        for item in request.requests:
+            result = response.results.add()
+            try:
+                result.response.CopyFrom(await self.register(item))
+            except Refused as refused:
+                result.code, result.message = refused.code.value[0], str(refused)
+                for key, value in refused.trailing_metadata:
+                    if key == RETRY_AFTER_KEY:
+                        result.retry_after_ms = int(value)
+            except StoreError as exc:
+                result.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                result.message = f"metadata store unavailable: {exc}"
+        return response
 
     def _revoke_later(self, lease_id: int, name: str) -> None:
         async def revoke() -> None:

@@ -77,6 +77,30 @@ class RegisterAgentResponse(_message.Message):
     revision: int
     def __init__(self, lease_id: _Optional[int] = ..., ttl_s: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
+class RegisterAgentsRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RegisterAgentRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RegisterAgentRequest, _Mapping]]] = ...) -> None: ...
+
+class RegisterAgentsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RegisterAgentResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RegisterAgentResult, _Mapping]]] = ...) -> None: ...
+
+class RegisterAgentResult(_message.Message):
+    __slots__ = ("code", "message", "response", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    response: RegisterAgentResponse
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RegisterAgentResponse, _Mapping]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id", "lease_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

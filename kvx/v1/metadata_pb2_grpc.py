@@ -39,6 +39,11 @@ class MetadataServiceStub(object):
                 request_serializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentRequest.SerializeToString,
                 response_deserializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentResponse.FromString,
                 _registered_method=True)
+        self.RegisterAgents = channel.unary_unary(
+                '/kvx.v1.MetadataService/RegisterAgents',
+                request_serializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentsRequest.SerializeToString,
+                response_deserializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentsResponse.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.stream_stream(
                 '/kvx.v1.MetadataService/KeepAlive',
                 request_serializer=kvx_dot_v1_dot_metadata__pb2.KeepAliveRequest.SerializeToString,
@@ -72,6 +77,17 @@ class MetadataServiceServicer(object):
     def RegisterAgent(self, request, context):
         """Registers (or re-registers) an agent under a new lease. A live record (its
         lease not expired) is replaced only by a registration that holds its lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterAgents(self, request, context):
+        """Several registrations in one call (the agents of one process), each done
+        as RegisterAgent does it and answered on its own: one refused does not
+        refuse the others. At most 128 in one call (more is refused with
+        INVALID_ARGUMENT), and the whole request within the service's receive
+        limit. A service without it answers UNIMPLEMENTED: send them one by one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,6 +134,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.RegisterAgent,
                     request_deserializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentRequest.FromString,
                     response_serializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentResponse.SerializeToString,
+            ),
+            'RegisterAgents': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterAgents,
+                    request_deserializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentsRequest.FromString,
+                    response_serializer=kvx_dot_v1_dot_metadata__pb2.RegisterAgentsResponse.SerializeToString,
             ),
             'KeepAlive': grpc.stream_stream_rpc_method_handler(
                     servicer.KeepAlive,
@@ -172,6 +193,33 @@ class MetadataService(object):
             '/kvx.v1.MetadataService/RegisterAgent',
             kvx_dot_v1_dot_metadata__pb2.RegisterAgentRequest.SerializeToString,
             kvx_dot_v1_dot_metadata__pb2.RegisterAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvx.v1.MetadataService/RegisterAgents',
+            kvx_dot_v1_dot_metadata__pb2.RegisterAgentsRequest.SerializeToString,
+            kvx_dot_v1_dot_metadata__pb2.RegisterAgentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

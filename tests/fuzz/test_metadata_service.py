@@ -36,6 +36,7 @@ FUZZ = settings(
 FAILED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE}
 UNARY = {
     "RegisterAgent": metadata_pb2.RegisterAgentRequest,
+    "RegisterAgents": metadata_pb2.RegisterAgentsRequest,
     "UnregisterAgent": metadata_pb2.UnregisterAgentRequest,
     "GetAgent": metadata_pb2.GetAgentRequest,
     "ListAgents": metadata_pb2.ListAgentsRequest,

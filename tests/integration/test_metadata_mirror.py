@@ -104,6 +104,12 @@ def test_a_mirror_refuses_every_write_and_names_its_primary(service):
         assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
         calls = {
             "RegisterAgent": lambda: _register(mirror.address, "w"),
+            "RegisterAgents": lambda: stub(mirror.address).RegisterAgents(
+                metadata_pb2.RegisterAgentsRequest(
+                    requests=[metadata_pb2.RegisterAgentRequest(record=agent_record("w", 1, 1))]
+                ),
+                timeout=5,
+            ),
             "UnregisterAgent": lambda: stub(mirror.address).UnregisterAgent(
                 metadata_pb2.UnregisterAgentRequest(name="w", lease_id=1), timeout=5
             ),
