@@ -3,7 +3,9 @@
 - ``MetadataClient``: the RPCs, with gRPC errors translated into kvx errors.
 - ``Registration``: keeps one agent registered: registers, renews its lease
   (on one KeepAlive stream shared by the process's registrations that use
-  the same service and options, one message per round), registers again by itself when the service restarts
+  the same service and options, one message per round; their registrations
+  that wait together go in one RegisterAgents call), registers again by
+  itself when the service restarts
   or the lease is lost (never giving up: while another lease holds the name
   it retries when that lease would run out), and unregisters on stop.
 - ``Watcher``: follows WatchAgents, reconnecting (and so resynchronising from

@@ -46,7 +46,9 @@ class ServiceMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
         self.registrations = Counter(
-            "kvx_metadata_registrations", "Successful RegisterAgent calls", registry=self.registry
+            "kvx_metadata_registrations",
+            "Successful registrations (RegisterAgent calls and RegisterAgents entries)",
+            registry=self.registry,
         )
         # Leases renewed (answered with a ttl above 0) and the KeepAlive messages and streams
         # that carried them: service CPU per renewal is CPU over kvx_metadata_lease_renewals.
