@@ -93,9 +93,14 @@ class ServiceLimits:
                         cap allows about 13.5 GiB of such watches. Where
                         clients may name that many, set it to the memory
                         budget for watches / 3.4 MiB (600 for 2 GiB).
-    watch_queue_events: changes queued for one watch stream; a watcher this
-                        far behind is cut off with RESOURCE_EXHAUSTED (it
-                        watches again and resynchronises).
+    watch_queue_events: changes queued for one watch stream. Past it (and
+                        while a watch reads its snapshot), the memory store
+                        keeps the latest change of each name instead, up to
+                        store.COALESCE_NAMES_MAX names per watch and
+                        COALESCE_TOTAL_MAX names and COALESCE_BYTES_MAX
+                        record bytes over all watches; a watcher past those
+                        is cut off with RESOURCE_EXHAUSTED (it watches again
+                        and resynchronises). On etcd, past it, it is cut off.
     max_page_size, max_page_bytes: one ListAgents page (larger page sizes
                         are lowered; a page ends early at the byte bound,
                         always holding at least one record).

@@ -35,6 +35,15 @@ AgentRecord = metadata_pb2.AgentRecord
 # A watcher that falls this far behind is cut off (it resynchronises); the
 # service passes its own bound (ServiceLimits.watch_queue_events).
 WATCH_QUEUE_MAX = 1000
+# A memory-store watch that cannot take a change now (it is reading its snapshot,
+# or its queue of changes is full: it reads more slowly than changes come) keeps
+# the latest change of each name instead, sent, oldest first, once it reads on:
+# its view ends the same, and a storm of registrations does not cut off a read
+# replica. Bounded by names per watch, and by names and record bytes over all
+# watches; past a bound, the watch is cut off (WatchLagError), as etcd's are.
+COALESCE_NAMES_MAX = 100_000
+COALESCE_TOTAL_MAX = 1_000_000
+COALESCE_BYTES_MAX = 256 << 20
 # A pass of MemoryStore's expiry loop that starts this much later than planned
 # means the service's event loop was stalled (a registration storm, a long
 # collection of garbage): the time beyond it does not count against leases.
@@ -183,6 +192,17 @@ class Store(abc.ABC):
         """
 
 
+class _WatchQueue(asyncio.Queue):
+    """One memory-store watch: its queue of changes, and while ``pending`` is not None
+    (its snapshot is being read, or it fell a full queue behind), the latest change of
+    each name, with its record's bytes, oldest first. ``error``: why it was cut off."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize=maxsize)
+        self.pending: dict[str, tuple[Event, int]] | None = {}
+        self.error: Exception | None = None
+
+
 @dataclasses.dataclass
 class _Lease:
     ttl_s: int
@@ -215,9 +235,12 @@ class MemoryStore(Store):
         # heap is rebuilt (_compact_expiry_heap).
         self._expiry_heap: list[tuple[float, int]] = []
         self._revision = 0
-        self._watchers: set[asyncio.Queue] = set()  # every watch, to close them
-        self._watch_all: set[asyncio.Queue] = set()  # watches of every name
-        self._watch_names: dict[str, set[asyncio.Queue]] = {}  # name -> watches of it
+        self._watchers: set[_WatchQueue] = set()  # every watch, to close them
+        self._watch_all: set[_WatchQueue] = set()  # watches of every name
+        self._watch_names: dict[str, set[_WatchQueue]] = {}  # name -> watches of it
+        # Changes kept by lagging watches (_WatchQueue.pending), and their records' bytes.
+        self._pending_total = 0
+        self._pending_bytes = 0
         self._expiry_interval_s = expiry_interval_s
         self._expiry_task: asyncio.Task | None = None
         self.expired_leases = 0  # for metrics
@@ -344,35 +367,55 @@ class MemoryStore(Store):
     async def watch(
         self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
     ) -> AsyncIterator[Event]:
-        queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        queue = _WatchQueue(queue_size)
         wanted = sorted(set(names)) if names else None
         # Subscribe first, then page through the live records: every change made
-        # while paging is queued too. A record paged after it changed is newer
-        # than its queued events; those are dropped below, so that no name goes
-        # back to an older state (``newer`` holds only names that changed meanwhile).
+        # from then on is kept (coalesced per name: queue.pending) and follows the
+        # snapshot, so the snapshot shows only records as they were when the watch
+        # began. A record changed since is skipped there (its change follows): the
+        # snapshot does not chase the registrations of a storm page after page.
         revision = self._revision
         self._subscribe(queue, wanted)
-        newer: dict[str, int] = {}
         try:
             async for record in self._snapshot(wanted):
-                if record.revision > revision:
-                    newer[record.name] = record.revision
-                yield Event(EventType.PUT, record, record.revision)
+                if queue.error is not None:
+                    raise queue.error
+                if record.revision <= revision:
+                    yield Event(EventType.PUT, record, record.revision)
+            if not queue.pending:
+                queue.pending = None  # nothing changed meanwhile: every change in order from now
             yield Event(EventType.SYNCED, None, revision)
             while True:
-                item = await queue.get()
+                if queue.error is not None:
+                    raise queue.error
+                if queue.pending is not None and queue.empty():
+                    # What it could not take when it came: the latest change of each name,
+                    # oldest first; changes meanwhile keep coalescing until none is left.
+                    yield self._take_pending(queue)
+                    continue
+                item = await queue.get()  # waits only with nothing kept (pending None)
                 if isinstance(item, Exception):
                     raise item
-                if newer:
-                    assert item.record is not None  # queued events are PUT or DELETE
-                    seen = newer.get(item.record.name, 0)
-                    if item.revision <= seen:
-                        continue  # the page already showed this change, or a later one
-                    if seen:
-                        del newer[item.record.name]  # past it: later events all count
                 yield item
         finally:
+            self._drop_pending(queue)
             self._unsubscribe(queue, wanted)
+
+    def _take_pending(self, queue: _WatchQueue) -> Event:
+        assert queue.pending  # not empty: the caller looked
+        name = next(iter(queue.pending))
+        item, size = queue.pending.pop(name)
+        self._pending_total -= 1
+        self._pending_bytes -= size
+        if not queue.pending:
+            queue.pending = None  # caught up: every change in order, through the queue, from now
+        return item
+
+    def _drop_pending(self, queue: _WatchQueue) -> None:
+        for _, size in (queue.pending or {}).values():
+            self._pending_bytes -= size
+        self._pending_total -= len(queue.pending or ())
+        queue.pending = None
 
     async def _snapshot(self, names: list[str] | None) -> AsyncIterator[AgentRecord]:
         """Copies of the current records (of ``names`` only: one dict get each), a page at a time."""
@@ -387,14 +430,14 @@ class MemoryStore(Store):
             if (current := self._records.get(name)) is not None:
                 yield _copy(current)
 
-    def _subscribe(self, queue: asyncio.Queue, names: list[str] | None) -> None:
+    def _subscribe(self, queue: _WatchQueue, names: list[str] | None) -> None:
         self._watchers.add(queue)
         if names is None:
             self._watch_all.add(queue)
         for name in names or ():
             self._watch_names.setdefault(name, set()).add(queue)
 
-    def _unsubscribe(self, queue: asyncio.Queue, names: list[str] | None) -> None:
+    def _unsubscribe(self, queue: _WatchQueue, names: list[str] | None) -> None:
         self._watchers.discard(queue)
         self._watch_all.discard(queue)
         for name in names or ():
@@ -425,16 +468,49 @@ class MemoryStore(Store):
         # The same Event goes to every watcher: its wire encoding is made once.
         queues = list(self._watch_all)
         queues.extend(self._watch_names.get(event.record.name, ()))
+        name = event.record.name
+        size = -1
         for queue in queues:
             if queue not in self._watchers:
                 continue  # cut off by an earlier put of this loop
-            try:
-                queue.put_nowait(event)
-            except asyncio.QueueFull:
-                self._cut_off(queue, WatchLagError(f"the watch fell {queue.maxsize} changes behind"))
+            if queue.pending is None:
+                try:
+                    queue.put_nowait(event)
+                    continue
+                except asyncio.QueueFull:
+                    queue.pending = {}  # it lags: the latest change of each name from now
+            if size < 0:
+                size = event.record.ByteSize()
+            self._keep(queue, name, event, size)
 
-    def _cut_off(self, queue: asyncio.Queue, error: Exception) -> None:
+    def _keep(self, queue: _WatchQueue, name: str, event: Event, size: int) -> None:
+        pending = queue.pending
+        assert pending is not None
+        old = pending.pop(name, None)  # the newer change replaces it, at the end
+        if old is not None:
+            self._pending_total -= 1
+            self._pending_bytes -= old[1]
+        if (
+            len(pending) >= COALESCE_NAMES_MAX
+            or self._pending_total >= COALESCE_TOTAL_MAX
+            or self._pending_bytes + size > COALESCE_BYTES_MAX
+        ):
+            self._cut_off(
+                queue,
+                WatchLagError(
+                    f"the watch fell {queue.qsize() + len(pending)} changes behind ({len(pending)} "
+                    f"names kept, {self._pending_bytes} bytes kept by all watches)"
+                ),
+            )
+            return
+        pending[name] = (event, size)
+        self._pending_total += 1
+        self._pending_bytes += size
+
+    def _cut_off(self, queue: _WatchQueue, error: Exception) -> None:
         self._watchers.discard(queue)
+        self._drop_pending(queue)
+        queue.error = error
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(error)

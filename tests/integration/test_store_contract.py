@@ -16,6 +16,7 @@ import pytest
 
 from kvx.errors import ConfigError
 from kvx.metadata import etcd as etcd_module
+from kvx.metadata import store as store_module
 from kvx.metadata.client import MetadataClient
 from kvx.metadata.etcd import EtcdStore, parse_etcd_url
 from kvx.metadata.service import MetadataServer, ThreadedServer
@@ -425,7 +426,11 @@ def test_watch_snapshot_in_pages_stays_consistent(open_store):
     run(body())
 
 
-def test_a_watcher_that_falls_behind_is_cut_off(open_store):
+def test_a_watcher_that_falls_behind_is_cut_off(open_store, monkeypatch):
+    # The memory store keeps the latest change of each name past its queue, up to its
+    # bounds (tested below): here, ten names.
+    monkeypatch.setattr(store_module, "COALESCE_NAMES_MAX", 10)
+
     async def body():
         async with open_store() as store:
             events = store.watch(queue_size=5)
@@ -440,6 +445,150 @@ def test_a_watcher_that_falls_behind_is_cut_off(open_store):
                         await next_event(events)
             finally:
                 await events.aclose()
+
+    run(body())
+
+
+# The memory store only.
+
+
+def _apply(view: dict, last: dict, event) -> None:
+    name = event.record.name
+    assert event.revision > last.get(name, 0), f"{name} went back in time"
+    last[name] = event.revision
+    if event.type is EventType.PUT:
+        view[name] = event.revision
+    else:
+        view.pop(name, None)
+
+
+def test_changes_while_a_snapshot_is_read_coalesce_instead_of_cutting_it_off():
+    """A watch still reading its snapshot cannot read changes: a storm of them (far
+    more than its queue holds) coalesces into the latest change of each name, sent
+    after SYNCED, and the view ends as the store's. Once caught up, a watcher that
+    falls behind is cut off as before."""
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        for i in range(300):
+            await store.put_if(record(f"r{i:03d}"), lease, 0)
+        events = store.watch(queue_size=5)
+        try:
+            view: dict[str, int] = {}
+            last: dict[str, int] = {}
+            for _ in range(10):
+                _apply(view, last, await next_event(events))
+            # 600 changes of 150 names (each 4 times), and 20 deletes, ahead of and behind
+            # the cursor: 120 times the queue.
+            for round_ in range(4):
+                for i in range(0, 300, 2):
+                    current = await store.get(f"r{i:03d}")
+                    assert await store.put_if(record(f"r{i:03d}", v=str(round_)), lease, current.revision)
+            for i in range(1, 41, 2):
+                assert await store.delete_if(f"r{i:03d}", (await store.get(f"r{i:03d}")).revision)
+            assert store._pending_total == 170  # one per name changed
+            snapshot_revisions = []
+            while (event := await next_event(events)).type is not EventType.SYNCED:
+                _apply(view, last, event)
+                snapshot_revisions.append(event.revision)
+            # The snapshot shows records as they were when the watch began: those changed
+            # since and not yet read (past the first page of 100, read already) come
+            # after SYNCED, once, as they are now: 100 of the 300.
+            assert max(snapshot_revisions) <= event.revision and len(snapshot_revisions) == 290 - 100
+            after = 0
+            want = {r.name: r.revision for r in await store.list()}
+            while view != want:
+                _apply(view, last, await next_event(events, 5))
+                after += 1
+            assert after <= 170 and len(view) == 280 and store._pending_total == 0
+            # Caught up: the queue again, until it is full.
+            assert store._pending_total == 0 and store._pending_bytes == 0
+            for i in range(20):
+                await store.put_if(record(f"late{i:02d}"), lease, 0)
+            assert store._pending_total == 15  # and 5 queued
+            late = [(await next_event(events)).record.name for _ in range(20)]
+            assert late == [f"late{i:02d}" for i in range(20)]  # in order, none lost
+            assert store._pending_total == 0 and store._pending_bytes == 0
+        finally:
+            await events.aclose()
+            await store.close()
+
+    run(body())
+
+
+def test_a_lagging_watcher_gets_the_latest_change_of_each_name():
+    """Past its queue, a watcher that reads too slowly keeps the latest change of
+    each name: a name changed 50 times while it did not read arrives once, newest."""
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        events = store.watch(queue_size=3)
+        try:
+            assert (await next_event(events)).type is EventType.SYNCED
+            revisions = [await store.put_if(record("hot", v="0"), lease, 0)]
+            for v in range(1, 50):
+                revisions.append(await store.put_if(record("hot", v=str(v)), lease, revisions[-1]))
+            await store.put_if(record("cold"), lease, 0)
+            assert await store.delete_if("cold", (await store.get("cold")).revision)
+            got = [await next_event(events) for _ in range(5)]
+            # Three queued, then what was kept: the newest "hot", and "cold" as deleted.
+            assert [e.record.labels.get("v") for e in got[:4]] == ["0", "1", "2", "49"]
+            assert [e.revision for e in got[:4]] == [*revisions[:3], revisions[-1]]
+            assert (got[4].type, got[4].record.name) == (EventType.DELETE, "cold")
+            assert store._pending_total == 0 and store._pending_bytes == 0
+        finally:
+            await events.aclose()
+            await store.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("bound", ["names", "total", "bytes"])
+def test_a_watcher_past_the_coalescing_bound_is_cut_off(monkeypatch, bound):
+    if bound == "names":
+        monkeypatch.setattr(store_module, "COALESCE_NAMES_MAX", 10)
+    elif bound == "total":
+        monkeypatch.setattr(store_module, "COALESCE_TOTAL_MAX", 15)
+    else:  # 15 of these records and a bit
+        size = record("r00", v="2").ByteSize()
+        monkeypatch.setattr(store_module, "COALESCE_BYTES_MAX", 15 * size + size // 2)
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        for i in range(50):
+            await store.put_if(record(f"r{i:02d}"), lease, 0)
+        first, second = store.watch(), store.watch()
+        try:
+            assert (await next_event(first)).type is EventType.PUT  # both mid-snapshot
+            assert (await next_event(second)).type is EventType.PUT
+            for i in range(11):  # 11 names: past 10 for each, past 15 for the two together
+                current = await store.get(f"r{i:02d}")
+                await store.put_if(record(f"r{i:02d}", v="2"), lease, current.revision)
+            outcomes = []  # each watch: cut off, or the names of its snapshot
+            for events in (first, second):
+                names = {"r00"}  # read above
+                try:
+                    while (event := await next_event(events)).type is not EventType.SYNCED:
+                        names.add(event.record.name)
+                    outcomes.append(len(names))
+                except WatchLagError as exc:
+                    assert "changes behind" in str(exc)
+                    outcomes.append(0)
+            # Each alone is past 10 names; together past 15 in all (names or bytes), with
+            # one of them (whichever the 15th change reached first) kept: it reads on.
+            assert sorted(outcomes) == ([0, 0] if bound == "names" else [0, 50])
+            assert store._pending_total == (0 if bound == "names" else 11)
+        finally:
+            await first.aclose()
+            await second.aclose()
+            assert store._pending_total == 0  # every coalesced change let go
+            await store.close()
 
     run(body())
 
