@@ -339,11 +339,18 @@ class Registration:
         with self._lock:
             record = self.build_record()
             request = metadata_pb2.RegisterAgentRequest(record=record, ttl_s=self.ttl_s, lease_id=self._proof)
-            response = self._registrar.register(self.client, request)
+            response = self._registrar.register(request)
             self.name = record.name
             self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
             self._held_since = None
+        if self._stop.is_set():
+            # stop() ran while this waited for its call (which may have waited for others):
+            # its unregistration may have used the lease before this one. End this one too.
+            try:
+                self.client.unregister(record.name, record.epoch, response.lease_id)
+            except (ConnectError, MetadataError) as exc:
+                logger.info("could not unregister %s (%s); its lease will expire", record.name, exc)
 
     def _restart_stream(self) -> None:
         self._wake.set()
@@ -455,7 +462,11 @@ class _Registrar:
         weakref.WeakValueDictionary()
     )
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[str, MetadataOptions]) -> None:
+        # Its own channel, closed when the last Registration lets go of it: no agent's
+        # close() cuts off the registrations of others sent with its own.
+        self.client = MetadataClient(*key)
+        weakref.finalize(self, self.client.close)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._sending = False
@@ -467,14 +478,12 @@ class _Registrar:
         with cls._registry_lock:
             registrar = cls._registry.get(key)
             if registrar is None:
-                registrar = cls._registry[key] = cls()
+                registrar = cls._registry[key] = cls(key)
             return registrar
 
-    def register(
-        self, client: MetadataClient, request: metadata_pb2.RegisterAgentRequest
-    ) -> metadata_pb2.RegisterAgentResponse:
-        """``client.register`` of ``request``, sent with whatever else is waiting.
-        Raises what it would raise."""
+    def register(self, request: metadata_pb2.RegisterAgentRequest) -> metadata_pb2.RegisterAgentResponse:
+        """``MetadataClient.register`` of ``request``, sent with whatever else is
+        waiting. Raises what it would raise."""
         pending = _Pending(request)
         with self._cond:
             self._queue.append(pending)
@@ -487,7 +496,7 @@ class _Registrar:
             while not pending.done:  # its own is in the first batch unless 128 were ahead
                 with self._cond:
                     batch = self._take()
-                self._send(client, batch)
+                self._send(batch)
         finally:
             with self._cond:
                 self._sending = False
@@ -504,7 +513,8 @@ class _Registrar:
             batch.append(self._queue.popleft())
         return batch
 
-    def _send(self, client: MetadataClient, batch: list[_Pending]) -> None:
+    def _send(self, batch: list[_Pending]) -> None:
+        client = self.client
         try:
             if len(batch) > 1 and self._batches:
                 try:
@@ -749,7 +759,9 @@ class Watcher:
     With ``names``, only those agents are watched; ``watch_names`` restarts the
     watch on another set of names (its snapshot comes again too). Before each
     SYNCED is passed on, ``snapshot_names`` holds the names of that snapshot's
-    records: a watched name missing from it is absent from the service.
+    records: a watched name missing from it was absent from the service when
+    it was read (a watch of every agent may also leave out agents registered
+    while it read; they follow SYNCED).
 
     A service that refuses a watch of names (too many or too long for it)
     is watched whole instead, with a warning: ``names_refused`` is set, and

@@ -9,8 +9,8 @@ The watch covers only the names this agent has resolved (its peers), so that
 it costs the service what the peers cost, not what the registry costs. A
 name resolved for the first time restarts the watch with the larger set of
 names before the name is looked up; a change that lands while the watch
-restarts is in the new watch's snapshot (a peer missing from it is marked
-stale too). A watch event marks its peer stale only when it is not the
+restarts is in the new watch's snapshot, or follows it (a peer missing
+from it is marked stale too). A watch event marks its peer stale only when it is not the
 record this agent knows (other metadata or another epoch): a restart of the
 watch for one new peer costs no lookups of the others.
 

@@ -17,7 +17,7 @@ name back once the old lease expires: within the old lease's TTL. Likewise
 only the lease's holder unregisters a record; the admin API evicts.
 
 Bounds (``ServiceLimits``): registered agents, concurrent watch streams,
-changes queued per watch (a slower watcher is cut off), records and bytes per
+changes queued or kept per watch (a watcher too far behind is cut off), records and bytes per
 list page. Nothing a client asks for copies the whole registry at once.
 """
 
@@ -61,6 +61,8 @@ MAX_KEEP_ALIVE_LEASES = 1024
 # Registrations one RegisterAgentsRequest may carry (the proto's bound): a call's
 # work stays bounded, as one registration's is.
 MAX_REGISTRATIONS_PER_CALL = 128
+# A RegisterAgents entry is made only while this much of the call's deadline is left.
+_REGISTER_MARGIN_S = 0.5
 # WatchAgentsRequest.names: at most this many (the proto's bound).
 MAX_WATCH_NAMES = 4096
 # The longest valid agent name (kvx.config.check_name), in bytes (ASCII only).
@@ -346,14 +348,20 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         raise Refused(grpc.StatusCode.ABORTED, f"concurrent registrations of {record.name!r}; retry")
 
     async def RegisterAgents(self, request, context):  # noqa: N802
-        return await self._call("RegisterAgents", request, context, lambda: self.register_many(request))
+        return await self._call(
+            "RegisterAgents", request, context, lambda: self.register_many(request, context.time_remaining)
+        )
 
     async def register_many(
-        self, request: metadata_pb2.RegisterAgentsRequest
+        self,
+        request: metadata_pb2.RegisterAgentsRequest,
+        time_remaining: Callable[[], float | None] = lambda: None,
     ) -> metadata_pb2.RegisterAgentsResponse:
         """Each of ``request.requests`` as ``register`` does it, in order, each answered
         on its own: the call's per-call cost (most of a registration's, in grpc.aio)
-        is paid once for all of them."""
+        is paid once for all of them. Entries the call's deadline leaves no time for
+        are answered UNAVAILABLE, not made: a registration made after its caller gave
+        up would hold its name under a lease nobody knows, until that lease ran out."""
         self.store.refuse_writes()
         if len(request.requests) > MAX_REGISTRATIONS_PER_CALL:
             raise Refused(
@@ -364,6 +372,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         response = metadata_pb2.RegisterAgentsResponse()
         for item in request.requests:
             result = response.results.add()
+            left_s = time_remaining()
+            if left_s is not None and left_s < _REGISTER_MARGIN_S:
+                result.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                result.message = "not registered: the call's deadline came first; register it again"
+                continue
             try:
                 result.response.CopyFrom(await self.register(item))
             except Refused as refused:
@@ -578,8 +591,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(refused.code, str(refused))
         self.watch_streams += 1
         sent: set[str] = set()  # names this stream has shown as present
+        events = self.store.watch(self.limits.watch_queue_events, names)
         try:
-            async for event in self.store.watch(self.limits.watch_queue_events, names):
+            async for event in events:
                 if event.type is EventType.SYNCED:
                     yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision).SerializeToString()
                     continue
@@ -602,6 +616,11 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
         finally:
             self.watch_streams -= 1
+            # Now, not when the collector finds it: a cancelled stream's subscription
+            # (and what it keeps) goes with it.
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                await close()
 
 
 def max_receive_bytes(limits: ServiceLimits) -> int:

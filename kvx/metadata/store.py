@@ -39,11 +39,15 @@ WATCH_QUEUE_MAX = 1000
 # or its queue of changes is full: it reads more slowly than changes come) keeps
 # the latest change of each name instead, sent, oldest first, once it reads on:
 # its view ends the same, and a storm of registrations does not cut off a read
-# replica. Bounded by names per watch, and by names and record bytes over all
-# watches; past a bound, the watch is cut off (WatchLagError), as etcd's are.
+# replica. Bounded per watch (names), over all watches (names, and record bytes
+# counted per watch: the watch keeping the most is cut off first), and in time
+# (a lagging watch that has taken nothing for WATCH_STALL_S is cut off, so that
+# a client that stops reading holds nothing for long). A cut-off watch gets
+# WatchLagError, as etcd's do.
 COALESCE_NAMES_MAX = 100_000
 COALESCE_TOTAL_MAX = 1_000_000
-COALESCE_BYTES_MAX = 256 << 20
+COALESCE_BYTES_MAX = 512 << 20
+WATCH_STALL_S = 15.0
 # A pass of MemoryStore's expiry loop that starts this much later than planned
 # means the service's event loop was stalled (a registration storm, a long
 # collection of garbage): the time beyond it does not count against leases.
@@ -185,21 +189,26 @@ class Store(abc.ABC):
         as one copy of the registry. With ``names`` (not empty), only the
         records of those names: the snapshot reads each of them by name, and
         only their changes follow. Raises StoreError if the store goes away,
-        or WatchLagError when the consumer falls ``queue_size`` changes (memory)
-        or watch responses (etcd) behind, or etcd compacted past its place; the
-        caller watches again to resynchronise. Revisions only grow: compare
-        them, do not count them.
+        or WatchLagError when the consumer falls too far behind: ``queue_size``
+        watch responses (etcd); on the memory store, past ``queue_size``
+        changes (and while the snapshot is read) the latest change of each name
+        is kept instead, oldest first, up to the COALESCE_* bounds and
+        WATCH_STALL_S; or etcd compacted past its place. The caller watches
+        again to resynchronise. Revisions only grow per name: compare them, do
+        not count them.
         """
 
 
 class _WatchQueue(asyncio.Queue):
     """One memory-store watch: its queue of changes, and while ``pending`` is not None
     (its snapshot is being read, or it fell a full queue behind), the latest change of
-    each name, with its record's bytes, oldest first. ``error``: why it was cut off."""
+    each name, with its record's bytes, oldest first. ``taken_at``: when its reader
+    last took an event; ``error``: why it was cut off."""
 
     def __init__(self, maxsize: int) -> None:
         super().__init__(maxsize=maxsize)
         self.pending: dict[str, tuple[Event, int]] | None = {}
+        self.taken_at = time.monotonic()
         self.error: Exception | None = None
 
 
@@ -370,22 +379,31 @@ class MemoryStore(Store):
         queue = _WatchQueue(queue_size)
         wanted = sorted(set(names)) if names else None
         # Subscribe first, then page through the live records: every change made
-        # from then on is kept (coalesced per name: queue.pending) and follows the
-        # snapshot, so the snapshot shows only records as they were when the watch
-        # began. A record changed since is skipped there (its change follows): the
-        # snapshot does not chase the registrations of a storm page after page.
+        # from then on is kept too (coalesced per name: queue.pending) and follows
+        # the snapshot. A record is read as it is when its page is read; a kept
+        # change of it no newer than that is dropped (_fold), so that no name goes
+        # back to an older state. The snapshot of every name ends at the last name
+        # there was when the watch began: names created since that sort after it
+        # follow SYNCED, and the snapshot does not chase a storm's new
+        # registrations page after page. So it holds every record that existed when
+        # the watch began and still exists.
         revision = self._revision
+        until = self._names[-1] if self._names else None
         self._subscribe(queue, wanted)
         try:
-            async for record in self._snapshot(wanted):
+            async for record in self._snapshot(wanted, until):
                 if queue.error is not None:
                     raise queue.error
-                if record.revision <= revision:
-                    yield Event(EventType.PUT, record, record.revision)
+                self._fold(queue, record)
+                yield Event(EventType.PUT, record, record.revision)
+                queue.taken_at = time.monotonic()
+            if queue.error is not None:
+                raise queue.error
             if not queue.pending:
                 queue.pending = None  # nothing changed meanwhile: every change in order from now
             yield Event(EventType.SYNCED, None, revision)
             while True:
+                queue.taken_at = time.monotonic()
                 if queue.error is not None:
                     raise queue.error
                 if queue.pending is not None and queue.empty():
@@ -400,6 +418,15 @@ class MemoryStore(Store):
         finally:
             self._drop_pending(queue)
             self._unsubscribe(queue, wanted)
+
+    def _fold(self, queue: _WatchQueue, record: AgentRecord) -> None:
+        """Drops the kept change of ``record``'s name that the snapshot shows already."""
+        kept = queue.pending.get(record.name) if queue.pending else None
+        if kept is not None and kept[0].revision <= record.revision:
+            assert queue.pending is not None
+            del queue.pending[record.name]
+            self._pending_total -= 1
+            self._pending_bytes -= kept[1]
 
     def _take_pending(self, queue: _WatchQueue) -> Event:
         assert queue.pending  # not empty: the caller looked
@@ -417,12 +444,15 @@ class MemoryStore(Store):
         self._pending_total -= len(queue.pending or ())
         queue.pending = None
 
-    async def _snapshot(self, names: list[str] | None) -> AsyncIterator[AgentRecord]:
-        """Copies of the current records (of ``names`` only: one dict get each), a page at a time."""
+    async def _snapshot(self, names: list[str] | None, until: str | None) -> AsyncIterator[AgentRecord]:
+        """Copies of the current records, a page at a time, up to the name ``until``
+        (None: none); of ``names`` only (one dict get each), when given."""
         if names is None:
             after = ""
-            while page := await self.list_page(after, PAGE_RECORDS):
+            while until is not None and after < until and (page := await self.list_page(after, PAGE_RECORDS)):
                 for record in page:
+                    if record.name > until:
+                        return
                     yield record
                 after = page[-1].name
             return
@@ -490,22 +520,29 @@ class MemoryStore(Store):
         if old is not None:
             self._pending_total -= 1
             self._pending_bytes -= old[1]
-        if (
-            len(pending) >= COALESCE_NAMES_MAX
-            or self._pending_total >= COALESCE_TOTAL_MAX
-            or self._pending_bytes + size > COALESCE_BYTES_MAX
-        ):
-            self._cut_off(
-                queue,
-                WatchLagError(
-                    f"the watch fell {queue.qsize() + len(pending)} changes behind ({len(pending)} "
-                    f"names kept, {self._pending_bytes} bytes kept by all watches)"
-                ),
-            )
+        if time.monotonic() - queue.taken_at > WATCH_STALL_S:
+            self._cut_off(queue, self._lag_error(queue, f"its reader took nothing for {WATCH_STALL_S:g} s"))
             return
+        if len(pending) >= COALESCE_NAMES_MAX:
+            self._cut_off(queue, self._lag_error(queue, f"{COALESCE_NAMES_MAX} names kept for it"))
+            return
+        # Over all watches: the one keeping the most goes first (not whichever watch
+        # needs room now), so that no watch is cut off for another's lag.
+        while self._pending_total >= COALESCE_TOTAL_MAX or self._pending_bytes + size > COALESCE_BYTES_MAX:
+            most = max(self._watchers, key=lambda q: len(q.pending or ()))
+            self._cut_off(
+                most, self._lag_error(most, "the most kept of all watches, past the service's bound")
+            )
+            if most is queue:
+                return
         pending[name] = (event, size)
         self._pending_total += 1
         self._pending_bytes += size
+
+    @staticmethod
+    def _lag_error(queue: _WatchQueue, why: str) -> WatchLagError:
+        kept = len(queue.pending or ())
+        return WatchLagError(f"the watch fell {queue.qsize() + kept} changes behind ({why})")
 
     def _cut_off(self, queue: _WatchQueue, error: Exception) -> None:
         self._watchers.discard(queue)

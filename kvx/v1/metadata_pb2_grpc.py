@@ -121,7 +121,10 @@ class MetadataServiceServicer(object):
 
     def WatchAgents(self, request, context):
         """The current records first (each as a PUT event), then one SYNCED event,
-        then every change as it happens.
+        then every change as it happens. A watcher that falls behind (or changes
+        made while it reads the snapshot) may instead get the latest change of
+        each name it missed, oldest first: what it builds ends the same. One too
+        far behind is cut off with RESOURCE_EXHAUSTED: watch again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -489,20 +489,18 @@ def test_changes_while_a_snapshot_is_read_coalesce_instead_of_cutting_it_off():
             for i in range(1, 41, 2):
                 assert await store.delete_if(f"r{i:03d}", (await store.get(f"r{i:03d}")).revision)
             assert store._pending_total == 170  # one per name changed
-            snapshot_revisions = []
+            snapshot = 0
             while (event := await next_event(events)).type is not EventType.SYNCED:
                 _apply(view, last, event)
-                snapshot_revisions.append(event.revision)
-            # The snapshot shows records as they were when the watch began: those changed
-            # since and not yet read (past the first page of 100, read already) come
-            # after SYNCED, once, as they are now: 100 of the 300.
-            assert max(snapshot_revisions) <= event.revision and len(snapshot_revisions) == 290 - 100
-            after = 0
-            want = {r.name: r.revision for r in await store.list()}
-            while view != want:
+                snapshot += 1
+            # Every record there was is in the snapshot, as read: the first page (100
+            # records) was read before the changes, the rest after. What its records
+            # do not show follows: the 50 changes and 20 deletes of that first page.
+            assert snapshot == 290 and store._pending_total == 70
+            for _ in range(70):
                 _apply(view, last, await next_event(events, 5))
-                after += 1
-            assert after <= 170 and len(view) == 280 and store._pending_total == 0
+            want = {r.name: r.revision for r in await store.list()}
+            assert view == want and len(view) == 280
             # Caught up: the queue again, until it is full.
             assert store._pending_total == 0 and store._pending_bytes == 0
             for i in range(20):
@@ -540,6 +538,72 @@ def test_a_lagging_watcher_gets_the_latest_change_of_each_name():
             assert [e.revision for e in got[:4]] == [*revisions[:3], revisions[-1]]
             assert (got[4].type, got[4].record.name) == (EventType.DELETE, "cold")
             assert store._pending_total == 0 and store._pending_bytes == 0
+        finally:
+            await events.aclose()
+            await store.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("names", [None, ["a", "b", "c"]])
+def test_a_record_changed_while_the_snapshot_is_read_is_in_it(names):
+    """A record changed after the watch began, before the snapshot reached it, is in
+    the snapshot as it is now (a snapshot lacking it would say it is gone), once."""
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        for name in ("a", "b", "c"):
+            await store.put_if(record(name, v="1"), lease, 0)
+        events = store.watch(names=names)
+        try:
+            first = await next_event(events)
+            # Paged already ("a") or not yet ("b", "c": a names watch reads each when it
+            # comes to it; a watch of every name reads a page of 100 at once).
+            assert first.record.name == "a"
+            await store.put_if(record("c", v="2"), lease, (await store.get("c")).revision)
+            await store.put_if(record("d", v="1"), lease, 0)  # after the last name there was
+            got = [await next_event(events) for _ in range(2)]
+            synced = await next_event(events)
+            assert synced.type is EventType.SYNCED and [e.record.name for e in got] == ["b", "c"]
+            c_now = (await store.get("c")).revision
+            after = []
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    after.append(await next_event(events, 0.5))
+            if names is None:  # a page: "c" as it was, then its change; and "d", new
+                assert got[1].record.labels["v"] == "1"
+                assert [(e.record.name, e.revision) for e in after][:1] == [("c", c_now)]
+                assert [e.record.name for e in after] == ["c", "d"]
+            else:  # read when it came to it: as it is now, and not again
+                assert (got[1].record.labels["v"], got[1].revision) == ("2", c_now) and after == []
+            assert store._pending_total == 0
+        finally:
+            await events.aclose()
+            await store.close()
+
+    run(body())
+
+
+def test_a_lagging_watch_that_takes_nothing_is_cut_off(monkeypatch):
+    monkeypatch.setattr(store_module, "WATCH_STALL_S", 0.2)
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        events = store.watch(queue_size=2)
+        try:
+            assert (await next_event(events)).type is EventType.SYNCED
+            for i in range(5):  # 2 queued, 3 kept
+                await store.put_if(record(f"n{i}"), lease, 0)
+            assert store._pending_total == 3
+            await asyncio.sleep(0.3)  # its reader took nothing meanwhile
+            await store.put_if(record("n5"), lease, 0)
+            assert store._pending_total == 0  # cut off: what it kept let go
+            with pytest.raises(WatchLagError, match="took nothing for 0.2 s"):
+                await next_event(events)
         finally:
             await events.aclose()
             await store.close()
