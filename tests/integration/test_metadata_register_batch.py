@@ -243,3 +243,52 @@ def test_registrars_are_shared_by_target_and_options_and_go_with_their_registrat
     finally:
         for client in (a, b, c):
             client.close()
+
+
+def test_a_registration_stopped_while_it_waits_is_not_left_behind():
+    server = MetadataServer("127.0.0.1:0")
+    gate = _gated(server)
+    with ThreadedServer(server) as srv:
+        names = ["kept-0", "gone-1", "kept-2"]
+        regs, threads, errors, _ = _start_together(srv, names, MetadataOptions())
+        try:
+            regs[1].stop()  # its registration is queued behind the first call: nothing to unregister yet
+            gate.set()
+            for thread in threads:
+                thread.join(15)
+            client = MetadataClient(srv.address)
+            # It landed after stop(), and was unregistered then: only the others remain.
+            assert wait_until(lambda: sorted(r.name for r in client.list()) == ["kept-0", "kept-2"], 10)
+            assert _registrations(srv) == 3 and not errors
+            client.close()
+        finally:
+            for reg in regs:
+                reg.stop()
+                reg.client.close()
+
+
+def test_entries_past_the_calls_deadline_are_not_made():
+    """A registration made after its caller gave up would hold its name under a lease
+    nobody knows: the entries the deadline leaves no time for are not made, and the
+    call is answered before its deadline."""
+    server = MetadataServer("127.0.0.1:0")
+    register = server.servicer.register
+
+    async def slow(request):
+        await asyncio.sleep(0.3)
+        return await register(request)
+
+    server.servicer.register = slow
+    with ThreadedServer(server) as srv:
+        answer = stub(srv.address).RegisterAgents(
+            metadata_pb2.RegisterAgentsRequest(requests=[_request(f"late-{i}") for i in range(8)]),
+            timeout=1.2,
+        )
+        codes = [result.code for result in answer.results]
+        made = codes.count(OK)
+        # 0.3 s each while at least 0.5 s of the 1.2 s is left: two or three, not eight;
+        # the rest answered in time, as not made.
+        assert 1 <= made <= 3 and codes == [OK] * made + [grpc.StatusCode.UNAVAILABLE.value[0]] * (8 - made)
+        assert "deadline" in answer.results[-1].message
+        assert _registrations(srv) == made
+        assert len(MetadataClient(srv.address).list()) == made
