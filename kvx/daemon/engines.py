@@ -73,6 +73,8 @@ def engine_command(s: DaemonSettings) -> tuple[list[str], dict[str, str]]:
         }
         if s.metadata_token_file:
             extra["metadata_token_file"] = s.metadata_token_file
+        if s.metadata_read:
+            extra["metadata_read"] = s.metadata_read
         kv_config = {
             "kv_connector": "KvxConnector",
             "kv_connector_module_path": "kvx.connectors.vllm",

@@ -45,6 +45,12 @@ class DaemonSettings(BaseSettings):
     metadata_token_file: str | None = Field(
         None, description="file holding the metadata service's bearer token"
     )
+    metadata_read: str | None = Field(
+        None,
+        description="HOST:PORT of a read replica of the metadata service (kvx metadata --store "
+        "mirror://): the engine's agents look their peers up and watch them there, and register "
+        "at --metadata (synthetic and vllm engines)",
+    )
     secret_file: str = Field(description="file holding the cluster secret, at least 16 bytes (required)")
     host: str = Field("127.0.0.1", description="address the daemon's servers bind (default: 127.0.0.1)")
     advertise_host: str | None = Field(
@@ -123,9 +129,11 @@ class DaemonSettings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(PRESETS)}")
         return value
 
-    @field_validator("metadata")
+    @field_validator("metadata", "metadata_read")
     @classmethod
-    def _target(cls, value: str) -> str:
+    def _target(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be HOST:PORT")
@@ -142,6 +150,11 @@ class DaemonSettings(BaseSettings):
         if self.advertise_host is None:
             self.advertise_host = self.host if self.host not in ("0.0.0.0", "::", "") else _own_address()
         self.shape()  # a bad override fails here, at start
+        if self.metadata_read and self.engine == "sglang":
+            raise ValueError(
+                "metadata_read: the sglang engine's agents find their peers through SGLang's "
+                "bootstrap server, not the metadata service; leave it unset"
+            )
         return self
 
     def shape(self) -> ModelShape:

@@ -319,7 +319,7 @@ class SyntheticEngine:
                 "model_shape": self.shape.name,
                 "model": self.model,
             },
-            metadata_options=MetadataOptions(token=token) if token else None,
+            metadata_options=MetadataOptions(token=token, read_target=settings.metadata_read),
         )
         try:
             self.region = self.agent.register(self.pool)

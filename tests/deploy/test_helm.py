@@ -273,6 +273,10 @@ def test_schema_rejects_typos_and_unknown_names(sets, message):
         (["metadata.replicas=2"], "needs metadata.store=etcd"),
         (["metadata.store=etcd"], "needs etcd.external.endpoints or etcd.deploy.enabled"),
         (["etcd.deploy.enabled=true"], "metadata.store is memory"),
+        (
+            ["metadata.readReplicas=1", "metadata.store=etcd", "etcd.deploy.enabled=true"],
+            "raise metadata.replicas instead",
+        ),
         (["workers.engine=sglang"], "needs workers.image.repository"),
         (["rdma.mode=dra", "rdma.dra.deviceClassName=x"], "needs Kubernetes 1.34.0 or newer"),
         (
@@ -428,6 +432,39 @@ def test_metadata_store_follows_the_values(renders):
     eps = ",".join(f"etcd-{i}.etcd.infra.svc:2379" for i in range(3))
     assert f"--store=etcd://{eps}" in args_of(external, "Deployment", f"{FULLNAME}-metadata")
     assert not [o for o in external if o["kind"] == "StatefulSet" and o["metadata"]["name"] == etcd]
+
+
+def test_read_replicas_follow_the_service_and_the_workers_read_there(renders):
+    objs = renders["synthetic"]  # metadata.readReplicas: 2
+    service = f"{FULLNAME}-metadata"
+    read = find(objs, "Deployment", f"{service}-read")
+    assert read["spec"]["replicas"] == 2 and "strategy" not in read["spec"]  # copies roll freely
+    args = args_of(objs, "Deployment", f"{service}-read")
+    grpc = {p["name"]: p["port"] for p in find(objs, "Service", service)["spec"]["ports"]}["grpc"]
+    assert f"--store=mirror://{service}:{grpc}" in args
+    assert "--token-file=/etc/kvx/secrets/metadata-token" in args  # its token at the service too
+    assert find(objs, "Deployment", service)["spec"]["strategy"]["type"] == "Recreate"
+    read_svc = find(objs, "Service", f"{service}-read")
+    assert read_svc["spec"]["selector"]["app.kubernetes.io/component"] == "metadata-read"
+    read_grpc = {p["name"]: p["port"] for p in read_svc["spec"]["ports"]}["grpc"]
+    for role in ("prefill", "decode"):
+        env = env_of(container(worker_pod(objs, role)))
+        assert env["KVX_METADATA"] == f"{service}:{grpc}"  # registration and renewals
+        assert env["KVX_METADATA_READ"] == f"{service}-read:{read_grpc}"  # lookups and the watch
+    assert find(objs, "PodDisruptionBudget", f"{service}-read")["spec"]["maxUnavailable"] == 1
+    # SGLang's agents do not look peers up in the metadata service: no setting that
+    # its daemon would refuse. The replicas' /metrics are scraped as the service's.
+    sets = ["metadata.readReplicas=1", "workers.engine=sglang", "workers.image.repository=x/sglang"]
+    sglang = render(sets=[*sets, "serviceMonitor.enabled=true"])
+    assert "KVX_METADATA_READ" not in env_of(container(worker_pod(sglang, "decode")))
+    monitor = find(sglang, "ServiceMonitor", f"{service}-read")
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "metadata-read"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"]["credentials"]["key"] == "metadata-admin-token"
+    # Without read replicas: none of it, and the workers read at the service.
+    default = renders["defaults"]
+    assert not [o for o in default if o["metadata"]["name"].startswith(f"{service}-read")]
+    assert "KVX_METADATA_READ" not in env_of(container(worker_pod(default, "decode")))
 
 
 def test_proxy_and_workers_reach_the_metadata_service_it_renders(renders):
@@ -596,7 +633,7 @@ def admitted_ports(policy: dict, peer_labels: dict[str, str]) -> set[int] | None
 
 
 def test_network_policies_admit_only_the_releases_pods(renders):
-    for name in ("defaults", "etcd-deploy", "lws"):
+    for name in ("defaults", "etcd-deploy", "lws", "synthetic"):
         objs = renders[name]
         policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
         pods = pod_templates(objs)
@@ -604,7 +641,8 @@ def test_network_policies_admit_only_the_releases_pods(renders):
                     "app.kubernetes.io/component": "prefill"}  # fmt: skip
         proxy = find(objs, "Deployment", f"{FULLNAME}-proxy")["spec"]["template"]["metadata"]["labels"]
         # The policies govern this release's pods, never another's.
-        for component in ("metadata", "prefill", "decode", "proxy", "etcd", "prefill-worker"):
+        components = ("metadata", "metadata-read", "prefill", "decode", "proxy", "etcd", "prefill-worker")
+        for component in components:
             other = {**stranger, "app.kubernetes.io/component": component}
             assert not [p["metadata"]["name"] for p in policies if selects(p["spec"]["podSelector"], other)]
         for workload, tpl in pods.items():

@@ -35,7 +35,8 @@ from kvx.daemon.shapes import PRESETS
 from kvx.daemon.synthetic import MAX_BODY_BYTES, expected_answer
 from kvx.descs import Descs
 from kvx.errors import ConnectError, KvxError
-from kvx.metadata.client import MetadataClient
+from kvx.metadata.client import MetadataClient, MetadataOptions
+from kvx.metadata.mirror import MirrorStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from tests import conftest
 from tests.conftest import wait_until
@@ -110,6 +111,13 @@ class Cluster:
         self.client = MetadataClient(self.metadata.address)
         self.daemons: dict[str, Daemon] = {}
         self.proxy_url = ""
+        self.replica: ThreadedServer | None = None
+
+    def start_replica(self) -> str:
+        """A read replica of the metadata service (kvx metadata --store mirror://)."""
+        store = MirrorStore(self.metadata.address, MetadataOptions())
+        self.replica = ThreadedServer(MetadataServer("127.0.0.1:0", store))
+        return self.replica.address
 
     def get(self, name: str) -> Any:
         """The record of ``name`` (None when there is none).
@@ -199,6 +207,8 @@ class Cluster:
         for out in self._logs:
             out.close()
         self.client.close()
+        if self.replica is not None:
+            self.replica.stop()
         self.metadata.stop()
 
 
@@ -218,14 +228,16 @@ def make_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two prefills (p0 takes POST /v1/drain with a token) and two decodes behind a proxy."""
+    """Two prefills (p0 takes POST /v1/drain with a token) and two decodes behind a
+    proxy; d1 looks its peers up at a read replica of the metadata service."""
     c = Cluster(tmp_path_factory.mktemp("cluster"))
     try:
+        replica = c.start_replica()
         daemons = [
             c.start("prefill", "p0", "--admin-token-file", str(c.admin_token)),
             c.start("prefill", "p1"),
             c.start("decode", "d0"),
-            c.start("decode", "d1"),
+            c.start("decode", "d1", "--metadata-read", replica),
         ]
         c.wait_ready(*daemons)
         c.start_proxy()
@@ -311,6 +323,29 @@ def test_the_proxy_spreads_requests_and_every_answer_is_right(cluster):
     served = {name: d.status()["totals"]["requests"] - before[name] for name, d in cluster.daemons.items()}
     assert all(served.values()), served
     assert sum(served.values()) == 2 * len(jobs), served  # a prefill and a decode each
+
+
+def test_a_decode_reading_at_a_replica_finds_its_peers_there(cluster):
+    def lookups(srv: ThreadedServer) -> float:
+        value = srv.server.metrics.registry.get_sample_value(
+            "kvx_metadata_request_seconds_count", {"method": "GetAgent"}
+        )
+        return value or 0.0
+
+    assert cluster.replica is not None
+    d1 = cluster.daemons["d1"]
+    rng = random.Random(5)
+    for _ in range(40):  # until d1 has served one (the proxy spreads them)
+        before = d1.status()["totals"]["requests"]
+        prompt = words(20, rng)
+        assert complete(cluster.proxy_url, prompt, 4) == (200, expected(prompt, 4))
+        if d1.status()["totals"]["requests"] > before:
+            break
+    else:
+        raise AssertionError("the proxy sent d1 nothing in 40 requests")
+    # d1's agent resolved its prefill peer at the replica; its record stayed at the service.
+    assert lookups(cluster.replica) >= 1
+    assert cluster.get("d1") is not None
 
 
 def test_metrics_count_exactly_the_kv_that_moved(cluster):

@@ -78,6 +78,23 @@ def test_vllm_gets_the_connector_for_its_role(tmp_path: Path) -> None:
         extra = config["kv_connector_extra_config"]
         assert extra["metadata"] == "127.0.0.1:50051" and extra["auth_secret_file"] == s.secret_file
         assert extra["host"] == "10.0.0.7" and extra["backend"] == "tcp"
+        assert "metadata_read" not in extra
+
+
+def test_a_read_replica_goes_to_the_vllm_connector_and_is_refused_for_sglang(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123\n")
+    flags = {"engine": "vllm", "metadata": "meta:50051", "metadata_read": "meta-read:50051"}
+    s = load("decode", {**flags, "secret_file": str(secret)}, engine_args=["--model", "m"])
+    argv, _ = engine_command(s)
+    extra = json.loads(_value(argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert (extra["metadata"], extra["metadata_read"]) == ("meta:50051", "meta-read:50051")
+    for bad, words in (
+        ({**flags, "metadata_read": "meta-read"}, "HOST:PORT"),
+        ({**flags, "engine": "sglang"}, "bootstrap server"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load("decode", {**bad, "secret_file": str(secret)}, engine_args=["--model-path", "m"])
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-metadata:%d" (include "kvx.fullname" .) (int .Values.metadata.grpcPort) -}}
 {{- end -}}
 
+{{/* HOST:PORT of the read replicas' Service (metadata.readReplicas > 0). */}}
+{{- define "kvx.metadataReadAddress" -}}
+{{- printf "%s-metadata-read:%d" (include "kvx.fullname" .) (int .Values.metadata.grpcPort) -}}
+{{- end -}}
+
 {{/* repository:tag, or repository@digest when a digest is given (it wins). */}}
 {{- define "kvx.image" -}}
 {{- if .image.digest -}}
@@ -159,6 +164,9 @@ etcd://{{ join "," $e.external.endpoints }}
 {{- fail "etcd is configured but metadata.store is memory: set metadata.store=etcd" -}}
 {{- end -}}
 {{- else -}}
+{{- if gt (int $v.metadata.readReplicas) 0 -}}
+{{- fail "metadata.readReplicas copies the memory store; with metadata.store=etcd the replicas share etcd already: raise metadata.replicas instead" -}}
+{{- end -}}
 {{- if and $v.etcd.deploy.enabled $v.etcd.external.endpoints -}}
 {{- fail "set either etcd.deploy.enabled or etcd.external.endpoints, not both" -}}
 {{- end -}}

@@ -89,6 +89,11 @@ containers:
         value: {{ $w.engine | quote }}
       - name: KVX_METADATA
         value: {{ include "kvx.metadataAddress" $ctx | quote }}
+      {{- /* SGLang's agents find their peers through its bootstrap server, not here. */}}
+      {{- if and (gt (int $ctx.Values.metadata.readReplicas) 0) (ne $w.engine "sglang") }}
+      - name: KVX_METADATA_READ
+        value: {{ include "kvx.metadataReadAddress" $ctx | quote }}
+      {{- end }}
       - name: KVX_METADATA_TOKEN_FILE
         value: {{ $secretDir }}/metadata-token
       - name: KVX_SECRET_FILE
