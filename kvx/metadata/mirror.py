@@ -372,6 +372,8 @@ class MirrorStore(MemoryStore):
         else:
             bisect.insort(self._names, name)
         self._revision += 1
+        if current is None:
+            self._created[name] = self._revision
         stored.revision = self._revision
         self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
         self._bytes += stored.ByteSize()

@@ -231,6 +231,9 @@ class MemoryStore(Store):
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
         self._records: dict[str, AgentRecord] = {}
         self._names: list[str] = []  # the keys of _records, sorted: pages without sorting
+        # The revision that created each record (etcd's create_revision): a watch's
+        # snapshot of every name leaves out those created after the watch began.
+        self._created: dict[str, int] = {}
         # Each record's GetAgent answer, encoded when it is written; replaced or
         # dropped in the same step as the record, so never older than it.
         self._answers: dict[str, bytes] = {}
@@ -355,6 +358,7 @@ class MemoryStore(Store):
         stored.lease_id = lease_id
         if current is None:
             bisect.insort(self._names, record.name)
+            self._created[record.name] = self._revision
         else:
             self._by_role[current.role] -= 1
             self._bytes -= current.ByteSize()
@@ -382,16 +386,14 @@ class MemoryStore(Store):
         # from then on is kept too (coalesced per name: queue.pending) and follows
         # the snapshot. A record is read as it is when its page is read; a kept
         # change of it no newer than that is dropped (_fold), so that no name goes
-        # back to an older state. The snapshot of every name ends at the last name
-        # there was when the watch began: names created since that sort after it
-        # follow SYNCED, and the snapshot does not chase a storm's new
-        # registrations page after page. So it holds every record that existed when
-        # the watch began and still exists.
+        # back to an older state. A snapshot of every name holds every record that
+        # existed when the watch began and still exists; those created since follow
+        # SYNCED, so that it does not chase a storm's new registrations page after
+        # page.
         revision = self._revision
-        until = self._names[-1] if self._names else None
         self._subscribe(queue, wanted)
         try:
-            async for record in self._snapshot(wanted, until):
+            async for record in self._snapshot(wanted, revision):
                 if queue.error is not None:
                     raise queue.error
                 self._fold(queue, record)
@@ -444,18 +446,21 @@ class MemoryStore(Store):
         self._pending_total -= len(queue.pending or ())
         queue.pending = None
 
-    async def _snapshot(self, names: list[str] | None, until: str | None) -> AsyncIterator[AgentRecord]:
-        """Copies of the current records, a page at a time, up to the name ``until``
-        (None: none); of ``names`` only (one dict get each), when given."""
+    async def _snapshot(self, names: list[str] | None, revision: int) -> AsyncIterator[AgentRecord]:
+        """Copies of the current records created by ``revision``, a page at a time;
+        of ``names`` only (one dict get each, whenever created), when given."""
         if names is None:
             after = ""
-            while until is not None and after < until and (page := await self.list_page(after, PAGE_RECORDS)):
+            while True:
+                start = bisect.bisect_right(self._names, after) if after else 0
+                chunk = self._names[start : start + PAGE_RECORDS]
+                if not chunk:
+                    return
+                created = self._created
+                page = [_copy(self._records[name]) for name in chunk if created[name] <= revision]
                 for record in page:
-                    if record.name > until:
-                        return
                     yield record
-                after = page[-1].name
-            return
+                after = chunk[-1]
         for name in names:
             if (current := self._records.get(name)) is not None:
                 yield _copy(current)
@@ -484,6 +489,7 @@ class MemoryStore(Store):
         if record is None:
             return
         del self._answers[name]
+        del self._created[name]
         del self._names[bisect.bisect_left(self._names, name)]
         self._by_role[record.role] -= 1
         self._bytes -= record.ByteSize()
