@@ -771,7 +771,7 @@ class _Replica:
                     "-m",
                     "kvx.cli",
                     "--log-level",
-                    "WARNING",
+                    args.service_log_level,
                     "metadata",
                     "--listen",
                     self.address,
@@ -960,6 +960,12 @@ def _parse() -> argparse.Namespace:
         "watchers go to them",
     )
     p.add_argument("--profile", action="store_true", help="sample replica 0 with py-spy")
+    p.add_argument(
+        "--service-log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the services' log level (their logs go to this command's stderr)",
+    )
     p.add_argument(
         "--service-cpus",
         type=_cpu_list,
