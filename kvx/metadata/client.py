@@ -752,6 +752,28 @@ def _refuses_names(exc: grpc.RpcError) -> bool:
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "watch streams" not in (exc.details() or "")
 
 
+# What a watch asks the service to pack into one message (WatchAgentsRequest.batch_bytes):
+# well inside CHANNEL_OPTIONS' receive limit, and the service's own cap.
+WATCH_BATCH_BYTES = 1 << 20
+
+
+class MalformedWatch(MetadataError):
+    """A WatchAgents message no kvx service sends (a batch inside a batch)."""
+
+
+def watch_events(
+    message: metadata_pb2.WatchAgentsResponse,
+) -> Iterable[metadata_pb2.WatchAgentsResponse]:
+    """The events of one WatchAgents message: its ``events`` when it is a batch
+    (WatchAgentsRequest.batch_bytes), else the message itself."""
+    if not message.events:
+        return (message,)
+    for event in message.events:
+        if event.events:
+            raise MalformedWatch("the metadata service sent a watch batch inside a batch")
+    return message.events
+
+
 class Watcher:
     """Calls ``on_event(WatchAgentsResponse)`` for every change, from its own thread.
 
@@ -779,7 +801,10 @@ class Watcher:
         self.client = client
         self.on_event = on_event
         self.request = metadata_pb2.WatchAgentsRequest(
-            role=role_filter(role), labels=labels or {}, names=sorted(set(names))
+            role=role_filter(role),
+            labels=labels or {},
+            names=sorted(set(names)),
+            batch_bytes=WATCH_BATCH_BYTES,
         )
         self.synced = threading.Event()  # the current request's snapshot has been passed on
         self.snapshot_names: frozenset[str] = frozenset()
@@ -805,6 +830,7 @@ class Watcher:
                 role=self.request.role,
                 labels=self.request.labels,
                 names=() if self.names_refused else sorted(set(names)),
+                batch_bytes=WATCH_BATCH_BYTES,
             )
             self.synced.clear()
             stream = self._stream
@@ -825,23 +851,34 @@ class Watcher:
             self.snapshotting = True
             answered = False
             try:
-                for event in stream:
+                for message in stream:
                     attempt, answered = 0, True
-                    if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT and present is not None:
-                        present.add(event.record.name)
-                    synced = event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
-                    if synced:
-                        self.snapshot_names = frozenset(present or ())
-                        present = None
-                        self.snapshotting = False
-                    try:
-                        self.on_event(event)
-                    except Exception:
-                        logger.exception("watch callback failed")
-                    if synced:
-                        with self._lock:
-                            if generation == self._generation:
-                                self.synced.set()
+                    for event in watch_events(message):
+                        if (
+                            event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
+                            and present is not None
+                        ):
+                            present.add(event.record.name)
+                        synced = event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+                        if synced:
+                            self.snapshot_names = frozenset(present or ())
+                            present = None
+                            self.snapshotting = False
+                        try:
+                            self.on_event(event)
+                        except Exception:
+                            logger.exception("watch callback failed")
+                        if synced:
+                            with self._lock:
+                                if generation == self._generation:
+                                    self.synced.set()
+            except MalformedWatch as exc:
+                stream.cancel()
+                if self._stop.is_set():
+                    return
+                logger.warning(
+                    "watch of the metadata service at %s broken (%s); reconnecting", self.client.target, exc
+                )
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -861,7 +898,9 @@ class Watcher:
             if generation != self._generation:
                 return
             self.names_refused = True
-            self.request = metadata_pb2.WatchAgentsRequest(role=self.request.role, labels=self.request.labels)
+            self.request = metadata_pb2.WatchAgentsRequest(
+                role=self.request.role, labels=self.request.labels, batch_bytes=WATCH_BATCH_BYTES
+            )
         logger.warning(
             "the metadata service at %s refused a watch of %d names (%s: %s); watching every "
             "agent instead, which costs the service more: a kvx metadata service takes up to "

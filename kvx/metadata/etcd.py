@@ -129,9 +129,11 @@ from kvx.errors import ConfigError
 from kvx.metadata._etcd_leases import Renewals, TrackedLease
 from kvx.metadata.store import (
     PAGE_RECORDS,
+    WATCH_BATCH_EVENTS,
     WATCH_QUEUE_MAX,
     AgentRecord,
     Event,
+    EventBatch,
     EventType,
     Store,
     StoreError,
@@ -513,9 +515,14 @@ class EtcdStore(Store):
         self._wrote(name, response.header.revision)
         return True
 
-    async def watch(
-        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
-    ) -> AsyncIterator[Event]:
+    async def watch_batches(
+        self,
+        queue_size: int = WATCH_QUEUE_MAX,
+        names: Collection[str] | None = None,
+        max_events: int = WATCH_BATCH_EVENTS,
+    ) -> AsyncIterator[EventBatch]:
+        if max_events < 1:
+            raise ValueError(f"max_events must be at least 1, not {max_events}")
         wanted = sorted(set(names)) if names else None
 
         async def snapshot(after: str, revision: int) -> tuple[list[Any], str, int]:
@@ -558,11 +565,15 @@ class EtcdStore(Store):
             call = await self._call("watch", lambda c, rpc: self._open_watch(c, rpc, revision + 1))
             task = asyncio.create_task(self._read_watch(call, queue), name="kvx-etcd-watch")
             while after:
-                for kv in kvs:
-                    if (record := self._decode(kv)) is not None:
-                        yield Event(EventType.PUT, record, kv.mod_revision)
+                page = [
+                    Event(EventType.PUT, record, kv.mod_revision)
+                    for kv in kvs
+                    if (record := self._decode(kv)) is not None
+                ]
+                for start in range(0, len(page), max_events):
+                    yield page[start : start + max_events]
                 kvs, after, _ = await snapshot(after, revision)
-            yield Event(EventType.SYNCED, None, revision)
+            yield [Event(EventType.SYNCED, None, revision)]
             keep = None if wanted is None else {self._key(name) for name in wanted}
             while True:
                 try:
@@ -571,15 +582,25 @@ class EtcdStore(Store):
                     if not await self.ready():
                         raise StoreError("etcd stopped answering") from None
                     continue
-                if isinstance(response, Exception):
-                    raise response
-                for event in response.events:
-                    if keep is not None and event.kv.key not in keep:
-                        if event.type != 0:
-                            self._event(event)  # a DELETE still counts toward expired_leases
-                        continue
-                    if (out := self._event(event)) is not None:
-                        yield out
+                # This response's events, and those of the responses already queued behind it.
+                batch: list[Event] = []
+                while True:
+                    if isinstance(response, Exception):
+                        if batch:
+                            yield batch
+                        raise response
+                    for event in response.events:
+                        if keep is not None and event.kv.key not in keep:
+                            if event.type != 0:
+                                self._event(event)  # a DELETE still counts toward expired_leases
+                            continue
+                        if (out := self._event(event)) is not None:
+                            batch.append(out)
+                    if len(batch) >= max_events or queue.empty():
+                        break
+                    response = queue.get_nowait()
+                for start in range(0, len(batch), max_events):
+                    yield batch[start : start + max_events]
         finally:
             self._watches.discard(queue)
             if task is not None:

@@ -55,12 +55,21 @@ from grpc import aio
 
 from kvx.config import check_name
 from kvx.errors import ConfigError
-from kvx.metadata.client import CHANNEL_OPTIONS, MetadataOptions, call_metadata, credentials
+from kvx.metadata.client import (
+    CHANNEL_OPTIONS,
+    WATCH_BATCH_BYTES,
+    MetadataOptions,
+    call_metadata,
+    credentials,
+    watch_events,
+)
 from kvx.metadata.refused import Refused
 from kvx.metadata.store import (
+    WATCH_BATCH_EVENTS,
     WATCH_QUEUE_MAX,
     AgentRecord,
     Event,
+    EventBatch,
     EventType,
     MemoryStore,
     StoreError,
@@ -116,10 +125,11 @@ class MirrorStore(MemoryStore):
         self._max_agents = max_agents
         self._max_bytes = max_bytes
         self._max_record_bytes = max_record_bytes
-        # A WatchAgentsResponse holds one record: no message beyond one record and its frame.
+        # A WatchAgentsResponse holds one record, or events of at most WATCH_BATCH_BYTES in
+        # all (an event larger than that comes alone): no message beyond that and its frame.
         self._channel_options = [
             *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
-            ("grpc.max_receive_message_length", max_record_bytes + 64 * 1024),
+            ("grpc.max_receive_message_length", max(max_record_bytes, WATCH_BATCH_BYTES) + 64 * 1024),
         ]
         self.primary = primary
         self._options = options or MetadataOptions()
@@ -224,15 +234,18 @@ class MirrorStore(MemoryStore):
         self._check_fresh()
         return await super().list_page(after, limit)
 
-    async def watch(
-        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
-    ) -> AsyncIterator[Event]:
+    async def watch_batches(
+        self,
+        queue_size: int = WATCH_QUEUE_MAX,
+        names: Collection[str] | None = None,
+        max_events: int = WATCH_BATCH_EVENTS,
+    ) -> AsyncIterator[EventBatch]:
         self._check_fresh()
-        events = super().watch(queue_size, names)
-        assert isinstance(events, AsyncGenerator)  # MemoryStore.watch is one: closed here, not by GC
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
+        batches = super().watch_batches(queue_size, names, max_events)
+        assert isinstance(batches, AsyncGenerator)  # MemoryStore's is one: closed here, not by GC
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                yield batch
 
     # Following the primary.
 
@@ -246,7 +259,8 @@ class MirrorStore(MemoryStore):
             try:
                 stub = metadata_pb2_grpc.MetadataServiceStub(channel)
                 call = stub.WatchAgents(
-                    metadata_pb2.WatchAgentsRequest(), metadata=call_metadata(self._options)
+                    metadata_pb2.WatchAgentsRequest(batch_bytes=WATCH_BATCH_BYTES),
+                    metadata=call_metadata(self._options),
                 )
                 await self._copy_stream(call)
                 error = "the primary ended the watch"
@@ -281,34 +295,37 @@ class MirrorStore(MemoryStore):
         # short changes nothing, and the copy's own watchers see only the difference.
         snapshot: dict[str, AgentRecord] | None = {}
         snapshot_bytes = 0
-        async for event in call:
-            if event.type == _SYNCED:
-                if snapshot is not None:
-                    await self._apply_snapshot(snapshot)
-                    if self._synced_once:
-                        self.resyncs += 1
-                    snapshot = None
-                    self._following = self._synced_once = True
-                    self._followed_at = time.monotonic()
-                    logger.info("read replica: following %s (%d agents)", self.primary, len(self._records))
-                continue
-            name = event.record.name
-            if snapshot is None:
+        async for message in call:
+            for event in watch_events(message):  # one, or a batch
+                if event.type == _SYNCED:
+                    if snapshot is not None:
+                        await self._apply_snapshot(snapshot)
+                        if self._synced_once:
+                            self.resyncs += 1
+                        snapshot = None
+                        self._following = self._synced_once = True
+                        self._followed_at = time.monotonic()
+                        logger.info(
+                            "read replica: following %s (%d agents)", self.primary, len(self._records)
+                        )
+                    continue
+                name = event.record.name
+                if snapshot is None:
+                    if event.type == _PUT:
+                        self._put(event.record)
+                    elif event.type == _DELETE:
+                        self._delete(name)
+                    continue
+                # A snapshot is bounded by itself, as the primary's registry is.
+                old = snapshot.pop(name, None)
+                if old is not None:
+                    snapshot_bytes -= old.ByteSize()
                 if event.type == _PUT:
-                    self._put(event.record)
-                elif event.type == _DELETE:
-                    self._delete(name)
-                continue
-            # A snapshot is bounded by itself, as the primary's registry is.
-            old = snapshot.pop(name, None)
-            if old is not None:
-                snapshot_bytes -= old.ByteSize()
-            if event.type == _PUT:
-                self._check(event.record)
-                snapshot_bytes += event.record.ByteSize()
-                if len(snapshot) >= self._max_agents or snapshot_bytes > self._max_bytes:
-                    raise self._too_large()
-                snapshot[name] = event.record
+                    self._check(event.record)
+                    snapshot_bytes += event.record.ByteSize()
+                    if len(snapshot) >= self._max_agents or snapshot_bytes > self._max_bytes:
+                        raise self._too_large()
+                    snapshot[name] = event.record
 
     async def _apply_snapshot(self, snapshot: dict[str, AgentRecord]) -> None:
         """Makes the copy the snapshot: deletes what it lacks, puts what changed. Yields to

@@ -30,7 +30,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -44,7 +44,15 @@ from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
 from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.refused import Refused
-from kvx.metadata.store import PAGE_RECORDS, EventType, MemoryStore, Store, StoreError, WatchLagError
+from kvx.metadata.store import (
+    PAGE_RECORDS,
+    WATCH_BATCH_EVENTS,
+    EventType,
+    MemoryStore,
+    Store,
+    StoreError,
+    WatchLagError,
+)
 from kvx.metadata.store import Event as StoreEvent
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 
@@ -73,6 +81,13 @@ _MAX_NAME_BYTES = 128
 # two-byte length and the name, per name (536,576 bytes). Role and labels fit in
 # the receive limit's 64 KiB of slack.
 MAX_WATCH_NAMES_BYTES = MAX_WATCH_NAMES * (1 + 2 + _MAX_NAME_BYTES)
+# The most bytes of events one WatchAgentsResponse carries when the watcher asks for
+# several per message (WatchAgentsRequest.batch_bytes; the proto's cap). An event
+# larger than the bound still goes, alone.
+WATCH_BATCH_BYTES_MAX = 1 << 20
+# The tag of WatchAgentsResponse.events (field 4, length-delimited): a batch is the
+# events' cached encodings, each behind this tag and its length.
+_EVENTS_TAG = b"\x22"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +239,32 @@ def _encoded(event: StoreEvent, event_type: Any) -> bytes:
         out.record.ClearField("lease_id")  # the stored record keeps it
         data = event.encoded[event_type] = out.SerializeToString()
     return data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _batched(events: list[bytes], limit: int) -> Iterator[bytes]:
+    """``events`` (encoded WatchAgentsResponses) in messages of at most ``limit`` bytes
+    each, and at least one event: several as WatchAgentsResponse.events, one as it is."""
+    parts: list[bytes] = []
+    count = size = 0
+    for data in events:
+        header = _EVENTS_TAG + _varint(len(data))
+        if count and size + len(header) + len(data) > limit:
+            yield parts[1] if count == 1 else b"".join(parts)
+            parts, count, size = [], 0, 0
+        parts += (header, data)
+        count += 1
+        size += len(header) + len(data)
+    if count:
+        yield parts[1] if count == 1 else b"".join(parts)
 
 
 def _check_watch_names(names: Any) -> frozenset[str] | None:
@@ -598,21 +639,36 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(refused.code, str(refused))
         self.watch_streams += 1
         sent: set[str] = set()  # names this stream has shown as present
-        events = self.store.watch(self.limits.watch_queue_events, names)
+        # Several events per message only for a watcher that asked (an older one reads
+        # one event per message), up to the bytes it asked for and the service's cap.
+        batch_bytes = min(request.batch_bytes, WATCH_BATCH_BYTES_MAX)
+        events = self.store.watch_batches(
+            self.limits.watch_queue_events, names, WATCH_BATCH_EVENTS if batch_bytes else 1
+        )
         try:
-            async for event in events:
-                if event.type is EventType.SYNCED:
-                    yield Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision).SerializeToString()
+            async for batch in events:
+                out: list[bytes] = []
+                for event in batch:
+                    if event.type is EventType.SYNCED:
+                        out.append(
+                            Event(type=Event.EVENT_TYPE_SYNCED, revision=event.revision).SerializeToString()
+                        )
+                        continue
+                    assert event.record is not None, event  # every event but SYNCED carries its record
+                    name = event.record.name
+                    if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
+                        sent.add(name)
+                        out.append(_encoded(event, Event.EVENT_TYPE_PUT))
+                    elif name in sent:
+                        # Gone, or no longer matching the filter: either way it leaves this view.
+                        sent.discard(name)
+                        out.append(_encoded(event, Event.EVENT_TYPE_DELETE))
+                if not batch_bytes:
+                    for data in out:
+                        yield data
                     continue
-                assert event.record is not None, event  # every event but SYNCED carries its record
-                name = event.record.name
-                if event.type is EventType.PUT and _matches(event.record, request.role, request.labels):
-                    sent.add(name)
-                    yield _encoded(event, Event.EVENT_TYPE_PUT)
-                elif name in sent:
-                    # Gone, or no longer matching the filter: either way it leaves this view.
-                    sent.discard(name)
-                    yield _encoded(event, Event.EVENT_TYPE_DELETE)
+                for message in _batched(out, batch_bytes):
+                    yield message
         except WatchLagError as exc:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

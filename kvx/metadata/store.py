@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 
 from kvx.errors import KvxError
 from kvx.v1 import metadata_pb2
@@ -35,6 +35,10 @@ AgentRecord = metadata_pb2.AgentRecord
 # A watcher that falls this far behind is cut off (it resynchronises); the
 # service passes its own bound (ServiceLimits.watch_queue_events).
 WATCH_QUEUE_MAX = 1000
+# The most events ``Store.watch_batches`` hands over at once: what a watcher
+# reading a storm takes per step (and the service sends per message, up to its
+# byte bound) without holding the event loop long.
+WATCH_BATCH_EVENTS = 512
 # A memory-store watch that cannot take a change now (it is reading its snapshot,
 # or its queue of changes is full: it reads more slowly than changes come) keeps
 # the latest change of each name instead, sent, oldest first, once it reads on:
@@ -79,6 +83,10 @@ class Event:
     # Wire encodings of this event, made by the first watcher that sends it and
     # reused by every other one (the stores hand one Event to all their watchers).
     encoded: dict[int, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+# What Store.watch_batches hands over at once (``list`` is a Store method's name).
+EventBatch = list[Event]
 
 
 class Store(abc.ABC):
@@ -180,7 +188,19 @@ class Store(abc.ABC):
         """Delete if the current revision is ``expect_revision``; True if deleted."""
 
     @abc.abstractmethod
-    def watch(
+    def watch_batches(
+        self,
+        queue_size: int = WATCH_QUEUE_MAX,
+        names: Collection[str] | None = None,
+        max_events: int = WATCH_BATCH_EVENTS,
+    ) -> AsyncIterator[EventBatch]:
+        """The events of ``watch``, in order, in lists of 1 to ``max_events``:
+        whatever is ready when the watcher reads is handed over in one list (a
+        snapshot's page, the changes that came while it sent the last list), so
+        that a watcher behind a storm pays its per-message cost once per list,
+        not once per change. Nothing waits for a list to fill."""
+
+    async def watch(
         self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
     ) -> AsyncIterator[Event]:
         """A PUT per current record, one SYNCED, then every change in order.
@@ -197,6 +217,12 @@ class Store(abc.ABC):
         again to resynchronise. Revisions only grow per name: compare them, do
         not count them.
         """
+        batches = self.watch_batches(queue_size, names)
+        assert isinstance(batches, AsyncGenerator)  # closed here, now, not by the collector
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for event in batch:
+                    yield event
 
 
 class _WatchQueue(asyncio.Queue):
@@ -377,9 +403,14 @@ class MemoryStore(Store):
         self._delete(name)
         return True
 
-    async def watch(
-        self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
-    ) -> AsyncIterator[Event]:
+    async def watch_batches(
+        self,
+        queue_size: int = WATCH_QUEUE_MAX,
+        names: Collection[str] | None = None,
+        max_events: int = WATCH_BATCH_EVENTS,
+    ) -> AsyncIterator[EventBatch]:
+        if max_events < 1:
+            raise ValueError(f"max_events must be at least 1, not {max_events}")
         queue = _WatchQueue(queue_size)
         wanted = sorted(set(names)) if names else None
         # Subscribe first, then page through the live records: every change made
@@ -393,30 +424,52 @@ class MemoryStore(Store):
         revision = self._revision
         self._subscribe(queue, wanted)
         try:
+            batch: list[Event] = []
             async for record in self._snapshot(wanted, revision):
                 if queue.error is not None:
                     raise queue.error
                 self._fold(queue, record)
-                yield Event(EventType.PUT, record, record.revision)
-                queue.taken_at = time.monotonic()
+                batch.append(Event(EventType.PUT, record, record.revision))
+                if len(batch) >= max_events:
+                    yield batch
+                    batch = []
+                    queue.taken_at = time.monotonic()
             if queue.error is not None:
                 raise queue.error
             if not queue.pending:
                 queue.pending = None  # nothing changed meanwhile: every change in order from now
-            yield Event(EventType.SYNCED, None, revision)
+            batch.append(Event(EventType.SYNCED, None, revision))
+            yield batch
             while True:
                 queue.taken_at = time.monotonic()
                 if queue.error is not None:
                     raise queue.error
-                if queue.pending is not None and queue.empty():
-                    # What it could not take when it came: the latest change of each name,
-                    # oldest first; changes meanwhile keep coalescing until none is left.
-                    yield self._take_pending(queue)
-                    continue
-                item = await queue.get()  # waits only with nothing kept (pending None)
-                if isinstance(item, Exception):
-                    raise item
-                yield item
+                if queue.pending is None or not queue.empty():
+                    item = await queue.get()  # waits only with nothing kept (pending None)
+                    if isinstance(item, Exception):
+                        raise item
+                    batch = [item]
+                else:
+                    batch = []
+                # Then whatever else is ready, without waiting: the queue's changes first,
+                # then (once it is empty) the latest change of each name it could not take,
+                # oldest first; changes meanwhile keep coalescing until none is left.
+                error: Exception | None = None
+                while len(batch) < max_events:
+                    if not queue.empty():
+                        item = queue.get_nowait()
+                        if isinstance(item, Exception):
+                            error = item
+                            break
+                        batch.append(item)
+                    elif queue.pending is not None:
+                        batch.append(self._take_pending(queue))
+                    else:
+                        break
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
         finally:
             self._drop_pending(queue)
             self._unsubscribe(queue, wanted)

@@ -175,7 +175,7 @@ class ListAgentsResponse(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[AgentRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchAgentsRequest(_message.Message):
-    __slots__ = ("role", "labels", "names")
+    __slots__ = ("role", "labels", "names", "batch_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,13 +186,15 @@ class WatchAgentsRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     labels: _containers.ScalarMap[str, str]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    batch_bytes: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., labels: _Optional[_Mapping[str, str]] = ..., names: _Optional[_Iterable[str]] = ..., batch_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchAgentsResponse(_message.Message):
-    __slots__ = ("type", "record", "revision")
+    __slots__ = ("type", "record", "revision", "events")
     class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         EVENT_TYPE_UNSPECIFIED: _ClassVar[WatchAgentsResponse.EventType]
@@ -206,7 +208,9 @@ class WatchAgentsResponse(_message.Message):
     TYPE_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     type: WatchAgentsResponse.EventType
     record: AgentRecord
     revision: int
-    def __init__(self, type: _Optional[_Union[WatchAgentsResponse.EventType, str]] = ..., record: _Optional[_Union[AgentRecord, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[WatchAgentsResponse]
+    def __init__(self, type: _Optional[_Union[WatchAgentsResponse.EventType, str]] = ..., record: _Optional[_Union[AgentRecord, _Mapping]] = ..., revision: _Optional[int] = ..., events: _Optional[_Iterable[_Union[WatchAgentsResponse, _Mapping]]] = ...) -> None: ...

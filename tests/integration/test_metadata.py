@@ -818,13 +818,13 @@ class _WatchSpy:
     next watch naming that agent wait (the old watch already gone) until ``release``."""
 
     def __init__(self, store):
-        self.store, self.watch = store, store.watch
+        self.store, self.watch = store, store.watch_batches
         self.names: list[frozenset[str] | None] = []
         self.hold: str | None = None
         self.held, self.release = threading.Event(), threading.Event()
-        store.watch = self._watch
+        store.watch_batches = self._watch
 
-    async def _watch(self, queue_size, names=None):
+    async def _watch(self, queue_size, names=None, max_events=1):
         self.names.append(None if names is None else frozenset(names))
         if self.hold is not None and names is not None and self.hold in names:
             self.hold = None
@@ -833,8 +833,8 @@ class _WatchSpy:
                 if self.release.is_set():
                     break
                 await asyncio.sleep(0.1)
-        async for event in self.watch(queue_size, names):
-            yield event
+        async for batch in self.watch(queue_size, names, max_events):
+            yield batch
 
 
 def _prefill(name, address):

@@ -137,14 +137,14 @@ def test_names_that_no_agent_has_leave_the_watch(service):
     stub = _stub(service.address)
     stub.RegisterAgent(metadata_pb2.RegisterAgentRequest(record=_record("real"), ttl_s=300))
     watched = []
-    watch = service.server.store.watch
+    watch = service.server.store.watch_batches
 
-    async def spy(queue_size, names=None):
+    async def spy(queue_size, names=None, max_events=1):
         watched.append(frozenset(names or ()))
-        async for event in watch(queue_size, names):
-            yield event
+        async for batch in watch(queue_size, names, max_events):
+            yield batch
 
-    service.server.store.watch = spy
+    service.server.store.watch_batches = spy
     with kvx.Agent("decode-0", metadata=service.address, role="decode") as decode:
         directory = decode._directory
         _fake_peers(directory)

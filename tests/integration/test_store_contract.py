@@ -75,6 +75,16 @@ async def next_event(events, timeout_s: float = 10.0):
     return await asyncio.wait_for(anext(events), timeout_s)
 
 
+async def stepwise(store, queue_size: int = store_module.WATCH_QUEUE_MAX, names=None):
+    """A watch that takes one event per step (``watch_batches`` with max_events=1), so
+    that changes land between the records of its snapshot as a test makes them."""
+    batches = store.watch_batches(queue_size, names, 1)
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            assert len(batch) == 1
+            yield batch[0]
+
+
 async def wait_until(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -305,6 +315,75 @@ def test_watch_snapshot_synced_then_changes(open_store):
     run(body())
 
 
+def test_watch_batches_hand_over_what_is_ready_together(open_store):
+    """The snapshot comes a page or more per batch; changes made while the watcher
+    did not read come in one batch (etcd: those its watch had received), none over
+    max_events, in the order of the one-by-one watch."""
+
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            for i in range(250):
+                await store.put_if(record(f"r{i:03d}"), lease, 0)
+            batches = store.watch_batches(max_events=100)
+            try:
+                snapshot = []
+                while not snapshot or snapshot[-1][-1].type is not EventType.SYNCED:
+                    snapshot.append(await next_event(batches))
+                events = [event for batch in snapshot for event in batch]
+                assert [e.record.name for e in events[:-1]] == [f"r{i:03d}" for i in range(250)]
+                assert max(map(len, snapshot)) == 100 and len(snapshot) <= 4  # pages of 100
+                revisions = [await store.put_if(record(f"n{i:03d}"), lease, 0) for i in range(150)]
+                if open_store.kind == "etcd":
+                    await asyncio.sleep(1.0)  # etcd's watch responses reach the store's queue
+                changes = []
+                while sum(map(len, changes)) < 150:
+                    batch = await next_event(batches)
+                    assert 1 <= len(batch) <= 100
+                    changes.append(batch)
+                    if open_store.kind == "memory":
+                        assert len(batch) == min(100, 150 - 100 * (len(changes) - 1))  # all ready
+                flat = [e for batch in changes for e in batch]
+                assert [(e.type, e.record.name, e.revision) for e in flat] == [
+                    (EventType.PUT, f"n{i:03d}", revision) for i, revision in enumerate(revisions)
+                ]
+                assert len(changes) <= 4, [len(b) for b in changes]
+            finally:
+                await batches.aclose()
+
+    run(body())
+
+
+def test_a_lagging_watch_batch_holds_its_queue_then_what_it_kept():
+    """Past a full queue, one batch holds the queued changes, then the latest change of
+    each name kept, oldest first; later changes follow through the queue."""
+
+    async def body():
+        store = MemoryStore()
+        await store.start()
+        lease = await store.grant_lease(30)
+        batches = store.watch_batches(queue_size=5)
+        try:
+            assert [e.type for e in await next_event(batches)] == [EventType.SYNCED]
+            for i in range(20):
+                await store.put_if(record(f"n{i:02d}"), lease, 0)
+            current = await store.get("n07")
+            rev7 = await store.put_if(record("n07", v="2"), lease, current.revision)
+            assert store._pending_total == 15
+            batch = await next_event(batches)
+            names = [e.record.name for e in batch]
+            # n07's second change replaced its first, kept, and went to the end.
+            assert names == [f"n{i:02d}" for i in range(20) if i != 7] + ["n07"]
+            assert batch[names.index("n07")].revision == rev7 and store._pending_total == 0
+            await store.put_if(record("after"), lease, 0)
+            assert [e.record.name for e in await next_event(batches)] == ["after"]
+        finally:
+            await batches.aclose()
+            await store.close()
+
+    run(body())
+
+
 def test_watch_of_an_empty_store(open_store):
     async def body():
         async with open_store() as store:
@@ -474,7 +553,7 @@ def test_changes_while_a_snapshot_is_read_coalesce_instead_of_cutting_it_off():
         lease = await store.grant_lease(30)
         for i in range(300):
             await store.put_if(record(f"r{i:03d}"), lease, 0)
-        events = store.watch(queue_size=5)
+        events = stepwise(store, queue_size=5)
         try:
             view: dict[str, int] = {}
             last: dict[str, int] = {}
@@ -556,7 +635,7 @@ def test_a_record_changed_while_the_snapshot_is_read_is_in_it(names):
         lease = await store.grant_lease(30)
         for name in ("a", "b", "c"):
             await store.put_if(record(name, v="1"), lease, 0)
-        events = store.watch(names=names)
+        events = stepwise(store, names=names)
         try:
             first = await next_event(events)
             # Paged already ("a") or not yet ("b", "c": a names watch reads each when it
@@ -627,7 +706,7 @@ def test_a_watcher_past_the_coalescing_bound_is_cut_off(monkeypatch, bound):
         lease = await store.grant_lease(30)
         for i in range(50):
             await store.put_if(record(f"r{i:02d}"), lease, 0)
-        first, second = store.watch(), store.watch()
+        first, second = stepwise(store), stepwise(store)
         try:
             assert (await next_event(first)).type is EventType.PUT  # both mid-snapshot
             assert (await next_event(second)).type is EventType.PUT
