@@ -755,10 +755,14 @@ def _refuses_names(exc: grpc.RpcError) -> bool:
 # What a watch asks the service to pack into one message (WatchAgentsRequest.batch_bytes):
 # well inside CHANNEL_OPTIONS' receive limit, and the service's own cap.
 WATCH_BATCH_BYTES = 1 << 20
+# The most events one WatchAgentsResponse holds (the proto's bound): a message of more
+# is refused, so that 1 MiB of empty events is not a million steps.
+WATCH_BATCH_EVENTS_MAX = 512
 
 
 class MalformedWatch(MetadataError):
-    """A WatchAgents message no kvx service sends (a batch inside a batch)."""
+    """A WatchAgents message no kvx service sends (a batch inside a batch, or of
+    more than WATCH_BATCH_EVENTS_MAX events)."""
 
 
 def watch_events(
@@ -768,6 +772,11 @@ def watch_events(
     (WatchAgentsRequest.batch_bytes), else the message itself."""
     if not message.events:
         return (message,)
+    if len(message.events) > WATCH_BATCH_EVENTS_MAX:
+        raise MalformedWatch(
+            f"the metadata service sent a watch batch of {len(message.events)} events; "
+            f"at most {WATCH_BATCH_EVENTS_MAX} are valid"
+        )
     for event in message.events:
         if event.events:
             raise MalformedWatch("the metadata service sent a watch batch inside a batch")
@@ -788,6 +797,11 @@ class Watcher:
     A service that refuses a watch of names (too many or too long for it)
     is watched whole instead, with a warning: ``names_refused`` is set, and
     ``watch_names`` watches every agent from then on.
+
+    The watch asks for several events per message (``WATCH_BATCH_BYTES``);
+    ``on_event`` gets them one by one all the same. An event may share its
+    memory with the others of its message: copy what you keep for long
+    (``CopyFrom``) rather than keep the event.
     """
 
     def __init__(
@@ -852,8 +866,9 @@ class Watcher:
             answered = False
             try:
                 for message in stream:
+                    events = watch_events(message)  # checked before it counts as an answer
                     attempt, answered = 0, True
-                    for event in watch_events(message):
+                    for event in events:
                         if (
                             event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
                             and present is not None
@@ -876,9 +891,12 @@ class Watcher:
                 stream.cancel()
                 if self._stop.is_set():
                     return
-                logger.warning(
-                    "watch of the metadata service at %s broken (%s); reconnecting", self.client.target, exc
-                )
+                if attempt == 0:
+                    logger.warning(
+                        "watch of the metadata service at %s broken (%s); reconnecting",
+                        self.client.target,
+                        exc,
+                    )
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return

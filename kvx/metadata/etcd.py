@@ -138,6 +138,7 @@ from kvx.metadata.store import (
     Store,
     StoreError,
     WatchLagError,
+    split_batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -520,6 +521,7 @@ class EtcdStore(Store):
         queue_size: int = WATCH_QUEUE_MAX,
         names: Collection[str] | None = None,
         max_events: int = WATCH_BATCH_EVENTS,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[EventBatch]:
         if max_events < 1:
             raise ValueError(f"max_events must be at least 1, not {max_events}")
@@ -566,12 +568,12 @@ class EtcdStore(Store):
             task = asyncio.create_task(self._read_watch(call, queue), name="kvx-etcd-watch")
             while after:
                 page = [
-                    Event(EventType.PUT, record, kv.mod_revision)
+                    Event(EventType.PUT, record, kv.mod_revision, len(kv.value))
                     for kv in kvs
                     if (record := self._decode(kv)) is not None
                 ]
-                for start in range(0, len(page), max_events):
-                    yield page[start : start + max_events]
+                for part in split_batch(page, max_events, max_bytes):
+                    yield part
                 kvs, after, _ = await snapshot(after, revision)
             yield [Event(EventType.SYNCED, None, revision)]
             keep = None if wanted is None else {self._key(name) for name in wanted}
@@ -584,6 +586,7 @@ class EtcdStore(Store):
                     continue
                 # This response's events, and those of the responses already queued behind it.
                 batch: list[Event] = []
+                size = 0
                 while True:
                     if isinstance(response, Exception):
                         if batch:
@@ -596,11 +599,12 @@ class EtcdStore(Store):
                             continue
                         if (out := self._event(event)) is not None:
                             batch.append(out)
-                    if len(batch) >= max_events or queue.empty():
+                            size += out.size
+                    if len(batch) >= max_events or (max_bytes and size >= max_bytes) or queue.empty():
                         break
                     response = queue.get_nowait()
-                for start in range(0, len(batch), max_events):
-                    yield batch[start : start + max_events]
+                for part in split_batch(batch, max_events, max_bytes):
+                    yield part
         finally:
             self._watches.discard(queue)
             if task is not None:
@@ -967,7 +971,11 @@ class EtcdStore(Store):
     def _event(self, event) -> Event | None:
         if event.type == 0:  # PUT
             record = self._decode(event.kv)
-            return None if record is None else Event(EventType.PUT, record, event.kv.mod_revision)
+            return (
+                None
+                if record is None
+                else Event(EventType.PUT, record, event.kv.mod_revision, len(event.kv.value))
+            )
         revision = event.kv.mod_revision
         record = self._decode(event.prev_kv) if event.prev_kv.key else None
         if record is None:  # no previous value (compacted): the name is all there is
@@ -975,7 +983,7 @@ class EtcdStore(Store):
         if revision not in self._own_deletes and revision not in self._counted and not self._deleting:
             self._counted.append(revision)
             self.expired_leases += 1
-        return Event(EventType.DELETE, record, revision)
+        return Event(EventType.DELETE, record, revision, len(event.prev_kv.value))
 
     def _key(self, name: str) -> bytes:
         return self._prefix + name.encode()

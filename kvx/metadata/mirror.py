@@ -82,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 # Reconnection backoff, doubling between these.
 _BACKOFF_MIN_S = 0.1
+# Events of a batch from the primary taken per turn of the event loop.
+_BATCH_TURN = 128
 _BACKOFF_MAX_S = 2.0
 # A stream that broke sooner than this after its snapshot (the primary cut a replica
 # that could not keep up) is not retried at once: each retry is a whole snapshot.
@@ -239,9 +241,10 @@ class MirrorStore(MemoryStore):
         queue_size: int = WATCH_QUEUE_MAX,
         names: Collection[str] | None = None,
         max_events: int = WATCH_BATCH_EVENTS,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[EventBatch]:
         self._check_fresh()
-        batches = super().watch_batches(queue_size, names, max_events)
+        batches = super().watch_batches(queue_size, names, max_events, max_bytes)
         assert isinstance(batches, AsyncGenerator)  # MemoryStore's is one: closed here, not by GC
         async with contextlib.aclosing(batches):
             async for batch in batches:
@@ -296,7 +299,9 @@ class MirrorStore(MemoryStore):
         snapshot: dict[str, AgentRecord] | None = {}
         snapshot_bytes = 0
         async for message in call:
-            for event in watch_events(message):  # one, or a batch
+            for i, event in enumerate(watch_events(message), 1):  # one, or a batch
+                if i % _BATCH_TURN == 0:
+                    await asyncio.sleep(0)  # lookups waiting are answered between
                 if event.type == _SYNCED:
                     if snapshot is not None:
                         await self._apply_snapshot(snapshot)
@@ -395,5 +400,5 @@ class MirrorStore(MemoryStore):
         self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
         self._bytes += stored.ByteSize()
         self._records[name] = stored
-        self._answers[name] = encode_answer(_copy(stored))
-        self._publish(Event(EventType.PUT, stored, self._revision))
+        self._answers[name] = answer = encode_answer(_copy(stored))
+        self._publish(Event(EventType.PUT, stored, self._revision, len(answer)))

@@ -643,7 +643,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         # one event per message), up to the bytes it asked for and the service's cap.
         batch_bytes = min(request.batch_bytes, WATCH_BATCH_BYTES_MAX)
         events = self.store.watch_batches(
-            self.limits.watch_queue_events, names, WATCH_BATCH_EVENTS if batch_bytes else 1
+            self.limits.watch_queue_events,
+            names,
+            WATCH_BATCH_EVENTS if batch_bytes else 1,
+            batch_bytes or None,
         )
         try:
             async for batch in events:

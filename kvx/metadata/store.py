@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 
 from kvx.errors import KvxError
 from kvx.v1 import metadata_pb2
@@ -37,7 +37,8 @@ AgentRecord = metadata_pb2.AgentRecord
 WATCH_QUEUE_MAX = 1000
 # The most events ``Store.watch_batches`` hands over at once: what a watcher
 # reading a storm takes per step (and the service sends per message, up to its
-# byte bound) without holding the event loop long.
+# byte bound) without holding the event loop long. At most the proto's bound on
+# events per WatchAgentsResponse (kvx.metadata.client.WATCH_BATCH_EVENTS_MAX).
 WATCH_BATCH_EVENTS = 512
 # A memory-store watch that cannot take a change now (it is reading its snapshot,
 # or its queue of changes is full: it reads more slowly than changes come) keeps
@@ -80,6 +81,8 @@ class Event:
     type: EventType
     record: AgentRecord | None  # for DELETE: the record as it was
     revision: int
+    # The record's bytes, about as sent (0: not known): what bounds a watch's batch.
+    size: int = dataclasses.field(default=0, compare=False)
     # Wire encodings of this event, made by the first watcher that sends it and
     # reused by every other one (the stores hand one Event to all their watchers).
     encoded: dict[int, bytes] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -87,6 +90,23 @@ class Event:
 
 # What Store.watch_batches hands over at once (``list`` is a Store method's name).
 EventBatch = list[Event]
+
+
+def split_batch(events: list[Event], max_events: int, max_bytes: int | None) -> list[EventBatch]:
+    """``events`` in lists of at most ``max_events``, each ending once its records
+    reach ``max_bytes`` (Event.size), none empty."""
+    out: list[EventBatch] = []
+    batch: EventBatch = []
+    size = 0
+    for event in events:
+        batch.append(event)
+        size += event.size
+        if len(batch) >= max_events or (max_bytes and size >= max_bytes):
+            out.append(batch)
+            batch, size = [], 0
+    if batch:
+        out.append(batch)
+    return out
 
 
 class Store(abc.ABC):
@@ -193,12 +213,16 @@ class Store(abc.ABC):
         queue_size: int = WATCH_QUEUE_MAX,
         names: Collection[str] | None = None,
         max_events: int = WATCH_BATCH_EVENTS,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[EventBatch]:
         """The events of ``watch``, in order, in lists of 1 to ``max_events``:
         whatever is ready when the watcher reads is handed over in one list (a
         snapshot's page, the changes that came while it sent the last list), so
         that a watcher behind a storm pays its per-message cost once per list,
-        not once per change. Nothing waits for a list to fill."""
+        not once per change. Nothing waits for a list to fill. With
+        ``max_bytes``, a list ends once its records (``Event.size``) reach that
+        many bytes: what a stalled watcher holds, and how long it may take to
+        send one list, stay bounded as one message is."""
 
     async def watch(
         self, queue_size: int = WATCH_QUEUE_MAX, names: Collection[str] | None = None
@@ -218,11 +242,14 @@ class Store(abc.ABC):
         not count them.
         """
         batches = self.watch_batches(queue_size, names)
-        assert isinstance(batches, AsyncGenerator)  # closed here, now, not by the collector
-        async with contextlib.aclosing(batches):
+        try:
             async for batch in batches:
                 for event in batch:
                     yield event
+        finally:
+            close = getattr(batches, "aclose", None)
+            if close is not None:  # now, not when the collector finds it
+                await close()
 
 
 class _WatchQueue(asyncio.Queue):
@@ -393,7 +420,7 @@ class MemoryStore(Store):
         self._records[record.name] = stored
         self._answers[record.name] = answer
         lease.names.add(record.name)
-        self._publish(Event(EventType.PUT, stored, self._revision))
+        self._publish(Event(EventType.PUT, stored, self._revision, len(answer)))
         return self._revision
 
     async def delete_if(self, name: str, expect_revision: int) -> bool:
@@ -408,9 +435,11 @@ class MemoryStore(Store):
         queue_size: int = WATCH_QUEUE_MAX,
         names: Collection[str] | None = None,
         max_events: int = WATCH_BATCH_EVENTS,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[EventBatch]:
         if max_events < 1:
             raise ValueError(f"max_events must be at least 1, not {max_events}")
+        byte_bound = max_bytes or math.inf
         queue = _WatchQueue(queue_size)
         wanted = sorted(set(names)) if names else None
         # Subscribe first, then page through the live records: every change made
@@ -425,14 +454,16 @@ class MemoryStore(Store):
         self._subscribe(queue, wanted)
         try:
             batch: list[Event] = []
-            async for record in self._snapshot(wanted, revision):
+            size = 0
+            async for record, record_size in self._snapshot(wanted, revision):
                 if queue.error is not None:
                     raise queue.error
                 self._fold(queue, record)
-                batch.append(Event(EventType.PUT, record, record.revision))
-                if len(batch) >= max_events:
+                batch.append(Event(EventType.PUT, record, record.revision, record_size))
+                size += record_size
+                if len(batch) >= max_events or size >= byte_bound:
                     yield batch
-                    batch = []
+                    batch, size = [], 0
                     queue.taken_at = time.monotonic()
             if queue.error is not None:
                 raise queue.error
@@ -448,24 +479,25 @@ class MemoryStore(Store):
                     item = await queue.get()  # waits only with nothing kept (pending None)
                     if isinstance(item, Exception):
                         raise item
-                    batch = [item]
+                    batch, size = [item], item.size
                 else:
-                    batch = []
+                    batch, size = [], 0
                 # Then whatever else is ready, without waiting: the queue's changes first,
                 # then (once it is empty) the latest change of each name it could not take,
                 # oldest first; changes meanwhile keep coalescing until none is left.
                 error: Exception | None = None
-                while len(batch) < max_events:
+                while len(batch) < max_events and size < byte_bound:
                     if not queue.empty():
                         item = queue.get_nowait()
                         if isinstance(item, Exception):
                             error = item
                             break
-                        batch.append(item)
                     elif queue.pending is not None:
-                        batch.append(self._take_pending(queue))
+                        item = self._take_pending(queue)
                     else:
                         break
+                    batch.append(item)
+                    size += item.size
                 if batch:
                     yield batch
                 if error is not None:
@@ -499,9 +531,13 @@ class MemoryStore(Store):
         self._pending_total -= len(queue.pending or ())
         queue.pending = None
 
-    async def _snapshot(self, names: list[str] | None, revision: int) -> AsyncIterator[AgentRecord]:
+    async def _snapshot(
+        self, names: list[str] | None, revision: int
+    ) -> AsyncIterator[tuple[AgentRecord, int]]:
         """Copies of the current records created by ``revision``, a page at a time;
-        of ``names`` only (one dict get each, whenever created), when given."""
+        of ``names`` only (one dict get each, whenever created), when given. Each
+        with its size (its GetAgent answer's)."""
+        answers = self._answers
         if names is None:
             after = ""
             while True:
@@ -510,13 +546,17 @@ class MemoryStore(Store):
                 if not chunk:
                     return
                 created = self._created
-                page = [_copy(self._records[name]) for name in chunk if created[name] <= revision]
-                for record in page:
-                    yield record
+                page = [
+                    (_copy(self._records[name]), len(answers[name]))
+                    for name in chunk
+                    if created[name] <= revision
+                ]
+                for item in page:
+                    yield item
                 after = chunk[-1]
         for name in names:
             if (current := self._records.get(name)) is not None:
-                yield _copy(current)
+                yield _copy(current), len(answers[name])
 
     def _subscribe(self, queue: _WatchQueue, names: list[str] | None) -> None:
         self._watchers.add(queue)
@@ -545,12 +585,13 @@ class MemoryStore(Store):
         del self._created[name]
         del self._names[bisect.bisect_left(self._names, name)]
         self._by_role[record.role] -= 1
-        self._bytes -= record.ByteSize()
+        size = record.ByteSize()
+        self._bytes -= size
         lease = self._leases.get(record.lease_id)
         if lease is not None:
             lease.names.discard(name)
         self._revision += 1
-        self._publish(Event(EventType.DELETE, record, self._revision))
+        self._publish(Event(EventType.DELETE, record, self._revision, size))
 
     def _publish(self, event: Event) -> None:
         assert event.record is not None  # only PUT and DELETE are published

@@ -824,7 +824,7 @@ class _WatchSpy:
         self.held, self.release = threading.Event(), threading.Event()
         store.watch_batches = self._watch
 
-    async def _watch(self, queue_size, names=None, max_events=1):
+    async def _watch(self, queue_size, names=None, max_events=1, max_bytes=None):
         self.names.append(None if names is None else frozenset(names))
         if self.hold is not None and names is not None and self.hold in names:
             self.hold = None
@@ -833,7 +833,7 @@ class _WatchSpy:
                 if self.release.is_set():
                     break
                 await asyncio.sleep(0.1)
-        async for batch in self.watch(queue_size, names, max_events):
+        async for batch in self.watch(queue_size, names, max_events, max_bytes):
             yield batch
 
 

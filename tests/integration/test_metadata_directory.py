@@ -139,9 +139,9 @@ def test_names_that_no_agent_has_leave_the_watch(service):
     watched = []
     watch = service.server.store.watch_batches
 
-    async def spy(queue_size, names=None, max_events=1):
+    async def spy(queue_size, names=None, max_events=1, max_bytes=None):
         watched.append(frozenset(names or ()))
-        async for batch in watch(queue_size, names, max_events):
+        async for batch in watch(queue_size, names, max_events, max_bytes):
             yield batch
 
     service.server.store.watch_batches = spy

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvx.metadata.client import WATCH_BATCH_BYTES, MetadataClient, Watcher
+from kvx.metadata.client import WATCH_BATCH_BYTES, WATCH_BATCH_EVENTS_MAX, MetadataClient, Watcher
 from kvx.metadata.mirror import MirrorStore
 from kvx.metadata.service import SERVICE_NAME, WATCH_BATCH_BYTES_MAX, MetadataServer, ThreadedServer
 from kvx.metadata.store import MemoryStore
@@ -148,10 +148,12 @@ def test_a_watcher_passes_on_each_event_of_a_batch(service):
 
 
 class _Crafted:
-    """A MetadataService whose WatchAgents first sends a batch inside a batch, then
-    (on the next call) a good snapshot: what a watcher makes of a broken primary."""
+    """A MetadataService whose WatchAgents first sends a batch no kvx service sends
+    (``bad``: a batch inside a batch, or more events than a batch holds), then (on
+    the next call) a good snapshot: what a watcher makes of a broken primary."""
 
-    def __init__(self) -> None:
+    def __init__(self, bad: str) -> None:
+        self.bad = bad
         self.requests: list[metadata_pb2.WatchAgentsRequest] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         handler = grpc.unary_stream_rpc_method_handler(
@@ -170,9 +172,14 @@ class _Crafted:
         self.requests.append(request)
         put = Response(type=Response.EVENT_TYPE_PUT, record=agent_record("good", 7, 1), revision=3)
         if len(self.requests) == 1:
-            bad = Response(type=Response.EVENT_TYPE_PUT, record=agent_record("smuggled", 7, 1), revision=2)
-            bad.events.append(Response(type=Response.EVENT_TYPE_PUT, record=agent_record("inner", 7, 1)))
-            yield Response(events=[bad, Response(type=SYNCED, revision=2)])
+            if self.bad == "nested":
+                bad = Response(
+                    type=Response.EVENT_TYPE_PUT, record=agent_record("smuggled", 7, 1), revision=2
+                )
+                bad.events.append(Response(type=Response.EVENT_TYPE_PUT, record=agent_record("inner", 7, 1)))
+                yield Response(events=[bad, Response(type=SYNCED, revision=2)])
+            else:  # 513 events: 512 of them empty, 3 bytes each
+                yield Response(events=[Response(type=SYNCED, revision=2)] * WATCH_BATCH_EVENTS_MAX + [put])
             self.done.wait(10)
             return
         yield Response(events=[put, Response(type=SYNCED, revision=3)])
@@ -183,9 +190,9 @@ class _Crafted:
         self.server.stop(0)
 
 
-@pytest.fixture
-def crafted():
-    service = _Crafted()
+@pytest.fixture(params=["nested", "too many"])
+def crafted(request):
+    service = _Crafted(request.param)
     yield service
     service.stop()
 
@@ -198,7 +205,7 @@ def test_a_watcher_drops_a_stream_that_nests_batches(crafted, caplog):
         assert watcher.synced.wait(10)  # on the second stream
         assert [(e.type, e.record.name) for e in got] == [(Response.EVENT_TYPE_PUT, "good"), (SYNCED, "")]
         assert len(crafted.requests) == 2 and crafted.requests[0].batch_bytes == WATCH_BATCH_BYTES
-        assert "a watch batch inside a batch" in caplog.text
+        assert ("a watch batch inside a batch" if crafted.bad == "nested" else "513 events") in caplog.text
     finally:
         watcher.stop()
         client.close()

@@ -354,6 +354,39 @@ def test_watch_batches_hand_over_what_is_ready_together(open_store):
     run(body())
 
 
+def test_watch_batches_end_at_their_byte_bound(open_store):
+    """With max_bytes, a batch ends once its records reach that many bytes: a stalled
+    watcher holds, and one batch takes to send, about one message's worth."""
+
+    async def body():
+        async with open_store() as store:
+            lease = await store.grant_lease(30)
+            for i in range(60):
+                await store.put_if(record(f"r{i:02d}", pad="x" * 1000), lease, 0)
+            batches = store.watch_batches(max_bytes=10_000)
+            try:
+                got = []
+                while not got or got[-1][-1].type is not EventType.SYNCED:
+                    got.append(await next_event(batches))
+                for i in range(60):
+                    await store.put_if(record(f"n{i:02d}", pad="x" * 1000), lease, 0)
+                if open_store.kind == "etcd":
+                    await asyncio.sleep(1.0)  # etcd's watch responses reach the store's queue
+                while sum(len(b) for b in got) < 121:
+                    got.append(await next_event(batches))
+                names = [e.record.name for b in got for e in b if e.record is not None]
+                assert names == [f"r{i:02d}" for i in range(60)] + [f"n{i:02d}" for i in range(60)]
+                sizes = [[e.size for e in b if e.record is not None] for b in got]
+                assert all(1000 < size < 1300 for b in sizes for size in b)
+                # Each batch ends at the record that reaches 10,000 bytes: the tenth of these.
+                assert all(sum(b) < 10_000 + 1300 for b in sizes) and max(map(len, sizes)) == 10
+                assert len(got) >= 13, [len(b) for b in got]  # 120 records, 10 at most per batch, SYNCED
+            finally:
+                await batches.aclose()
+
+    run(body())
+
+
 def test_a_lagging_watch_batch_holds_its_queue_then_what_it_kept():
     """Past a full queue, one batch holds the queued changes, then the latest change of
     each name kept, oldest first; later changes follow through the queue."""
