@@ -897,6 +897,9 @@ class Watcher:
                         self.client.target,
                         exc,
                     )
+                # A service that sends what none sends is broken, not busy: the longest
+                # backoff, even after a stream that was good until then.
+                attempt = len(_BACKOFF_S) - 1
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -155,6 +156,7 @@ class _Crafted:
     def __init__(self, bad: str) -> None:
         self.bad = bad
         self.requests: list[metadata_pb2.WatchAgentsRequest] = []
+        self.times: list[float] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         handler = grpc.unary_stream_rpc_method_handler(
             self._watch,
@@ -170,6 +172,7 @@ class _Crafted:
 
     def _watch(self, request, context):
         self.requests.append(request)
+        self.times.append(time.monotonic())
         put = Response(type=Response.EVENT_TYPE_PUT, record=agent_record("good", 7, 1), revision=3)
         if len(self.requests) == 1:
             if self.bad == "nested":
@@ -202,10 +205,11 @@ def test_a_watcher_drops_a_stream_that_nests_batches(crafted, caplog):
     got: list[Response] = []
     watcher = Watcher(client, got.append)
     try:
-        assert watcher.synced.wait(10)  # on the second stream
+        assert watcher.synced.wait(15)  # on the second stream
         assert [(e.type, e.record.name) for e in got] == [(Response.EVENT_TYPE_PUT, "good"), (SYNCED, "")]
         assert len(crafted.requests) == 2 and crafted.requests[0].batch_bytes == WATCH_BATCH_BYTES
         assert ("a watch batch inside a batch" if crafted.bad == "nested" else "513 events") in caplog.text
+        assert crafted.times[1] - crafted.times[0] >= 1.5  # a broken service gets the longest backoff
     finally:
         watcher.stop()
         client.close()
