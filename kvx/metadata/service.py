@@ -252,7 +252,8 @@ def _varint(n: int) -> bytes:
 
 def _batched(events: list[bytes], limit: int) -> Iterator[bytes]:
     """``events`` (encoded WatchAgentsResponses) in messages of at most ``limit`` bytes
-    each, and at least one event: several as WatchAgentsResponse.events, one as it is."""
+    each, and at least one event: several as WatchAgentsResponse.events, one as it is
+    (so every one alone when ``limit`` is 0)."""
     parts: list[bytes] = []
     count = size = 0
     for data in events:
@@ -666,11 +667,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                         # Gone, or no longer matching the filter: either way it leaves this view.
                         sent.discard(name)
                         out.append(_encoded(event, Event.EVENT_TYPE_DELETE))
-                if not batch_bytes:
-                    for data in out:
-                        yield data
-                    continue
-                for message in _batched(out, batch_bytes):
+                for message in _batched(out, batch_bytes):  # 0: each event alone
                     yield message
         except WatchLagError as exc:
             await context.abort(
