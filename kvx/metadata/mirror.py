@@ -44,7 +44,6 @@ to twice that.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import time
@@ -74,6 +73,7 @@ from kvx.metadata.store import (
     MemoryStore,
     StoreError,
     _copy,
+    _encode,
     encode_answer,
 )
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
@@ -379,26 +379,17 @@ class MirrorStore(MemoryStore):
         stored = _copy(record)
         stored.ClearField("lease_id")  # the primary never sends it; nor is it ever kept here
         if current is not None:
-            stored.revision = current.revision
-            if stored == current:
+            stored.revision = self._meta[name][0]
+            if _encode(stored) == current:
                 return  # a new snapshot's copy of a record this one holds: no change
-        grows = stored.ByteSize() - (current.ByteSize() if current is not None else 0)
+        grows = stored.ByteSize() - (len(current) if current is not None else 0)
         if bounded and (
             (current is None and len(self._records) >= self._max_agents)
             or self._bytes + grows > self._max_bytes
         ):
             raise self._too_large()
-        if current is not None:
-            self._by_role[current.role] -= 1
-            self._bytes -= current.ByteSize()
-        else:
-            bisect.insort(self._names, name)
         self._revision += 1
-        if current is None:
-            self._created[name] = self._revision
         stored.revision = self._revision
-        self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
-        self._bytes += stored.ByteSize()
-        self._records[name] = stored
+        self._store(name, stored)
         self._answers[name] = answer = encode_answer(_copy(stored))
         self._publish(Event(EventType.PUT, stored, self._revision, len(answer)))

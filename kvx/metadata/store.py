@@ -265,13 +265,6 @@ class _WatchQueue(asyncio.Queue):
         self.error: Exception | None = None
 
 
-@dataclasses.dataclass
-class _Lease:
-    ttl_s: int
-    deadline: float
-    names: set[str] = dataclasses.field(default_factory=set)
-
-
 class MemoryStore(Store):
     """Everything in this process: nothing to install, nothing survives a restart.
 
@@ -282,7 +275,15 @@ class MemoryStore(Store):
     name = "memory"
 
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
-        self._records: dict[str, AgentRecord] = {}
+        # A registry of 100,000 agents is kept in containers that Python's cycle
+        # collector does not track: bytes, ints, and dicts and tuples of those.
+        # A message or object per agent would be 300,000 objects that every full
+        # collection walks (200-500 ms on the event loop that answers lookups).
+        # Each record, encoded as stored (lease id and revision set, map entries in
+        # key order); read back into a message only for the few that are asked for.
+        self._records: dict[str, bytes] = {}
+        # name -> (revision, lease id, role) of its record: what writes and counts need.
+        self._meta: dict[str, tuple[int, int, int]] = {}
         self._names: list[str] = []  # the keys of _records, sorted: pages without sorting
         # The revision that created each record (etcd's create_revision): a watch's
         # snapshot of every name leaves out those created after the watch began.
@@ -292,7 +293,11 @@ class MemoryStore(Store):
         self._answers: dict[str, bytes] = {}
         self._by_role: dict[int, int] = {}  # records of each role
         self._bytes = 0  # the records' encoded bytes (as stored, with lease id and revision)
-        self._leases: dict[int, _Lease] = {}
+        # Each lease: its deadline on the lease clock, its ttl, and its names (a dict
+        # of str to None: untracked, ordered, O(1) to add and drop).
+        self._deadlines: dict[int, float] = {}
+        self._ttls: dict[int, int] = {}
+        self._lease_names: dict[int, dict[str, None]] = {}
         # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
         # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
         # whose lease was renewed meanwhile. So a pass looks only at entries that fell due,
@@ -333,12 +338,14 @@ class MemoryStore(Store):
     async def grant_lease(self, ttl_s: int) -> int:
         # Random, not counted: after a restart no old lease id names a new lease.
         lease_id = secrets.randbits(62) | 1
-        while lease_id in self._leases:
+        while lease_id in self._deadlines:
             lease_id = secrets.randbits(62) | 1
         deadline = self._now() + ttl_s
-        self._leases[lease_id] = _Lease(ttl_s, deadline)
+        self._deadlines[lease_id] = deadline
+        self._ttls[lease_id] = ttl_s
+        self._lease_names[lease_id] = {}
         heapq.heappush(self._expiry_heap, (deadline, lease_id))
-        if len(self._expiry_heap) > 2 * len(self._leases) + 1024:
+        if len(self._expiry_heap) > 2 * len(self._deadlines) + 1024:
             self._compact_expiry_heap()
         return lease_id
 
@@ -351,29 +358,30 @@ class MemoryStore(Store):
         return [self._renew(lease_id, now) for lease_id in lease_ids]
 
     def _renew(self, lease_id: int, now: float) -> int:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.deadline <= now:
+        deadline = self._deadlines.get(lease_id)
+        if deadline is None or deadline <= now:
             # Past its deadline it is over, though the expiry loop has not deleted it yet:
             # lease_ttl says 0 already, and register() counts the name as free.
             return 0
-        lease.deadline = now + lease.ttl_s
-        return lease.ttl_s
+        ttl_s = self._ttls[lease_id]
+        self._deadlines[lease_id] = now + ttl_s
+        return ttl_s
 
     async def revoke_lease(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            for name in sorted(lease.names):
+        if self._deadlines.pop(lease_id, None) is not None:
+            del self._ttls[lease_id]
+            for name in sorted(self._lease_names.pop(lease_id)):
                 self._delete(name)
 
     async def lease_ttl(self, lease_id: int) -> int:
-        lease = self._leases.get(lease_id)
-        if lease is None:
+        deadline = self._deadlines.get(lease_id)
+        if deadline is None:
             return 0
-        return max(0, math.ceil(lease.deadline - self._now()))
+        return max(0, math.ceil(deadline - self._now()))
 
     async def get(self, name: str) -> AgentRecord | None:
-        record = self._records.get(name)
-        return _copy(record) if record is not None else None
+        encoded = self._records.get(name)
+        return AgentRecord.FromString(encoded) if encoded is not None else None
 
     async def get_answer(self, name: str) -> bytes | None:
         return self._answers.get(name)
@@ -391,41 +399,51 @@ class MemoryStore(Store):
 
     async def list_page(self, after: str, limit: int) -> list[AgentRecord]:
         start = bisect.bisect_right(self._names, after) if after else 0
-        return [_copy(self._records[name]) for name in self._names[start : start + limit]]
+        return [AgentRecord.FromString(self._records[name]) for name in self._names[start : start + limit]]
 
     async def put_if(self, record: AgentRecord, lease_id: int, expect_revision: int) -> int | None:
-        current = self._records.get(record.name)
-        if (current.revision if current is not None else 0) != expect_revision:
+        name = record.name
+        current = self._meta.get(name)
+        if (current[0] if current is not None else 0) != expect_revision:
             return None
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise StoreError(f"the lease for {record.name!r} does not exist (expired?)")
+        names = self._lease_names.get(lease_id)
+        if names is None:
+            raise StoreError(f"the lease for {name!r} does not exist (expired?)")
         if current is not None:
-            old = self._leases.get(current.lease_id)
+            old = self._lease_names.get(current[1])
             if old is not None:
-                old.names.discard(record.name)
+                old.pop(name, None)
         self._revision += 1
         stored = _copy(record)
         stored.revision = self._revision
         answer = encode_answer(stored)
         stored.lease_id = lease_id
-        if current is None:
-            bisect.insort(self._names, record.name)
-            self._created[record.name] = self._revision
-        else:
-            self._by_role[current.role] -= 1
-            self._bytes -= current.ByteSize()
-        self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
-        self._bytes += stored.ByteSize()
-        self._records[record.name] = stored
-        self._answers[record.name] = answer
-        lease.names.add(record.name)
+        self._store(name, stored)
+        self._answers[name] = answer
+        names[name] = None
         self._publish(Event(EventType.PUT, stored, self._revision, len(answer)))
         return self._revision
 
+    def _store(self, name: str, stored: AgentRecord, encoded: bytes | None = None) -> None:
+        """Keeps ``stored`` (its revision set) as ``name``'s record, and counts it.
+        ``encoded``: its encoding, where the caller made it already."""
+        if encoded is None:
+            encoded = _encode(stored)
+        current = self._meta.get(name)
+        if current is None:
+            bisect.insort(self._names, name)
+            self._created[name] = stored.revision
+        else:
+            self._by_role[current[2]] -= 1
+            self._bytes -= len(self._records[name])
+        self._by_role[stored.role] = self._by_role.get(stored.role, 0) + 1
+        self._bytes += len(encoded)
+        self._records[name] = encoded
+        self._meta[name] = (stored.revision, stored.lease_id, stored.role)
+
     async def delete_if(self, name: str, expect_revision: int) -> bool:
-        current = self._records.get(name)
-        if current is None or current.revision != expect_revision:
+        current = self._meta.get(name)
+        if current is None or current[0] != expect_revision:
             return False
         self._delete(name)
         return True
@@ -547,7 +565,7 @@ class MemoryStore(Store):
                     return
                 created = self._created
                 page = [
-                    (_copy(self._records[name]), len(answers[name]))
+                    (AgentRecord.FromString(self._records[name]), len(answers[name]))
                     for name in chunk
                     if created[name] <= revision
                 ]
@@ -556,7 +574,7 @@ class MemoryStore(Store):
                 after = chunk[-1]
         for name in names:
             if (current := self._records.get(name)) is not None:
-                yield _copy(current), len(answers[name])
+                yield AgentRecord.FromString(current), len(answers[name])
 
     def _subscribe(self, queue: _WatchQueue, names: list[str] | None) -> None:
         self._watchers.add(queue)
@@ -578,19 +596,21 @@ class MemoryStore(Store):
     # Internals.
 
     def _delete(self, name: str) -> None:
-        record = self._records.pop(name, None)
-        if record is None:
+        encoded = self._records.pop(name, None)
+        if encoded is None:
             return
+        _, lease_id, role = self._meta.pop(name)
         del self._answers[name]
         del self._created[name]
         del self._names[bisect.bisect_left(self._names, name)]
-        self._by_role[record.role] -= 1
-        size = record.ByteSize()
+        self._by_role[role] -= 1
+        size = len(encoded)
         self._bytes -= size
-        lease = self._leases.get(record.lease_id)
-        if lease is not None:
-            lease.names.discard(name)
+        names = self._lease_names.get(lease_id)
+        if names is not None:
+            names.pop(name, None)
         self._revision += 1
+        record = AgentRecord.FromString(encoded)
         self._publish(Event(EventType.DELETE, record, self._revision, size))
 
     def _publish(self, event: Event) -> None:
@@ -683,21 +703,21 @@ class MemoryStore(Store):
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
             self.expiry_checks += 1
-            lease = self._leases.get(lease_id)
-            if lease is None:
+            deadline = self._deadlines.get(lease_id)
+            if deadline is None:
                 continue  # revoked already
-            if lease.deadline > now:
-                heapq.heappush(heap, (lease.deadline, lease_id))  # renewed meanwhile
+            if deadline > now:
+                heapq.heappush(heap, (deadline, lease_id))  # renewed meanwhile
                 continue
             # The names, never the lease id: a log reader must not learn what proves a name.
-            logger.info("the lease of %s expired", _names_for_log(lease.names))
+            logger.info("the lease of %s expired", _names_for_log(self._lease_names[lease_id]))
             self.expired_leases += 1
             await self.revoke_lease(lease_id)
 
     def _compact_expiry_heap(self) -> None:
         # Entries of revoked leases pile up when leases come and go faster than they
         # fall due: rebuild from the live leases (O(n), at most once per n grants).
-        self._expiry_heap = [(lease.deadline, lease_id) for lease_id, lease in self._leases.items()]
+        self._expiry_heap = [(deadline, lease_id) for lease_id, deadline in self._deadlines.items()]
         heapq.heapify(self._expiry_heap)
 
 
@@ -712,6 +732,11 @@ def encode_answer(record: AgentRecord) -> bytes:
     too: pass a copy you own)."""
     record.ClearField("lease_id")
     return metadata_pb2.GetAgentResponse(record=record).SerializeToString()
+
+
+def _encode(record: AgentRecord) -> bytes:
+    # Map entries in key order: the same record always encodes to the same bytes.
+    return record.SerializeToString(deterministic=True)
 
 
 def _copy(record: AgentRecord) -> AgentRecord:
