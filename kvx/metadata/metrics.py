@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import gc
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvx.metadata.store import Store
 from kvx.v1 import metadata_pb2
@@ -42,6 +48,55 @@ class _StoreCollector:
         )
 
 
+class GcPauses:
+    """How long each collection of Python's cycle collector held the process (so
+    the event loop that answers lookups), by generation: a gc callback, installed
+    while the server serves. The callback runs inside a collection, on whichever
+    thread set it off, so it takes no lock (a metric's own lock could be held by
+    that same thread): it only adds to lists, rendered at scrape time."""
+
+    BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        # Per generation: a count per bucket (the last: past every bound), and the sum.
+        self._counts = [[0] * (len(self.BUCKETS_S) + 1) for _ in range(3)]
+        self._sums = [0.0] * 3
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = info.get("generation", 2)
+        if not 0 <= generation < 3:
+            return
+        took = time.perf_counter() - self._started
+        self._counts[generation][bisect.bisect_left(self.BUCKETS_S, took)] += 1
+        self._sums[generation] += took
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "kvx_metadata_gc_pause_seconds",
+            "Time each collection of Python's cycle collector held the service, by generation",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            counts, total, buckets = self._counts[generation], 0, []
+            for bound, count in zip((*self.BUCKETS_S, float("inf")), counts, strict=True):
+                total += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
+
+
 class ServiceMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
@@ -73,3 +128,5 @@ class ServiceMetrics:
         )
         self.store_collector = _StoreCollector(store)
         self.registry.register(self.store_collector)
+        self.gc_pauses = GcPauses()
+        self.registry.register(self.gc_pauses)

@@ -757,6 +757,7 @@ class MetadataServer:
         self.ready = False
 
     async def start(self) -> None:
+        self.metrics.gc_pauses.install()
         try:
             await self.store.start()
         except StoreError as exc:
@@ -887,6 +888,7 @@ class MetadataServer:
             await self._update_health()
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        self.metrics.gc_pauses.remove()
         for task in self._tasks:
             task.cancel()
         if self._admin is not None:

@@ -7,6 +7,7 @@ network call has its own timeout.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import re
 import time
@@ -277,6 +278,33 @@ def test_metrics_match_what_was_registered(server):
         http.delete("/v1/agents/p0", headers={"Authorization": f"Bearer {TOKEN}"})
         after = http.get("/metrics").text.splitlines()
     assert 'kvx_metadata_agents{role="prefill"} 2.0' in after
+
+
+def _gc_pauses(lines: list[str]) -> tuple[float, float]:
+    """The count and the sum of full collections in a /metrics text."""
+    values = {}
+    for line in lines:
+        for part in ("count", "sum"):
+            if line.startswith(f'kvx_metadata_gc_pause_seconds_{part}{{generation="2"}} '):
+                values[part] = float(line.split()[-1])
+    return values["count"], values["sum"]
+
+
+def test_metrics_time_the_cycle_collector_while_serving(server):
+    """A full collection holds the event loop that answers lookups: /metrics
+    shows each, by generation, for as long as the server serves and no longer."""
+    callbacks = len(gc.callbacks)
+    with admin(server) as http:
+        count, total = _gc_pauses(http.get("/metrics").text.splitlines())
+        gc.collect()
+        gc.collect()
+        after = http.get("/metrics").text.splitlines()
+    count_after, total_after = _gc_pauses(after)
+    assert count_after >= count + 2 and total_after > total
+    assert 'kvx_metadata_gc_pause_seconds_bucket{generation="2",le="+Inf"} ' + str(count_after) in after
+    server.stop()
+    assert len(gc.callbacks) == callbacks - 1  # its callback goes with it
+    gc.collect()
 
 
 def test_openapi_and_docs(server):
