@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import logging
 import sys
 
@@ -851,12 +850,8 @@ def _run_metadata(args: argparse.Namespace) -> int:
             max_watch_streams=args.max_watch_streams,
         ),
     )
-    # What exists by now (modules, the server's setup) lives as long as the process:
-    # the cycle collector need not walk it again in every full collection.
-    gc.collect()
-    gc.freeze()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(server.serve_forever())
+        asyncio.run(server.serve_forever(freeze_gc=True))
     return 0
 
 

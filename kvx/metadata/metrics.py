@@ -58,7 +58,7 @@ class GcPauses:
     BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
     def __init__(self) -> None:
-        self._started = 0.0
+        self._started: float | None = None
         # Per generation: a count per bucket (the last: past every bound), and the sum.
         self._counts = [[0] * (len(self.BUCKETS_S) + 1) for _ in range(3)]
         self._sums = [0.0] * 3
@@ -75,10 +75,11 @@ class GcPauses:
         if phase == "start":
             self._started = time.perf_counter()
             return
+        started, self._started = self._started, None
         generation = info.get("generation", 2)
-        if not 0 <= generation < 3:
-            return
-        took = time.perf_counter() - self._started
+        if started is None or not 0 <= generation < 3:
+            return  # its start was not seen (installed meanwhile)
+        took = time.perf_counter() - started
         self._counts[generation][bisect.bisect_left(self.BUCKETS_S, took)] += 1
         self._sums[generation] += took
 

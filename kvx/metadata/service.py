@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import gc
 import hmac
 import logging
 import threading
@@ -757,13 +758,13 @@ class MetadataServer:
         self.ready = False
 
     async def start(self) -> None:
-        self.metrics.gc_pauses.install()
         try:
             await self.store.start()
         except StoreError as exc:
             # Serve anyway, reporting not-ready: the store may come up after us.
             logger.warning("metadata store not reachable yet (%s); serving, not ready", exc)
         try:
+            self.metrics.gc_pauses.install()
             await self._start_serving()
         except BaseException:
             await self.stop(0)  # nothing half-started is left behind
@@ -897,9 +898,15 @@ class MetadataServer:
             await self._server.stop(grace_s)
         await self.store.close()
 
-    async def serve_forever(self) -> None:
+    async def serve_forever(self, *, freeze_gc: bool = False) -> None:
+        """Serves until terminated. ``freeze_gc``: once serving, what exists then
+        (modules, the server, the admin API) is set aside from the cycle
+        collector for good (gc.freeze()); for a process that is only this service."""
         await self.start()
         assert self._server is not None  # start() returned: it serves
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
         try:
             await self._server.wait_for_termination()
         finally:

@@ -293,11 +293,13 @@ class MemoryStore(Store):
         self._answers: dict[str, bytes] = {}
         self._by_role: dict[int, int] = {}  # records of each role
         self._bytes = 0  # the records' encoded bytes (as stored, with lease id and revision)
-        # Each lease: its deadline on the lease clock, its ttl, and its names (a dict
-        # of str to None: untracked, ordered, O(1) to add and drop).
+        # Each lease: its deadline on the lease clock, its ttl, and its names. A tuple
+        # (untracked, unlike a set, or a dict from Python 3.14 on), made anew when a
+        # name comes or goes: the service grants a lease per registration, so it
+        # holds one name, or none.
         self._deadlines: dict[int, float] = {}
         self._ttls: dict[int, int] = {}
-        self._lease_names: dict[int, dict[str, None]] = {}
+        self._lease_names: dict[int, tuple[str, ...]] = {}
         # (deadline, lease id) for the expiry loop, one entry per lease: a renewal only moves
         # the lease's own deadline, and the loop pushes the entry again, later, when it pops one
         # whose lease was renewed meanwhile. So a pass looks only at entries that fell due,
@@ -343,7 +345,7 @@ class MemoryStore(Store):
         deadline = self._now() + ttl_s
         self._deadlines[lease_id] = deadline
         self._ttls[lease_id] = ttl_s
-        self._lease_names[lease_id] = {}
+        self._lease_names[lease_id] = ()
         heapq.heappush(self._expiry_heap, (deadline, lease_id))
         if len(self._expiry_heap) > 2 * len(self._deadlines) + 1024:
             self._compact_expiry_heap()
@@ -406,13 +408,10 @@ class MemoryStore(Store):
         current = self._meta.get(name)
         if (current[0] if current is not None else 0) != expect_revision:
             return None
-        names = self._lease_names.get(lease_id)
-        if names is None:
+        if lease_id not in self._lease_names:
             raise StoreError(f"the lease for {name!r} does not exist (expired?)")
         if current is not None:
-            old = self._lease_names.get(current[1])
-            if old is not None:
-                old.pop(name, None)
+            self._drop_lease_name(current[1], name)
         self._revision += 1
         stored = _copy(record)
         stored.revision = self._revision
@@ -420,15 +419,13 @@ class MemoryStore(Store):
         stored.lease_id = lease_id
         self._store(name, stored)
         self._answers[name] = answer
-        names[name] = None
+        self._lease_names[lease_id] += (name,)
         self._publish(Event(EventType.PUT, stored, self._revision, len(answer)))
         return self._revision
 
-    def _store(self, name: str, stored: AgentRecord, encoded: bytes | None = None) -> None:
-        """Keeps ``stored`` (its revision set) as ``name``'s record, and counts it.
-        ``encoded``: its encoding, where the caller made it already."""
-        if encoded is None:
-            encoded = _encode(stored)
+    def _store(self, name: str, stored: AgentRecord) -> None:
+        """Keeps ``stored`` (its revision set) as ``name``'s record, and counts it."""
+        encoded = _encode(stored)
         current = self._meta.get(name)
         if current is None:
             bisect.insort(self._names, name)
@@ -440,6 +437,11 @@ class MemoryStore(Store):
         self._bytes += len(encoded)
         self._records[name] = encoded
         self._meta[name] = (stored.revision, stored.lease_id, stored.role)
+
+    def _drop_lease_name(self, lease_id: int, name: str) -> None:
+        names = self._lease_names.get(lease_id)
+        if names is not None and name in names:
+            self._lease_names[lease_id] = tuple(n for n in names if n != name)
 
     async def delete_if(self, name: str, expect_revision: int) -> bool:
         current = self._meta.get(name)
@@ -606,12 +608,10 @@ class MemoryStore(Store):
         self._by_role[role] -= 1
         size = len(encoded)
         self._bytes -= size
-        names = self._lease_names.get(lease_id)
-        if names is not None:
-            names.pop(name, None)
+        self._drop_lease_name(lease_id, name)
         self._revision += 1
-        record = AgentRecord.FromString(encoded)
-        self._publish(Event(EventType.DELETE, record, self._revision, size))
+        if self._watch_all or name in self._watch_names:  # read back only for a watcher
+            self._publish(Event(EventType.DELETE, AgentRecord.FromString(encoded), self._revision, size))
 
     def _publish(self, event: Event) -> None:
         assert event.record is not None  # only PUT and DELETE are published
