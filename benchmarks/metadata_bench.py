@@ -46,7 +46,9 @@ Modes:
           lookup p50/p99/max, rates achieved, renewals/s (leases) and
           messages/s, leases lost (ttl 0 answers, and records missing at the
           end, counted by ListAgents pages), service CPU and peak RSS
-          (VmHWM). --no-keepalive (registered with the longest ttl, 300 s,
+          (VmHWM), and per service the full collections of Python's cycle
+          collector in the window and the seconds they held it
+          (service_gc_full, from its /metrics). --no-keepalive (registered with the longest ttl, 300 s,
           never renewed) gives service CPU per lookup; --renewals-only gives
           it per renewal.
   storm   register, renewals and lookups run; the service is killed and
@@ -80,6 +82,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -526,6 +529,18 @@ def _agents_proc(cfg: dict, idx: int, lo: int, hi: int, ctl: dict, out: Any) -> 
     asyncio.run(agents.run())
 
 
+def _collector_off(collect: bool = True) -> None:
+    """For a load generator's measured window: no pause of Python's cycle collector
+    in what measures latency. Lookups that back up are thousands of calls in
+    flight, and full collections of them (100-240 ms every 3 s were seen) would
+    be counted against the service. The window's garbage waits for gc.enable().
+    ``collect``: collect first (before anything is measured)."""
+    if collect:
+        gc.collect()
+    gc.freeze()
+    gc.disable()
+
+
 def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
     _pin(cfg["load_cpus"])
     import grpc
@@ -560,6 +575,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
         out.put(("ready", idx))
         while not ctl["go"].is_set():
             await asyncio.sleep(0.005)
+        _collector_off()
         start, cpu0 = time.monotonic(), time.process_time()
         tasks: set[asyncio.Task] = set()
         k = 0
@@ -574,6 +590,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
         elapsed, cpu = time.monotonic() - start, time.process_time() - cpu0
         if tasks:
             await asyncio.wait(tasks, timeout=15)
+        gc.enable()  # once no call is measured
         return {
             "sent": k,
             "unanswered": k - len(lat_ms),  # still waiting 15 s after the window
@@ -638,9 +655,17 @@ def _watch_proc(cfg: dict, idx: int, count: int, ctl: dict, out: Any) -> None:
 
         window = _Window(ctl["go"], ctl["end"])
         calls = [asyncio.ensure_future(watcher(w)) for w in range(count)]
+        collecting = True
         while not ctl["stop"].is_set():
             window.poll(c)
+            if collecting and ctl["go"].is_set() and not ctl["end"].is_set():
+                _collector_off(collect=False)  # deliveries are being measured already
+                collecting = False
+            elif not collecting and ctl["end"].is_set():
+                gc.enable()
+                collecting = True
             await asyncio.sleep(0.02)
+        gc.enable()
         for task in calls:
             task.cancel()
         await asyncio.wait(calls, timeout=10)
@@ -669,6 +694,24 @@ def _host_busy_s() -> float:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _gc_full(admin: str) -> tuple[float, float] | None:
+    """Full collections of the cycle collector so far, and their seconds in all,
+    from a service's /metrics; None where it has none (an older kvx)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{admin}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for part in ("count", "sum"):
+            if line.startswith(f'kvx_metadata_gc_pause_seconds_{part}{{generation="2"}} '):
+                values[part] = float(line.split()[-1])
+    return (values["count"], values["sum"]) if len(values) == 2 else None
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -758,6 +801,8 @@ class _Etcd:
 class _Replica:
     def __init__(self, address: str, store: str, args: argparse.Namespace) -> None:
         self.address, self.store, self.args = address, store, args
+        # Its admin API, for /metrics (its collections of the cycle collector).
+        self.admin = f"127.0.0.1:{_free_port()}"
         self.start()
 
     def start(self) -> None:
@@ -776,7 +821,7 @@ class _Replica:
                     "--listen",
                     self.address,
                     "--admin-listen",
-                    "off",
+                    self.admin,
                     "--store",
                     self.store,
                     "--max-agents",
@@ -1072,6 +1117,7 @@ def main() -> int:
         pids = [r.proc.pid for r in replicas]
         cpu0 = [_cpu_s(pid) for pid in pids]
         etcd_cpu0 = _cpu_s(etcd.proc.pid) if etcd else 0.0
+        gc0 = [_gc_full(r.admin) for r in replicas]
         w0, host0 = time.monotonic(), _host_busy_s()
         ctl["go"].set()
         w0_host = w0
@@ -1117,6 +1163,7 @@ def main() -> int:
         w1 = time.monotonic()
         cpu1 = [_cpu_s(pid) for pid in (r.proc.pid for r in replicas)]
         etcd_cpu1 = _cpu_s(etcd.proc.pid) if etcd else 0.0
+        gc1 = [_gc_full(r.admin) for r in replicas]
         window = w1 - w0
         result["host_busy_cores"] = round((_host_busy_s() - host0) / (w1 - w0_host), 2)
         result["host_loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -1137,6 +1184,12 @@ def main() -> int:
         if wprocs:
             _watch_figures(result, watches, service_cpu * window)
         result["service_cpu_cores"] = round(service_cpu, 3)
+        if args.mode != "storm":  # a restarted service starts its counts again
+            # Per service (primary first): full collections in the window, and the seconds they held it.
+            result["service_gc_full"] = [
+                [round(b[0] - a[0]), round(b[1] - a[1], 3)] if a and b else None
+                for a, b in zip(gc0, gc1, strict=True)
+            ]
         result["service_peak_rss_mib"] = round(sum(rss) / 1024, 1)
         if args.replicas > 1 or mirrors:
             result["replicas_cpu_cores"] = [round(c, 3) for c in cpu]
