@@ -586,7 +586,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=4096,
         help="WatchAgents streams open at once; one more is refused (default: 4096: "
-        "each agent that connects to peers by name holds one)",
+        "each agent that connects to peers by name holds one; read replicas' watches are not "
+        "counted here)",
+    )
+    meta.add_argument(
+        "--max-replica-watch-streams",
+        type=_positive,
+        default=16,
+        help="read replicas' watches of this service open at once, served apart from "
+        "--max-watch-streams so that agents' watches cannot cut the replicas off (default: 16)",
     )
 
     proxy = sub.add_parser(
@@ -848,6 +856,7 @@ def _run_metadata(args: argparse.Namespace) -> int:
             max_agents=args.max_agents,
             max_registry_bytes=args.max_registry_bytes,
             max_watch_streams=args.max_watch_streams,
+            max_replica_watch_streams=args.max_replica_watch_streams,
         ),
     )
     with contextlib.suppress(KeyboardInterrupt):

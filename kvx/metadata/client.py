@@ -42,6 +42,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+# Call metadata of a read replica's watch of its primary ("1"): the primary
+# serves it from slots of its own (ServiceLimits.max_replica_watch_streams), so
+# that agents' watches filling --max-watch-streams cannot cut its replicas off.
+READ_REPLICA_HEADER = "kvx-read-replica"
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Bounds on how long to wait before asking again for a name another lease holds:

@@ -55,6 +55,7 @@ from grpc import aio
 from kvx.config import check_name
 from kvx.errors import ConfigError
 from kvx.metadata.client import (
+    READ_REPLICA_HEADER,
     CHANNEL_OPTIONS,
     WATCH_BATCH_BYTES,
     MetadataOptions,
@@ -263,7 +264,7 @@ class MirrorStore(MemoryStore):
                 stub = metadata_pb2_grpc.MetadataServiceStub(channel)
                 call = stub.WatchAgents(
                     metadata_pb2.WatchAgentsRequest(batch_bytes=WATCH_BATCH_BYTES),
-                    metadata=call_metadata(self._options),
+                    metadata=[*(call_metadata(self._options) or ()), (READ_REPLICA_HEADER, "1")],
                 )
                 await self._copy_stream(call)
                 error = "the primary ended the watch"

@@ -43,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from kvx._net import format_address, is_loopback, parse_listen_address
 from kvx.config import check_name, read_file
 from kvx.errors import ConfigError
+from kvx.metadata.client import READ_REPLICA_HEADER
 from kvx.metadata.metrics import ServiceMetrics
 from kvx.metadata.refused import Refused
 from kvx.metadata.store import (
@@ -113,6 +114,12 @@ class ServiceLimits:
                         cap allows about 13.5 GiB of such watches. Where
                         clients may name that many, set it to the memory
                         budget for watches / 3.4 MiB (600 for 2 GiB).
+    max_replica_watch_streams: watches of every agent whose caller says it is
+                        a read replica (call metadata READ_REPLICA_HEADER):
+                        served from these slots, not max_watch_streams, so
+                        that agents' watches cannot cut the replicas off.
+                        Any caller with the token may say so; the bound keeps
+                        what such a claim takes small.
     watch_queue_events: changes queued for one watch stream. Past it (and
                         while a watch reads its snapshot), the memory store
                         keeps the latest change of each name instead, up to
@@ -145,6 +152,7 @@ class ServiceLimits:
     max_agents: int = 100_000
     max_registry_bytes: int = 512 * 1024 * 1024
     max_watch_streams: int = 4096
+    max_replica_watch_streams: int = 16
     watch_queue_events: int = 1000
 
     def __post_init__(self) -> None:
@@ -300,6 +308,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self._token = token
         self._background: set[asyncio.Future] = set()
         self.watch_streams = 0  # open WatchAgents streams
+        self.replica_watch_streams = 0  # of which read replicas' (their own slots)
         self._get_seconds = metrics.request_seconds.labels("GetAgent")
 
     # Plumbing: auth, timing, error translation.
@@ -630,16 +639,28 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         try:
             self._authorize(context)
             _check_parsed(request)
-            if self.watch_streams >= self.limits.max_watch_streams:
+            replica = _says_replica(context) and not (request.names or request.role or request.labels)
+            if replica and self.replica_watch_streams >= self.limits.max_replica_watch_streams:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.watch_streams} watch streams are open, the most this service serves "
+                    f"{self.replica_watch_streams} read replicas' watches are open, the most this "
+                    "service serves (ServiceLimits.max_replica_watch_streams); stop one, or raise the limit",
+                )
+            if (
+                not replica
+                and self.watch_streams - self.replica_watch_streams >= self.limits.max_watch_streams
+            ):
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.watch_streams - self.replica_watch_streams} watch streams are open, "
+                    "the most this service serves "
                     "(kvx metadata --max-watch-streams); close one, or raise the limit",
                 )
             names = _check_watch_names(request.names)
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         self.watch_streams += 1
+        self.replica_watch_streams += replica
         sent: set[str] = set()  # names this stream has shown as present
         # Several events per message only for a watcher that asked (an older one reads
         # one event per message), up to the bytes it asked for and the service's cap.
@@ -680,11 +701,18 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
         finally:
             self.watch_streams -= 1
+            self.replica_watch_streams -= replica
             # Now, not when the collector finds it: a cancelled stream's subscription
             # (and what it keeps) goes with it.
             close = getattr(events, "aclose", None)
             if close is not None:
                 await close()
+
+
+def _says_replica(context: Any) -> bool:
+    return any(
+        key == READ_REPLICA_HEADER and value == "1" for key, value in context.invocation_metadata() or ()
+    )
 
 
 def max_receive_bytes(limits: ServiceLimits) -> int:

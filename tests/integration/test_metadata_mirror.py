@@ -13,7 +13,7 @@ import kvx
 from kvx.errors import ConfigError
 from kvx.metadata.client import MetadataClient, MetadataOptions
 from kvx.metadata.mirror import MirrorStore, parse_mirror_url
-from kvx.metadata.service import MetadataServer, ThreadedServer
+from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer
 from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until
 from tests.integration.metadata_util import agent_record, stub
@@ -390,3 +390,46 @@ def test_kvx_metadata_runs_a_read_replica(service, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_agents_watches_filling_the_cap_do_not_cut_a_replica_off():
+    """Agents' watches fill the primary's --max-watch-streams: a read replica
+    that (re)connects is still served, from slots of its own. Saying so takes
+    a watch of every agent, and those slots are bounded too: a caller that
+    claims to be a replica with a watch of names is an agent, and one claim
+    past the bound is refused, saying which limit."""
+    from kvx.metadata.client import READ_REPLICA_HEADER
+
+    limits = ServiceLimits(max_watch_streams=1, max_replica_watch_streams=1)
+    replica_says = [(READ_REPLICA_HEADER, "1")]
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as primary:
+        _register(primary.address, "a", 3)
+        agents = stub(primary.address)
+        agent_watch = agents.WatchAgents(metadata_pb2.WatchAgentsRequest(names=["a"]), timeout=30)
+        assert next(agent_watch).record.name == "a"
+        code, details = _code(
+            lambda: next(agents.WatchAgents(metadata_pb2.WatchAgentsRequest(), metadata=None, timeout=10))
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-watch-streams" in details
+        code, details = _code(  # a watch of names is an agent's, whatever it says
+            lambda: next(
+                agents.WatchAgents(
+                    metadata_pb2.WatchAgentsRequest(names=["a"]), metadata=replica_says, timeout=10
+                )
+            )
+        )
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-watch-streams" in details
+        with _mirror(primary.address) as mirror:
+            assert wait_until(lambda: _epoch_at(mirror.address, "a") == 3, tolerate=(grpc.RpcError,))
+            assert primary.server.servicer.replica_watch_streams == 1
+            code, details = _code(
+                lambda: next(
+                    agents.WatchAgents(metadata_pb2.WatchAgentsRequest(), metadata=replica_says, timeout=10)
+                )
+            )
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_replica_watch_streams" in details
+            _register(primary.address, "b", 4)  # the replica still follows
+            assert wait_until(lambda: _epoch_at(mirror.address, "b") == 4, tolerate=(grpc.RpcError,))
+        assert wait_until(lambda: primary.server.servicer.replica_watch_streams == 0)
+        assert primary.server.servicer.watch_streams == 1  # the agent's, still open
+        agent_watch.cancel()
