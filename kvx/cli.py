@@ -593,8 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-replica-watch-streams",
         type=_positive,
         default=16,
-        help="read replicas' watches of this service open at once, served apart from "
-        "--max-watch-streams so that agents' watches cannot cut the replicas off (default: 16)",
+        help="watch slots set aside for read replicas of this service, so that agents' watches "
+        "filling --max-watch-streams cannot cut them off; past them a replica's watch takes an "
+        "agent's slot (default: 16)",
     )
 
     proxy = sub.add_parser(

@@ -124,6 +124,14 @@ class ServiceMetrics:
             registry=self.registry,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0),
         )
+        # Set by the servicer (functions of its counts): agents' watches against
+        # --max-watch-streams, read replicas' against --max-replica-watch-streams.
+        self.watch_streams = Gauge(
+            "kvx_metadata_watch_streams",
+            "WatchAgents streams open, by the slots they take (agent, replica)",
+            ["slots"],
+            registry=self.registry,
+        )
         self.store_ready = Gauge(
             "kvx_metadata_store_ready", "1 when the store answers", registry=self.registry
         )

@@ -55,8 +55,8 @@ from grpc import aio
 from kvx.config import check_name
 from kvx.errors import ConfigError
 from kvx.metadata.client import (
-    READ_REPLICA_HEADER,
     CHANNEL_OPTIONS,
+    READ_REPLICA_HEADER,
     WATCH_BATCH_BYTES,
     MetadataOptions,
     call_metadata,

@@ -114,12 +114,14 @@ class ServiceLimits:
                         cap allows about 13.5 GiB of such watches. Where
                         clients may name that many, set it to the memory
                         budget for watches / 3.4 MiB (600 for 2 GiB).
-    max_replica_watch_streams: watches of every agent whose caller says it is
-                        a read replica (call metadata READ_REPLICA_HEADER):
-                        served from these slots, not max_watch_streams, so
-                        that agents' watches cannot cut the replicas off.
-                        Any caller with the token may say so; the bound keeps
-                        what such a claim takes small.
+    max_replica_watch_streams: slots set aside for watches of every agent
+                        whose caller says it is a read replica (call
+                        metadata READ_REPLICA_HEADER), so that agents'
+                        watches filling max_watch_streams cannot cut the
+                        replicas off. With these taken, such a watch takes
+                        an agent's slot. Any caller with the token may say
+                        so: what it can take is these slots and its share
+                        of the agents'.
     watch_queue_events: changes queued for one watch stream. Past it (and
                         while a watch reads its snapshot), the memory store
                         keeps the latest change of each name instead, up to
@@ -309,6 +311,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self._background: set[asyncio.Future] = set()
         self.watch_streams = 0  # open WatchAgents streams
         self.replica_watch_streams = 0  # of which read replicas' (their own slots)
+        metrics.watch_streams.labels("agent").set_function(
+            lambda: self.watch_streams - self.replica_watch_streams
+        )
+        metrics.watch_streams.labels("replica").set_function(lambda: self.replica_watch_streams)
         self._get_seconds = metrics.request_seconds.labels("GetAgent")
 
     # Plumbing: auth, timing, error translation.
@@ -639,13 +645,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         try:
             self._authorize(context)
             _check_parsed(request)
-            replica = _says_replica(context) and not (request.names or request.role or request.labels)
-            if replica and self.replica_watch_streams >= self.limits.max_replica_watch_streams:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.replica_watch_streams} read replicas' watches are open, the most this "
-                    "service serves (ServiceLimits.max_replica_watch_streams); stop one, or raise the limit",
-                )
+            # A read replica's watch takes a slot set aside for replicas while one is
+            # free, else an agent's, like any watch: never worse off than an agent.
+            replica = (
+                _says_replica(context)
+                and not (request.names or request.role or request.labels)
+                and self.replica_watch_streams < self.limits.max_replica_watch_streams
+            )
             if (
                 not replica
                 and self.watch_streams - self.replica_watch_streams >= self.limits.max_watch_streams
@@ -653,8 +659,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.watch_streams - self.replica_watch_streams} watch streams are open, "
-                    "the most this service serves "
-                    "(kvx metadata --max-watch-streams); close one, or raise the limit",
+                    "the most this service serves (kvx metadata --max-watch-streams; and "
+                    f"{self.replica_watch_streams} read replicas', --max-replica-watch-streams); "
+                    "close one, or raise the limit",
                 )
             names = _check_watch_names(request.names)
         except Refused as refused:

@@ -444,6 +444,8 @@ def test_read_replicas_follow_the_service_and_the_workers_read_there(renders):
     assert f"--store=mirror://{service}:{grpc}" in args
     assert "--token-file=/etc/kvx/secrets/metadata-token" in args  # its token at the service too
     assert find(objs, "Deployment", service)["spec"]["strategy"]["type"] == "Recreate"
+    # Watch slots set aside at the service for its replicas (the default, twice 2 and more).
+    assert "--max-replica-watch-streams=16" in args_of(objs, "Deployment", service)
     read_svc = find(objs, "Service", f"{service}-read")
     assert read_svc["spec"]["selector"]["app.kubernetes.io/component"] == "metadata-read"
     read_grpc = {p["name"]: p["port"] for p in read_svc["spec"]["ports"]}["grpc"]

@@ -275,6 +275,8 @@ def test_metrics_match_what_was_registered(server):
         assert "kvx_metadata_registrations_total 5.0" in text.splitlines()
         assert 'kvx_metadata_request_seconds_count{method="RegisterAgent"} 5.0' in text.splitlines()
         assert "kvx_metadata_store_ready 1.0" in text.splitlines()
+        assert 'kvx_metadata_watch_streams{slots="agent"} 0.0' in text.splitlines()
+        assert 'kvx_metadata_watch_streams{slots="replica"} 0.0' in text.splitlines()
         http.delete("/v1/agents/p0", headers={"Authorization": f"Bearer {TOKEN}"})
         after = http.get("/metrics").text.splitlines()
     assert 'kvx_metadata_agents{role="prefill"} 2.0' in after

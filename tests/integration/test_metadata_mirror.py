@@ -394,42 +394,62 @@ def test_kvx_metadata_runs_a_read_replica(service, tmp_path):
 
 def test_agents_watches_filling_the_cap_do_not_cut_a_replica_off():
     """Agents' watches fill the primary's --max-watch-streams: a read replica
-    that (re)connects is still served, from slots of its own. Saying so takes
-    a watch of every agent, and those slots are bounded too: a caller that
-    claims to be a replica with a watch of names is an agent, and one claim
-    past the bound is refused, saying which limit."""
+    that (re)connects is still served, from slots set aside for replicas.
+    Saying so takes a watch of every agent without filters: a caller that
+    claims to be a replica with a watch of names, a role or labels is an
+    agent. Past the replicas' slots a claim takes an agent's slot, or is
+    refused when those are taken too, naming both limits."""
     from kvx.metadata.client import READ_REPLICA_HEADER
 
     limits = ServiceLimits(max_watch_streams=1, max_replica_watch_streams=1)
-    replica_says = [(READ_REPLICA_HEADER, "1")]
+    says = [(READ_REPLICA_HEADER, "1")]
     with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as primary:
+        servicer = primary.server.servicer
         _register(primary.address, "a", 3)
         agents = stub(primary.address)
-        agent_watch = agents.WatchAgents(metadata_pb2.WatchAgentsRequest(names=["a"]), timeout=30)
-        assert next(agent_watch).record.name == "a"
-        code, details = _code(
-            lambda: next(agents.WatchAgents(metadata_pb2.WatchAgentsRequest(), metadata=None, timeout=10))
-        )
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-watch-streams" in details
-        code, details = _code(  # a watch of names is an agent's, whatever it says
-            lambda: next(
-                agents.WatchAgents(
-                    metadata_pb2.WatchAgentsRequest(names=["a"]), metadata=replica_says, timeout=10
-                )
-            )
-        )
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-watch-streams" in details
-        with _mirror(primary.address) as mirror:
-            assert wait_until(lambda: _epoch_at(mirror.address, "a") == 3, tolerate=(grpc.RpcError,))
-            assert primary.server.servicer.replica_watch_streams == 1
-            code, details = _code(
-                lambda: next(
-                    agents.WatchAgents(metadata_pb2.WatchAgentsRequest(), metadata=replica_says, timeout=10)
-                )
-            )
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_replica_watch_streams" in details
-            _register(primary.address, "b", 4)  # the replica still follows
-            assert wait_until(lambda: _epoch_at(mirror.address, "b") == 4, tolerate=(grpc.RpcError,))
-        assert wait_until(lambda: primary.server.servicer.replica_watch_streams == 0)
-        assert primary.server.servicer.watch_streams == 1  # the agent's, still open
-        agent_watch.cancel()
+
+        def watch(request: metadata_pb2.WatchAgentsRequest, metadata=None):
+            return agents.WatchAgents(request, metadata=metadata, timeout=120)
+
+        def refused(request: metadata_pb2.WatchAgentsRequest, metadata=None) -> str:
+            code, details = _code(lambda: next(watch(request, metadata)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return details
+
+        agent_watch = watch(metadata_pb2.WatchAgentsRequest(names=["a"]))
+        try:
+            assert next(agent_watch).record.name == "a"
+            assert "--max-watch-streams" in refused(metadata_pb2.WatchAgentsRequest())
+            for filtered in (  # a watch with a filter is an agent's, whatever it says
+                metadata_pb2.WatchAgentsRequest(names=["a"]),
+                metadata_pb2.WatchAgentsRequest(role=metadata_pb2.ROLE_PREFILL),
+                metadata_pb2.WatchAgentsRequest(labels={"zone": "z1"}),
+            ):
+                assert "--max-watch-streams" in refused(filtered, says)
+            with _mirror(primary.address) as mirror:
+                assert wait_until(lambda: _epoch_at(mirror.address, "a") == 3, tolerate=(grpc.RpcError,))
+                assert servicer.replica_watch_streams == 1 and servicer.watch_streams == 2
+                details = refused(metadata_pb2.WatchAgentsRequest(), says)  # both kinds of slot taken
+                assert "--max-watch-streams" in details and "--max-replica-watch-streams" in details
+                # The agent's slot freed: an agent watches again, beside the replica.
+                agent_watch.cancel()
+                assert wait_until(lambda: servicer.watch_streams == 1)
+                agent_watch = watch(metadata_pb2.WatchAgentsRequest(names=["a"]))
+                assert next(agent_watch).record.name == "a"
+                _register(primary.address, "b", 4)  # the replica still follows
+                assert wait_until(lambda: _epoch_at(mirror.address, "b") == 4, tolerate=(grpc.RpcError,))
+            assert wait_until(lambda: servicer.replica_watch_streams == 0)
+            assert servicer.watch_streams == 1  # the agent's, still open
+            # With the agents' slot free and the replicas' taken, a replica takes an agent's.
+            agent_watch.cancel()
+            assert wait_until(lambda: servicer.watch_streams == 0)
+            first = watch(metadata_pb2.WatchAgentsRequest(), says)
+            second = watch(metadata_pb2.WatchAgentsRequest(), says)
+            try:
+                assert next(first).type == next(second).type  # both answered
+                assert servicer.replica_watch_streams == 1 and servicer.watch_streams == 2
+            finally:
+                first.cancel()
+                second.cancel()
+        finally:
+            agent_watch.cancel()
