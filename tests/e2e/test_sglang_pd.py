@@ -308,7 +308,12 @@ def test_kvx_pair_through_sglang_router(kvx_pair, tmp: Path, reference: dict[int
     )
     procs.append(router)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    # The router's start, then a first request that may fail after SGLang's 15 s
+    # bootstrap timeout: the paired decode was stopped (SIGSTOP) by the tcp test
+    # before this one, and SGLang's decode finds its keep-alive sessions to the
+    # prefill's bootstrap server stale once it runs again. 60 s was not enough for
+    # both on a slow 2-core host.
+    deadline = time.monotonic() + 180
     while True:
         try:
             resp = generate(url, PROMPTS[2], timeout_s=30)
