@@ -586,8 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=4096,
         help="WatchAgents streams open at once; one more is refused (default: 4096: "
-        "each agent that connects to peers by name holds one; read replicas' watches are not "
-        "counted here)",
+        "each agent that connects to peers by name holds one; a read replica's watch counts "
+        "here only once --max-replica-watch-streams are taken)",
     )
     meta.add_argument(
         "--max-replica-watch-streams",

@@ -43,8 +43,9 @@ CHANNEL_OPTIONS = [
 ]
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # Call metadata of a read replica's watch of its primary ("1"): the primary
-# serves it from slots of its own (ServiceLimits.max_replica_watch_streams), so
-# that agents' watches filling --max-watch-streams cannot cut its replicas off.
+# serves it from slots set aside for replicas (ServiceLimits.max_replica_watch_streams)
+# while one is free, so that agents' watches filling --max-watch-streams cannot
+# cut its replicas off.
 READ_REPLICA_HEADER = "kvx-read-replica"
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"

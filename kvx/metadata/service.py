@@ -310,7 +310,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self._token = token
         self._background: set[asyncio.Future] = set()
         self.watch_streams = 0  # open WatchAgents streams
-        self.replica_watch_streams = 0  # of which read replicas' (their own slots)
+        self.replica_watch_streams = 0  # of which in the slots set aside for read replicas
         metrics.watch_streams.labels("agent").set_function(
             lambda: self.watch_streams - self.replica_watch_streams
         )
