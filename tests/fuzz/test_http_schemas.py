@@ -31,9 +31,10 @@ from schemathesis.specs.openapi.checks import (
 
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.proxy import ProxyConfig, build_app
+from tests.conftest import native_pass_only
 from tests.integration.test_proxy import Served
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), native_pass_only]
 
 EXAMPLES = int(os.environ.get("KVX_FUZZ_EXAMPLES", "20"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

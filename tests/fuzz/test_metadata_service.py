@@ -18,6 +18,10 @@ from hypothesis import strategies as st
 
 from kvx.metadata.service import SERVICE_NAME, MetadataServer, ThreadedServer
 from kvx.v1 import agent_pb2, metadata_pb2
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 EXAMPLES = int(os.environ.get("KVX_FUZZ_RUNS", "0")) or 60
 FUZZ = settings(

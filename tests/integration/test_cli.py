@@ -13,6 +13,11 @@ import time
 
 import pytest
 
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 

@@ -17,7 +17,11 @@ import pytest
 
 from kvx import _doctor
 from kvx._datapath import gpu
+from tests.conftest import native_pass_only
 from tests.unit import sysfs_trees
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
 CUDA_H100 = {"cupy": "13.3.0", "cupy_devices": 8, "driver_devices": 8, "dma_buf": True}

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 from kvx._spawn import PARENT_GONE, dying_with_parent, launched
+from tests.conftest import native_pass_only
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's"),
+    native_pass_only,
+]
 
 
 def test_children_start_beside_a_live_grpc_channel(tmp_path: Path) -> None:

@@ -13,6 +13,10 @@ from kvx.errors import ConfigError
 from kvx.plan.links import Curve, parse_link
 from kvx.plan.model import Cluster, evaluate, mg1_wait_mean_s, nics_needed, transfer_queue_mean_s, wait_pmf
 from kvx.plan.shapes import PRESETS
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 
 def erlang_md1_cdf(rate: float, d: float, t: float) -> float:

@@ -16,6 +16,10 @@ from kvx.plan import files
 from kvx.plan.links import SWEEP_POINTS_MAX, Curve
 from kvx.plan.model import PROMPT_BINS_MAX, Cluster, evaluate, mean_ttft_s, nics_needed
 from kvx.plan.shapes import PRESETS
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 
 def plan(capsys, *argv: str) -> tuple[int, str, str]:

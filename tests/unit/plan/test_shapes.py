@@ -8,6 +8,10 @@ import pytest
 
 from kvx.errors import ConfigError
 from kvx.plan.shapes import PRESETS, load_shape
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 # Values from each model's public config.json (only the fields the shape reads).
 LLAMA_8B = {

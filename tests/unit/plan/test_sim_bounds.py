@@ -23,6 +23,10 @@ from kvx.plan.simulate import (
     run_simulate_cli,
     simulate,
 )
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 SMALL = ["--prefill", "2", "--decode", "2"]
 

@@ -11,6 +11,10 @@ import pytest
 from kvx import cli
 from kvx.plan import Cluster, Curve, load_shape, mean_ttft_s, transfer_queue_mean_s
 from kvx.plan.simulate import MetadataLoad, SimConfig, simulate
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 # A curve with the shape kvx bench measures: a fixed cost, then bandwidth.
 CURVE = Curve.from_points([(4096, 60e-6, 90e-6), (1 << 20, 400e-6, 600e-6), (16 << 20, 5e-3, 7e-3)])

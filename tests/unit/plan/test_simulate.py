@@ -13,6 +13,10 @@ import pytest
 
 from kvx.errors import ConfigError
 from kvx.plan.simulate import MetadataLoad, SimConfig, run_simulate_cli, simulate
+from tests.conftest import native_pass_only
+
+# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+pytestmark = native_pass_only
 
 NO_LOOKUPS = MetadataLoad(lookups_per_request=0)
 
