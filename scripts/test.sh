@@ -4,6 +4,11 @@
 # (KVX_NATIVE=0). Extra arguments go to pytest. Runs unattended (CI=true, no stdin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode is written (some images set PYTHONDONTWRITEBYTECODE): uv installs the engines'
+# environments without .pyc files, and with writes off every SGLang process compiled SGLang
+# and torch from source again (about 40 s a process on 2 cores against 20), as every process
+# the tests start compiled kvx.
+unset PYTHONDONTWRITEBYTECODE
 # The etcd metadata-store tests need a real etcd (Debian package etcd-server: /usr/bin/etcd);
 # the chaos soak (tests/integration/test_soak.py) needs iptables and tc (iproute2) too.
 packages=()
