@@ -4,6 +4,8 @@ One pair at a time (CPU engines, tiny random-weight Llama), the order
 alternating by round, the same prompts for both: time to first token of
 sequential streamed requests, and the time and throughput of 16 concurrent
 requests. Medians over rounds; kvx/mooncake ratios (lower is better for kvx).
+The single prompts' greedy outputs must be the same through both backends
+(the check that mooncake_tcp passes the harness kvx's end-to-end test uses).
 
     KVX_SGLANG_PYTHON=.venv-sglang/bin/python python benchmarks/sglang_pd.py --rounds 3
 """
@@ -49,6 +51,14 @@ def stream_ttft(url: str, ids: list[int], max_new: int) -> tuple[float, float]:
     return (first if first is not None else float("nan")), time.perf_counter() - start
 
 
+def greedy(url: str, ids: list[int], max_new: int) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}
+    resp = httpx.post(url + "/generate", json=body, timeout=300)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url}: {resp.status_code} {resp.text[:300]}")
+    return list(resp.json()["output_ids"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -71,6 +81,7 @@ def main() -> None:
         return [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
 
     results = {b: {"ttft_ms": [], "concurrent_s": [], "tokens_per_s": []} for b in backends}
+    outputs: dict[str, list[list[list[int]]]] = {b: [] for b in backends}  # per round, per single
     for r in range(args.rounds):
         singles = [prompt() for _ in range(args.singles)]
         batch = [prompt() for _ in range(args.concurrent)]
@@ -120,6 +131,7 @@ def main() -> None:
                     n = len(batch)
                     list(pool.map(stream_ttft, [url] * n, batch, [args.max_new] * n))
                 took = time.perf_counter() - start
+                outputs[backend].append([greedy(url, p, args.max_new) for p in singles])
                 results[backend]["ttft_ms"].append(statistics.median(ttfts))
                 results[backend]["concurrent_s"].append(took)
                 results[backend]["tokens_per_s"].append(len(batch) * args.max_new / took)
@@ -131,12 +143,19 @@ def main() -> None:
             finally:
                 for proc in procs:  # Proc.stop also ends the router's child, which leaves its group
                     proc.stop()
-    summary = {b: {k: statistics.median(v) for k, v in m.items()} for b, m in results.items()}
+    summary: dict[str, object] = {
+        b: {k: statistics.median(v) for k, v in m.items()} for b, m in results.items()
+    }
+    same = all(outputs[b] == outputs[backends[0]] for b in backends)
+    summary["same_outputs"] = same
     if {"kvx", "mooncake_tcp"} <= set(summary):
         summary["kvx/mooncake_tcp"] = {
-            k: summary["kvx"][k] / summary["mooncake_tcp"][k] for k in summary["kvx"]
+            k: statistics.median(results["kvx"][k]) / statistics.median(results["mooncake_tcp"][k])
+            for k in results["kvx"]
         }
     print(json.dumps(summary, indent=2))
+    if not same:
+        sys.exit(f"the backends' greedy outputs differ: {outputs}")
 
 
 if __name__ == "__main__":
