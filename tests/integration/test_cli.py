@@ -15,9 +15,6 @@ import pytest
 
 from tests.conftest import native_pass_only
 
-# No byte path here: it runs in the KVX_NATIVE=1 pass only.
-pytestmark = native_pass_only
-
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -155,6 +152,7 @@ def test_demo_runs_a_cluster_verifies_every_block_and_leaves_nothing(running_dem
     assert_all_gone(pids)
 
 
+@native_pass_only  # how the command stops or refuses: no byte path
 @pytest.mark.slow
 def test_demo_fails_clearly_when_a_daemon_dies_and_leaves_nothing(running_demo):
     demo = running_demo("--requests", "1000000", "--concurrency", "2")
@@ -169,6 +167,7 @@ def test_demo_fails_clearly_when_a_daemon_dies_and_leaves_nothing(running_demo):
     assert_all_gone(demo_pids(out))
 
 
+@native_pass_only  # how the command stops or refuses: no byte path
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_demo_stops_everything_on_ctrl_c_and_sigterm(running_demo, signum):
@@ -213,6 +212,7 @@ if _trigger:
 """
 
 
+@native_pass_only  # how the command stops or refuses: no byte path
 @pytest.mark.slow
 def test_demo_exits_when_ctrl_c_lands_with_a_lock_just_taken(running_demo, tmp_path):
     """A Ctrl-C handler that raises, landing after a `with cond:` took its lock and
@@ -288,6 +288,7 @@ def test_bench_write_text_output(backend, limit):
     assert f"backend:          {'shm' if backend == 'auto' else backend}:" in result.stdout
 
 
+@native_pass_only  # how the command stops or refuses: no byte path
 def test_bad_arguments_are_clear_errors():
     result = kvx("bench", "--block-size", "12 parsecs")
     assert result.returncode == 2 and "not a size" in result.stderr
@@ -317,6 +318,7 @@ def test_bench_sweep_prints_the_curve_and_plots_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@native_pass_only  # how the command stops or refuses: no byte path
 def test_bench_plot_needs_sweep(tmp_path):
     result = kvx("bench", "--plot", str(tmp_path / "x.png"))
     assert result.returncode != 0 and "--plot draws the curve of --sweep" in result.stderr

@@ -20,7 +20,8 @@ from kvx._datapath import gpu
 from tests.conftest import native_pass_only
 from tests.unit import sysfs_trees
 
-# No byte path here: it runs in the KVX_NATIVE=1 pass only.
+# Its one call into the byte path, the CMA probe, is tested on both twins by test_cma.py:
+# it runs in the KVX_NATIVE=1 pass only.
 pytestmark = native_pass_only
 
 UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
