@@ -11,6 +11,7 @@ through SGLang's manual bootstrap flow and through its router; SGLang's
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import random
 import re
@@ -33,6 +34,16 @@ CHUNK = 64  # --chunked-prefill-size: longer prompts are prefilled, and sent, in
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 64, 100, 257)]
 ORACLE_PAIR = [list(range(5, 74)) + [74], [7] * 69 + [74]]
+# Request ids of the fake-transfer negative control: its first token is a hash of the id.
+FAKE_RIDS = ("kvx-negative-control-0", "kvx-negative-control-1")
+VOCAB = 1024  # tests/e2e/tiny_model.py
+
+
+def fake_handoff_token(rid: str) -> int:
+    """The first token SGLang's fake transfer gives a request, whatever its prompt
+    (``_generate_fake_prefill_handoff_output_id`` in SGLang 0.5.23's decode)."""
+    digest = hashlib.blake2b(rid.encode(), digest_size=8, person=b"fake-pd").digest()
+    return int.from_bytes(digest, "little") % VOCAB
 
 
 def sglang_python() -> str:
@@ -168,11 +179,13 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model: Path, tmp: Path) -> dict[int, list[int]]:
-    """A single engine's greedy outputs for every prompt."""
+    """A single engine's greedy outputs for every prompt, then, for the negative control,
+    for each oracle prompt followed by the token the fake transfer hands over."""
     single = Server("single", model, tmp)
+    handed = [ids + [fake_handoff_token(rid)] for ids, rid in zip(ORACLE_PAIR, FAKE_RIDS, strict=True)]
     try:
         single.wait_ready(time.monotonic() + 300)
-        return {i: output_ids(generate(single.url, p)) for i, p in enumerate(PROMPTS + ORACLE_PAIR)}
+        return {i: output_ids(generate(single.url, p)) for i, p in enumerate(PROMPTS + ORACLE_PAIR + handed)}
     finally:
         single.stop()
 
@@ -197,25 +210,27 @@ def test_oracle_can_fail(reference: dict[int, list[int]]) -> None:
 
 
 def test_fake_transfer_fails_the_comparison(kvx_pair, reference: dict[int, list[int]]) -> None:
-    """The negative control, through the same decode and comparison: SGLang's fake
-    transfer (bootstrap host 2.2.2.2: nothing moves, decode runs on empty KV) must fail it.
-    Its fake receiver never contacts prefill, so the requests go to decode alone. They are
-    the oracle's two prompts, which no kvx test sends: decode may cache what it decoded
-    from empty KV, and a kvx test's prompt must not hit that.
+    """The negative control, through the same decode: SGLang's fake transfer (bootstrap
+    host 2.2.2.2) moves nothing, hands over a token hashed from the request id, and
+    decode goes on from it over prompt KV that nothing filled. What it decodes after that
+    token must differ from what a single engine decodes after the prompt and that token:
+    the comparison sees missing KV. The requests go to decode alone (the fake receiver
+    never contacts prefill) and use the oracle's prompts, which no kvx test sends:
+    decode may cache what it decoded from empty KV.
 
     SGLang's own ``mooncake_tcp`` is compared with kvx, output for output, by
     ``benchmarks/sglang_pd.py``, not here: its pair cost two engine starts, some 150 s."""
     _, decode, bootstrap, _ = kvx_pair
-    n = len(PROMPTS)
-    fake = []
-    for ids in ORACLE_PAIR:
+    after_handoff = len(PROMPTS) + len(ORACLE_PAIR)
+    for j, (ids, rid) in enumerate(zip(ORACLE_PAIR, FAKE_RIDS, strict=True)):
         room = random.randrange(2**63)
         resp = generate(
-            decode.url, ids, bootstrap_host="2.2.2.2", bootstrap_port=bootstrap, bootstrap_room=room
+            decode.url, ids, rid=rid, bootstrap_host="2.2.2.2", bootstrap_port=bootstrap, bootstrap_room=room
         )
-        fake.append(output_ids(resp))
-    assert all(len(f) == MAX_NEW for f in fake)
-    assert fake != [reference[n], reference[n + 1]], "the fake transfer passed the comparison"
+        fake = output_ids(resp)
+        assert len(fake) == MAX_NEW
+        assert fake[0] == fake_handoff_token(rid), "SGLang's fake transfer changed: revisit this control"
+        assert fake[1:] != reference[after_handoff + j][: MAX_NEW - 1], f"prompt {j}: the fake passed"
 
 
 def test_kvx_pair_equals_single_engine(kvx_pair, reference: dict[int, list[int]]) -> None:
