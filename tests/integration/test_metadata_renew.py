@@ -222,7 +222,11 @@ def test_more_leases_than_one_message_takes_are_split(service):
     stub = _stub(service.address)
     leases = [
         stub.RegisterAgent(
-            metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}"), ttl_s=2), timeout=10
+            # 30 s at the service: registering them one by one takes seconds on a loaded
+            # host, and a lease of 2 s could expire before its first renewal. The renewer
+            # is told 2 s below, so it renews every 2/3 s all the same.
+            metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}"), ttl_s=30),
+            timeout=10,
         ).lease_id
         for i in range(count)
     ]
@@ -230,13 +234,13 @@ def test_more_leases_than_one_message_takes_are_split(service):
     lost: list[int] = []
 
     class Fake:  # Registration's side of the renewer, without a thread or channel per lease
-        def __init__(self):
-            self.client, self._stop, self._renewer = client, threading.Event(), None
+        def __init__(self, name):
+            self.name, self.client, self._stop, self._renewer = name, client, threading.Event(), None
 
         def _lease_lost(self, lease_id):
             lost.append(lease_id)
 
-    fakes = [Fake() for _ in leases]
+    fakes = [Fake(f"m{i}") for i in range(count)]
 
     try:
         for fake, lease in zip(fakes, leases, strict=True):
