@@ -86,9 +86,28 @@ def test_forcing_rdma_without_libfabric_fails_naming_what_is_missing(monkeypatch
     assert not [r for r in caplog.records if "rdma" in r.getMessage()]  # auto skips it quietly
 
 
+def test_auto_loads_no_libfabric_where_sysfs_lists_no_rdma_device(monkeypatch, tmp_path):
+    monkeypatch.delenv(rdma.PROVIDER_ENV, raising=False)
+    monkeypatch.delenv("KVX_IBVERBS_LIB", raising=False)
+    (tmp_path / "sys" / "class" / "infiniband").mkdir(parents=True)
+    monkeypatch.setenv(rdma.SYSFS_ROOT_ENV, str(tmp_path))
+    loaded = []
+    monkeypatch.setattr(rdma, "load_fabric", lambda: loaded.append("fabric") or (None, "not built"))
+    monkeypatch.setattr(rdma, "load_verbs", lambda: loaded.append("verbs") or (None, "not built"))
+    with kvx.Agent("auto") as agent:
+        assert "no RDMA device is listed" in agent._backends["rdma"].why_not
+    assert loaded == []
+    # One device listed: auto looks for its providers.
+    (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir()
+    kvx.Agent("auto-device").close()
+    assert loaded[:2] == ["fabric", "verbs"]
+
+
 def test_auto_never_opens_the_tcp_provider_by_itself(monkeypatch):
     monkeypatch.delenv(rdma.PROVIDER_ENV, raising=False)
-    # No ibverbs device here (and loading libibverbs would keep the verbs double out of this process).
+    # As where sysfs lists an RDMA device, but no ibverbs device here (and loading libibverbs
+    # would keep the verbs double out of this process).
+    monkeypatch.setattr(rdma, "rdma_hardware", lambda: True)
     monkeypatch.setattr(rdma, "load_verbs", lambda: (None, "no RDMA device in this test"))
     fake = _FakeFabric(["tcp;ofi_rxm", "udp;ofi_rxd"])
     monkeypatch.setattr(rdma, "load_fabric", lambda: (fake, None))

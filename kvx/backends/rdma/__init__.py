@@ -120,6 +120,15 @@ def _core(provider: str) -> str:
     return provider.split(";")[0]
 
 
+def rdma_hardware() -> bool:
+    """Whether sysfs lists an RDMA device (EFA's too), or a libibverbs library is named.
+    Every hardware provider needs one: where there is none, ``auto`` does not load
+    libfabric and list its providers (about 0.4 s of every agent's start) to learn so."""
+    return bool(
+        os.environ.get("KVX_IBVERBS_LIB") or topology.rdma_devices(os.environ.get(SYSFS_ROOT_ENV) or "/")
+    )
+
+
 def _candidates(forced: bool, explicit: str, fab: Any) -> list[str]:
     if explicit:
         return [explicit]
@@ -132,7 +141,7 @@ def _candidates(forced: bool, explicit: str, fab: Any) -> list[str]:
     verbs = None
     # libibverbs is loaded only where sysfs lists an RDMA device (or a library is named):
     # a host without one (most) need not load it, nor its providers, into every agent.
-    if os.environ.get("KVX_IBVERBS_LIB") or topology.rdma_devices(os.environ.get(SYSFS_ROOT_ENV) or "/"):
+    if rdma_hardware():
         verbs, _ = load_verbs()
     out = [
         p
@@ -207,6 +216,8 @@ def open_endpoints(setting: str, listen_host: str = "") -> tuple[list[Any], str]
         return [], f"this agent's backend setting is {setting!r}"
     forced = setting == "rdma"
     explicit = os.environ.get(PROVIDER_ENV, "").strip()
+    if not forced and not explicit and not rdma_hardware():
+        return [], f"no RDMA device is listed in /sys/class/infiniband; set {PROVIDER_ENV} to use a provider"
     fab, why = load_fabric()
     candidates = _candidates(forced, explicit, fab)
     if fab is None and (not candidates or (explicit and explicit != VERBS)):
