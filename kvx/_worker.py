@@ -21,6 +21,24 @@ import numpy as np
 
 START_TIMEOUT_S = 60.0
 
+# How workers start: a fresh interpreter each (spawn), unless use_forkserver() was called.
+_context: Any = multiprocessing.get_context("spawn")
+
+
+def use_forkserver() -> None:
+    """Start later workers by forking a server process that has kvx imported already: a
+    start then takes a fork and the agent's own setup, not a new interpreter importing
+    kvx (about 0.4 s). The test suite starts hundreds of workers this way.
+
+    The server is itself started by exec, holds no gRPC channel and runs no thread of
+    kvx's, so nothing is forked that a forked child could not own (see
+    tests/unit/test_spawn.py). Each worker takes the parent's environment as it is when
+    the worker starts, as a spawned one would."""
+    global _context
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvx._worker", "kvx"])
+    _context = ctx
+
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
     """The deterministic pool contents for ``seed``."""
@@ -47,8 +65,12 @@ class WorkerConfig:
     shared: bool = False  # a host pool in a kvx shared segment (kvx.alloc_shared)
 
 
-def _main(conn: Any, config: WorkerConfig) -> None:
-    # Die with the parent: a test or benchmark that crashes leaves no agent behind.
+def _main(conn: Any, config: WorkerConfig, env: dict[str, str]) -> None:
+    # A worker forked from the fork server would otherwise have the server's environment.
+    os.environ.clear()
+    os.environ.update(env)
+    # Die with the parent (or the fork server, which dies with it): a test or benchmark that
+    # crashes leaves no agent behind.
     parent = os.getppid()
     from kvx._datapath import io as _io
 
@@ -100,6 +122,8 @@ def _main(conn: Any, config: WorkerConfig) -> None:
 def _command(agent: Any, pool: np.ndarray, regions: dict, cmd: str, args: list) -> Any:
     if cmd == "metadata":
         return agent.metadata()
+    if cmd == "getenv":
+        return os.environ.get(args[0])
     if cmd == "peek":
         offset, length = args
         view = pool[offset : offset + length]
@@ -139,10 +163,13 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_main, args=(child, config), name=f"kvx-worker-{config.name}", daemon=True
+            target=_main,
+            args=(child, config, dict(os.environ)),
+            name=f"kvx-worker-{config.name}",
+            daemon=True,
         )
         self.process.start()
         child.close()

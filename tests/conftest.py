@@ -17,7 +17,11 @@ import pytest
 import kvx
 import kvx.backends
 from kvx._datapath import io as _io
-from kvx._worker import Worker, WorkerConfig
+from kvx._worker import Worker, WorkerConfig, use_forkserver
+
+# Hundreds of workers start in a run: from a fork server with kvx imported, each takes a
+# tenth of the time a fresh interpreter does.
+use_forkserver()
 
 # A backend added from outside the package: its module and this one line (tests/backends/procmem.py).
 kvx.backends.register("procmem", "tests.backends.procmem:ProcMemBackend")

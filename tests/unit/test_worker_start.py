@@ -1,0 +1,61 @@
+"""Workers started from the fork server (kvx._worker.use_forkserver, which the
+suite uses): each has the environment of its own start, and none outlives the
+process that started it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.conftest import native_pass_only
+from tests.unit.test_spawn import _alive
+
+pytestmark = native_pass_only
+
+
+def test_a_worker_has_the_environment_its_parent_has_when_it_starts(make_worker, monkeypatch) -> None:
+    make_worker("first")  # the fork server runs from here on, with the environment of now
+    monkeypatch.setenv("KVX_WORKER_START_MARK", "set after the server started")
+    assert make_worker("second").call("getenv", "KVX_WORKER_START_MARK") == "set after the server started"
+    monkeypatch.delenv("KVX_WORKER_START_MARK")
+    assert make_worker("third").call("getenv", "KVX_WORKER_START_MARK") is None
+
+
+def test_a_forked_worker_dies_with_a_parent_killed_outright(tmp_path: Path) -> None:
+    pidfile = tmp_path / "worker.pid"
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from kvx._worker import Worker, WorkerConfig, use_forkserver
+        if __name__ == "__main__":
+            use_forkserver()
+            worker = Worker(WorkerConfig("orphan", 4096))
+            open(sys.argv[1], "w").write(str(worker.pid))
+            time.sleep(600)
+        """
+    )
+    (tmp_path / "parent.py").write_text(script)
+    parent = subprocess.Popen(
+        [sys.executable, str(tmp_path / "parent.py"), str(pidfile)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert time.monotonic() < deadline and parent.poll() is None, "the worker did not start"
+            time.sleep(0.05)
+        worker = int(pidfile.read_text())
+        assert _alive(worker)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while _alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
