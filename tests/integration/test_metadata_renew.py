@@ -220,16 +220,18 @@ def test_an_older_service_without_batches_gets_one_lease_per_message():
 def test_more_leases_than_one_message_takes_are_split(service):
     count = MAX_KEEP_ALIVE_LEASES + 76
     stub = _stub(service.address)
-    leases = [
-        stub.RegisterAgent(
-            # 30 s at the service: registering them one by one takes seconds on a loaded
-            # host, and a lease of 2 s could expire before its first renewal. The renewer
-            # is told 2 s below, so it renews every 2/3 s all the same.
-            metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}"), ttl_s=30),
-            timeout=10,
-        ).lease_id
-        for i in range(count)
-    ]
+    # 30 s at the service: registering them takes seconds on a loaded host, and a lease of
+    # 2 s could expire before its first renewal. The renewer is told 2 s below, so it renews
+    # every 2/3 s all the same. A hundred registrations are in flight at a time.
+    leases = []
+    for first in range(0, count, 100):
+        calls = [
+            stub.RegisterAgent.future(
+                metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}"), ttl_s=30), timeout=30
+            )
+            for i in range(first, min(first + 100, count))
+        ]
+        leases += [call.result().lease_id for call in calls]
     client = MetadataClient(service.address, MetadataOptions(lease_ttl_s=2))
     lost: list[int] = []
 
