@@ -26,6 +26,7 @@ import pytest
 import kvx
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.wire import MsgType
+from tests.conftest import native_pass_only
 from tests.fuzz import targets
 
 
@@ -134,7 +135,10 @@ def hypothesis_fuzz(name: str) -> dict:
     return dict(targets.STATS)
 
 
-@pytest.mark.parametrize("name", ["header", "descs", "protobuf", "handshake"])
+# The protobuf target decodes messages alone: no byte path, so one pass is enough.
+@pytest.mark.parametrize(
+    "name", ["header", "descs", pytest.param("protobuf", marks=native_pass_only), "handshake"]
+)
 def test_fuzz_target(name, tmp_path):
     paths = fuzz(name, tmp_path) if HAVE_ATHERIS else hypothesis_fuzz(name)
     if HAVE_ATHERIS or name != "handshake":  # random bytes rarely pass the handshake
@@ -142,6 +146,7 @@ def test_fuzz_target(name, tmp_path):
         assert not missing, f"the {name} target never reached {missing}: {paths}"
 
 
+@native_pass_only
 @pytest.mark.skipif(not HAVE_ATHERIS, reason="atheris is not installed (the test extra has it)")
 def test_fuzz_protobuf_pure_python_decoder(tmp_path):
     """The handshake messages through protobuf's pure-Python decoder, which a
