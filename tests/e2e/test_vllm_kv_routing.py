@@ -26,6 +26,10 @@ httpx = pytest.importorskip("httpx")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK = 128  # vLLM's CPU backend
+# The routing is the proxy's: each engine runs its scheduler and its worker in the API
+# server's process, which starts in two thirds of the time. The connector across vLLM's
+# processes is test_vllm_pd.py's and test_vllm_tp.py's.
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 _rng = random.Random(11)
 SHARED = [_rng.randrange(3, 1000) for _ in range(3 * BLOCK)]  # three full blocks
 FIRST = SHARED + [_rng.randrange(3, 1000) for _ in range(40)]
@@ -56,11 +60,18 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     events = {name: free_port() for name in ("p0", "p1")}
     engines = {
         name: Engine(
-            name, tiny_model, tmp, kvx_config("kv_producer", lease_s=30), extra_args=kv_events_args(port)
+            name,
+            tiny_model,
+            tmp,
+            kvx_config("kv_producer", lease_s=30),
+            extra_env=ONE_PROCESS,
+            extra_args=kv_events_args(port),
         )
         for name, port in events.items()
     }
-    engines["d0"] = Engine("d0", tiny_model, tmp, kvx_config("kv_consumer", transfer_timeout_s=30))
+    engines["d0"] = Engine(
+        "d0", tiny_model, tmp, kvx_config("kv_consumer", transfer_timeout_s=30), extra_env=ONE_PROCESS
+    )
     procs: list[Proc] = list(engines.values())
     try:
         deadline = time.monotonic() + ENGINE_START_S
