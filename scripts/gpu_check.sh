@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA device and CuPy: builds kvx in place (nothing is
 # downloaded), then runs the GPU tests, the unit tests and the GPU benchmark,
-# and writes their logs to OUTDIR (default: gpu-check/).
+# and writes their logs to OUTDIR (default: gpu-check/). kvx's own dependencies
+# (pyproject.toml: pydantic-settings and fastapi among them) must be importable;
+# the script stops at once, naming those that are not.
 #
 #   bash scripts/gpu_check.sh [OUTDIR] [benchmark rounds]
 set -uo pipefail
@@ -9,6 +11,24 @@ cd "$(dirname "$0")/.."
 out="${1:-gpu-check}"
 rounds="${2:-3}"
 mkdir -p "$out"
+missing="$(python3 - <<'PY'
+import importlib
+names = ["numpy", "google.protobuf", "grpc", "fastapi", "uvicorn", "prometheus_client",
+         "pydantic_settings", "yaml", "httpx", "cupy", "pytest"]
+missing = []
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        missing.append(f"{name} ({exc})")
+print("; ".join(missing))
+PY
+)"
+if [ -n "$missing" ]; then
+    echo "gpu_check.sh: not importable here: $missing (carry their wheels, with their own dependencies)" \
+        | tee "$out/device.txt" >&2
+    exit 1
+fi
 {
     date -u
     nvidia-smi -L 2>&1
