@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import dataclasses
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -30,10 +31,15 @@ def use_forkserver() -> None:
     start then takes a fork and the agent's own setup, not a new interpreter importing
     kvx (about 0.4 s). The test suite starts hundreds of workers this way.
 
-    The server is itself started by exec, holds no gRPC channel and runs no thread of
-    kvx's, so nothing is forked that a forked child could not own (see
-    tests/unit/test_spawn.py). Each worker takes the parent's environment as it is when
-    the worker starts, as a spawned one would."""
+    The server is itself started by exec, never opens a gRPC channel (it imports grpc,
+    which starts nothing) and runs no thread of kvx's, so nothing is forked that a forked
+    child could not own (see tests/unit/test_spawn.py).
+
+    Each worker's ``os.environ`` is its parent's as it is when the worker starts, as a
+    spawned one's would be. What an interpreter or a library reads only as it loads
+    (LD_PRELOAD, PYTHON* flags, OMP_*/OPENBLAS_*, gRPC's fork support) comes from the
+    server's environment, the parent's when its first worker started; so do the working
+    directory, umask, limits and ``sys.path``. Where these matter, spawn."""
     global _context
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["kvx._worker", "kvx"])
@@ -69,8 +75,16 @@ def _main(conn: Any, config: WorkerConfig, env: dict[str, str]) -> None:
     # A worker forked from the fork server would otherwise have the server's environment.
     os.environ.clear()
     os.environ.update(env)
-    # Die with the parent (or the fork server, which dies with it): a test or benchmark that
-    # crashes leaves no agent behind.
+    # A forked worker is handed the write end of the pipe whose end tells the fork server
+    # that its parent is gone; held here, the server (and so this worker) would outlive
+    # the parent. A worker starts no process: let it go.
+    server: Any = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    # Die with the parent (a forked worker: with the fork server, which ends with the
+    # parent): a test or benchmark that crashes leaves no agent behind. The pipe to the
+    # parent ends too, unless a process the parent started still holds it.
     parent = os.getppid()
     from kvx._datapath import io as _io
 

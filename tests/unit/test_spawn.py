@@ -189,7 +189,7 @@ def test_no_python_runs_between_fork_and_exec() -> None:
     """Any preexec_fn brings the abort above back in a process that holds
     gRPC: kvx's daemon and demo, and the test runner itself once a test has
     opened a channel. kvx, its benchmarks and its tests use the launcher. (A fork
-    server is allowed: it is started by exec and forks before any channel opens.)"""
+    server is allowed: it is started by exec, and never opens a channel itself.)"""
     root = Path(__file__).parents[2]
     hazard = re.compile(r"preexec_fn\s*=|os\.fork\(|get_context\(\s*[\"']fork[\"']")
     users = [

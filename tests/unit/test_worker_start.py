@@ -1,10 +1,12 @@
 """Workers started from the fork server (kvx._worker.use_forkserver, which the
 suite uses): each has the environment of its own start, and none outlives the
-process that started it."""
+process that started it, even while another process holds its pipe open."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,23 +20,28 @@ pytestmark = native_pass_only
 
 
 def test_a_worker_has_the_environment_its_parent_has_when_it_starts(make_worker, monkeypatch) -> None:
-    make_worker("first")  # the fork server runs from here on, with the environment of now
+    make_worker("first")  # the fork server runs from here on, with the environment it had
     monkeypatch.setenv("KVX_WORKER_START_MARK", "set after the server started")
     assert make_worker("second").call("getenv", "KVX_WORKER_START_MARK") == "set after the server started"
-    monkeypatch.delenv("KVX_WORKER_START_MARK")
-    assert make_worker("third").call("getenv", "KVX_WORKER_START_MARK") is None
+    # HOME was set when the server started, whenever that was: a worker must not keep it.
+    assert os.environ.get("HOME")
+    monkeypatch.delenv("HOME")
+    assert make_worker("third").call("getenv", "HOME") is None
 
 
 def test_a_forked_worker_dies_with_a_parent_killed_outright(tmp_path: Path) -> None:
     pidfile = tmp_path / "worker.pid"
     script = textwrap.dedent(
         """
-        import sys, time
+        import subprocess, sys, time
         from kvx._worker import Worker, WorkerConfig, use_forkserver
         if __name__ == "__main__":
             use_forkserver()
             worker = Worker(WorkerConfig("orphan", 4096))
-            open(sys.argv[1], "w").write(str(worker.pid))
+            # A child that outlives this process holds the pipe to the worker open, so the
+            # worker must notice the death by its parent (the fork server) going away.
+            holder = subprocess.Popen(["sleep", "600"], pass_fds=[worker._conn.fileno()])
+            open(sys.argv[1], "w").write(f"{worker.pid} {holder.pid}")
             time.sleep(600)
         """
     )
@@ -48,7 +55,7 @@ def test_a_forked_worker_dies_with_a_parent_killed_outright(tmp_path: Path) -> N
         while not (pidfile.exists() and pidfile.read_text().strip()):
             assert time.monotonic() < deadline and parent.poll() is None, "the worker did not start"
             time.sleep(0.05)
-        worker = int(pidfile.read_text())
+        worker, holder = (int(pid) for pid in pidfile.read_text().split())
         assert _alive(worker)
         parent.kill()
         parent.wait()
@@ -59,3 +66,6 @@ def test_a_forked_worker_dies_with_a_parent_killed_outright(tmp_path: Path) -> N
     finally:
         parent.kill()
         parent.wait()
+        if pidfile.exists() and len(pidfile.read_text().split()) == 2:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text().split()[1]), signal.SIGKILL)
