@@ -310,9 +310,11 @@ def test_refused_write_is_drained_and_the_connection_survives(make_worker):
 
 
 def test_peer_killed_mid_transfer(make_worker, make_agent):
-    threads_before, fds_before = kvx_threads(), open_fds()
     size = 32 << 20
     worker = make_worker(pool_bytes=size)
+    # Counted after the first worker's start, which opens descriptors for the rest of the
+    # run (the fork server's and the resource tracker's pipes) when this test runs alone.
+    threads_before, fds_before = kvx_threads(), open_fds()
     agent = make_agent(timeouts=kvx.Timeouts(io_s=5))
     pool = np.zeros(size, np.uint8)
     region = agent.register(pool)

@@ -217,7 +217,8 @@ def open_endpoints(setting: str, listen_host: str = "") -> tuple[list[Any], str]
     forced = setting == "rdma"
     explicit = os.environ.get(PROVIDER_ENV, "").strip()
     if not forced and not explicit and not rdma_hardware():
-        return [], f"no RDMA device is listed in /sys/class/infiniband; set {PROVIDER_ENV} to use a provider"
+        sysfs = os.path.join(os.environ.get(SYSFS_ROOT_ENV) or "/", "sys/class/infiniband")
+        return [], f"no RDMA device is listed in {sysfs}; set {PROVIDER_ENV} to use a provider"
     fab, why = load_fabric()
     candidates = _candidates(forced, explicit, fab)
     if fab is None and (not candidates or (explicit and explicit != VERBS)):
