@@ -25,7 +25,7 @@ NIXL (lower is better for kvx).
     KVX_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/vllm_pd.py --rounds 3
 
 The vLLM environment needs ``nixl==1.5.0`` for the NIXL pairs
-(``.venv-vllm/bin/pip install nixl==1.5.0 torch==2.13.0``).
+(``python3 -m uv pip install --python .venv-vllm/bin/python nixl==1.5.0 torch==2.13.0+cpu``).
 """
 
 from __future__ import annotations

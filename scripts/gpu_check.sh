@@ -13,7 +13,7 @@ rounds="${2:-3}"
 mkdir -p "$out"
 missing="$(python3 - <<'PY'
 import importlib
-names = ["numpy", "google.protobuf", "grpc", "fastapi", "uvicorn", "prometheus_client",
+names = ["numpy", "google.protobuf", "grpc", "grpc_health", "grpc_reflection", "fastapi", "uvicorn", "prometheus_client",
          "pydantic_settings", "yaml", "httpx", "cupy", "pytest"]
 missing = []
 for name in names:

@@ -49,9 +49,10 @@ echo "== docs"
 python3 -m mkdocs build --strict --site-dir "$(mktemp -d)"
 # The end-to-end tests run real vLLM engines (the CPU build) from their own
 # environment, because vLLM pins its own dependencies; kvx is installed there too.
-# uv builds the engines' environments: it resolves as pip does (the same versions) and
-# installs torch and vLLM in a fraction of pip's time; --compile-bytecode writes the .pyc
-# files pip would have, so that no engine compiles vLLM or torch as it starts.
+# uv builds the engines' environments, in a fraction of pip's time (it gave the same
+# versions as pip here; it reads no pip.conf: the CPU torch comes from PIP_FIND_LINKS or
+# the index). --compile-bytecode writes the .pyc files pip would have, so that no engine
+# compiles vLLM or torch as it starts.
 python3 -m pip install --quiet --disable-pip-version-check uv </dev/null
 find_links=()
 for dir in ${PIP_FIND_LINKS:-}; do find_links+=(--find-links "$dir"); done

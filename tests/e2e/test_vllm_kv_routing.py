@@ -26,9 +26,10 @@ httpx = pytest.importorskip("httpx")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BLOCK = 128  # vLLM's CPU backend
-# The routing is the proxy's: each engine runs its scheduler and its worker in the API
-# server's process, which starts in two thirds of the time. The connector across vLLM's
-# processes is test_vllm_pd.py's and test_vllm_tp.py's.
+# The routing is the proxy's: each engine runs its worker inside its engine core's process
+# (the CPU backend's executor stays "uni"), two processes instead of three, and starts in
+# two thirds of the time. The connector's worker in a process of its own, as on GPUs with
+# tensor parallelism, is test_vllm_pd.py's and test_vllm_tp.py's.
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 _rng = random.Random(11)
 SHARED = [_rng.randrange(3, 1000) for _ in range(3 * BLOCK)]  # three full blocks
