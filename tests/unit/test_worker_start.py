@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-from tests.conftest import native_pass_only
+from tests.conftest import native_pass_only, wait_until
 from tests.unit.test_spawn import _alive
 
 pytestmark = native_pass_only
@@ -51,18 +50,13 @@ def test_a_forked_worker_dies_with_a_parent_killed_outright(tmp_path: Path) -> N
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
     )
     try:
-        deadline = time.monotonic() + 60
-        while not (pidfile.exists() and pidfile.read_text().strip()):
-            assert time.monotonic() < deadline and parent.poll() is None, "the worker did not start"
-            time.sleep(0.05)
-        worker, holder = (int(pid) for pid in pidfile.read_text().split())
+        started = wait_until(lambda: len(pidfile.read_text().split()) == 2, 60, (FileNotFoundError,))
+        assert started and parent.poll() is None, "the worker did not start"
+        worker = int(pidfile.read_text().split()[0])
         assert _alive(worker)
         parent.kill()
         parent.wait()
-        deadline = time.monotonic() + 15
-        while _alive(worker):
-            assert time.monotonic() < deadline, "the worker outlived its parent"
-            time.sleep(0.05)
+        assert wait_until(lambda: not _alive(worker), 15), "the worker outlived its parent"
     finally:
         parent.kill()
         parent.wait()
