@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import random
 import threading
 import time
 import weakref
@@ -47,6 +48,12 @@ _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # while one is free, so that agents' watches filling --max-watch-streams cannot
 # cut its replicas off.
 READ_REPLICA_HEADER = "kvx-read-replica"
+# A Watcher that fell back from a read replica to the service asks the replica's
+# health about this often (jittered, from half to one and a half times it), and
+# watches it again once it answers SERVING. Each return the replica refuses
+# doubles the wait, up to READER_PROBE_MAX_S; a return it answers resets it.
+READER_PROBE_S = 10.0
+READER_PROBE_MAX_S = 300.0
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Bounds on how long to wait before asking again for a name another lease holds:
@@ -151,9 +158,9 @@ def call_metadata(opts: MetadataOptions) -> list[tuple[str, str]] | None:
 
 def read_through(
     reader: MetadataClient, service: MetadataClient, name: str
-) -> tuple[AgentRecord | None, bool]:
+) -> tuple[AgentRecord | None, MetadataClient]:
     """``name``'s record from ``reader`` (a read replica), else from ``service``
-    itself, and whether ``reader`` answered: a replica that lacks the name (it
+    itself, and the client that answered: a replica that lacks the name (it
     may not have copied a registration of a moment ago) or does not answer is
     not the last word. The two count revisions of their own: compare those of
     one service only."""
@@ -163,8 +170,8 @@ def read_through(
         except ConnectError:
             record = None
         if record is not None:
-            return record, True
-    return service.get(name), reader is service
+            return record, reader
+    return service.get(name), service
 
 
 class MetadataClient:
@@ -182,6 +189,21 @@ class MetadataClient:
 
     def close(self) -> None:
         self._channel.close()
+
+    def serving(self, timeout_s: float | None = None) -> bool:
+        """Whether the service's health check says SERVING (a read replica: its copy
+        follows the primary); False when it does not answer."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            answer = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(),
+                metadata=self.call_metadata,
+                timeout=self.options.timeout_s if timeout_s is None else timeout_s,
+            )
+        except grpc.RpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     def _unary(self, method: Callable[..., _Response], request: object) -> _Response:
         try:
@@ -807,6 +829,25 @@ class Watcher:
     ``on_event`` gets them one by one all the same. An event may share its
     memory with the others of its message: copy what you keep for long
     (``CopyFrom``) rather than keep the event.
+
+    With ``fallback`` (the service itself, where ``client`` is a read replica
+    of it), a watch is never left with nothing to watch while the service
+    answers:
+
+    - a watch the replica ends before answering (it is down, or its copy is
+      stale) moves to ``fallback`` at once, with a warning;
+    - while there, the replica's health is asked every ``READER_PROBE_S``
+      (jittered), and the watch moves back once it says SERVING; a return
+      the replica refuses again doubles that wait (up to
+      ``READER_PROBE_MAX_S``), so a replica that says SERVING but refuses
+      watches does not pull its agents back and forth in step;
+    - a watch of ``fallback`` that ends, answered or not, reconnects to the
+      replica first (after the usual backoff).
+
+    Each move is a reconnection: the snapshot comes again, in the other
+    service's revisions. ``source`` is the client to watch now, and
+    ``current_stream`` the stream opened last (its number, and the client it
+    watches): revisions compare only within one stream.
     """
 
     def __init__(
@@ -816,8 +857,15 @@ class Watcher:
         role: str | None = None,
         labels: dict[str, str] | None = None,
         names: Iterable[str] = (),
+        fallback: MetadataClient | None = None,
     ) -> None:
         self.client = client
+        self.fallback = fallback if fallback is not client else None
+        self.source = client  # the client watched now: client, or fallback
+        # The stream opened last: its number, and the client it watches. Each stream
+        # (a reconnection may reach another replica, or a restarted service) numbers
+        # revisions its own way.
+        self.current_stream: tuple[int, MetadataClient] = (0, client)
         self.on_event = on_event
         self.request = metadata_pb2.WatchAgentsRequest(
             role=role_filter(role),
@@ -837,6 +885,10 @@ class Watcher:
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends a reconnection backoff early (stop, watch_names)
         self._stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse] | None = None
+        self._prober: threading.Thread | None = None  # while watching the fallback
+        self._probe_s = READER_PROBE_S
+        self._returning = False  # the prober moved the watch back; the replica has not answered yet
+        self._fell_back = False  # warned of a fallback; the replica has not answered since
         self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
         self._thread.start()
 
@@ -861,17 +913,18 @@ class Watcher:
         attempt = 0
         while not self._stop.is_set():
             with self._lock:
-                generation, request = self._generation, self.request
+                generation, request, source = self._generation, self.request, self.source
                 stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse]
-                self._stream = stream = self.client.stub.WatchAgents(
-                    request, metadata=self.client.call_metadata
-                )
+                self._stream = stream = source.stub.WatchAgents(request, metadata=source.call_metadata)
+                self.snapshotting = True  # before current_stream: see Directory._stream
+                self.current_stream = (self.current_stream[0] + 1, source)
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
-            self.snapshotting = True
             answered = False
             try:
                 for message in stream:
                     events = watch_events(message)  # checked before it counts as an answer
+                    if not answered:
+                        self._answered(source)
                     attempt, answered = 0, True
                     for event in events:
                         if (
@@ -899,12 +952,13 @@ class Watcher:
                 if attempt == 0:
                     logger.warning(
                         "watch of the metadata service at %s broken (%s); reconnecting",
-                        self.client.target,
+                        source.target,
                         exc,
                     )
                 # A service that sends what none sends is broken, not busy: the longest
                 # backoff, even after a stream that was good until then.
                 attempt = len(_BACKOFF_S) - 1
+                self._move(generation, self.client)  # off the fallback, as after any end there
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -913,11 +967,89 @@ class Watcher:
                 if not answered and request.names and _refuses_names(exc):
                     self._watch_all(generation, len(request.names), exc)
                     continue
+                if self.fallback is not None:
+                    if source is self.client and not answered:
+                        # The replica did not answer: the service's watch sees the changes meanwhile.
+                        self._fall_back(generation, exc)
+                        continue
+                    if source is self.fallback:
+                        self._move(generation, self.client)
                 if attempt == 0:
-                    logger.warning("watch of the metadata service ended (%s); reconnecting", exc.code())
+                    logger.warning(
+                        "watch of the metadata service at %s ended (%s); reconnecting",
+                        source.target,
+                        exc.code(),
+                    )
             self._wake.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             self._wake.clear()
             attempt += 1
+
+    def _answered(self, source: MetadataClient) -> None:
+        with self._lock:
+            if source is not self.client:
+                return
+            self._fell_back = False
+            if self._returning:
+                self._returning = False
+                self._probe_s = READER_PROBE_S  # the replica is back for good: probe soon next time
+
+    def _move(self, generation: int, source: MetadataClient) -> None:
+        """The next stream watches ``source`` (unless watch_names came meanwhile)."""
+        with self._lock:
+            if generation == self._generation:
+                self.source = source
+
+    def _fall_back(self, generation: int, exc: grpc.RpcError) -> None:
+        assert self.fallback is not None
+        with self._lock:
+            if generation != self._generation or self._stop.is_set():
+                return
+            self.source = self.fallback
+            if self._returning:  # the replica refused again right after it said SERVING
+                self._returning = False
+                self._probe_s = min(self._probe_s * 2, READER_PROBE_MAX_S)
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._probe, name="kvx-watch-probe", daemon=True)
+                self._prober.start()
+            first, self._fell_back = not self._fell_back, True
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,  # once until the replica answers again
+            "the read replica at %s did not answer a watch (%s); watching the metadata service "
+            "at %s until it does",
+            self.client.target,
+            exc.code(),
+            self.fallback.target,
+        )
+
+    def _probe(self) -> None:
+        """While the watch is on the fallback: asks the replica's health now and then,
+        and moves the watch back once it says SERVING."""
+        while True:
+            with self._lock:
+                wait_s = self._probe_s * random.uniform(0.5, 1.5)
+            if self._stop.wait(wait_s):
+                return
+            with self._lock:
+                if self.source is not self.fallback:  # back on the replica by another way
+                    self._prober = None
+                    return
+            if not self.client.serving(min(self.client.options.timeout_s, READER_PROBE_S)):
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self._prober = None
+                if self.source is not self.fallback:
+                    return
+                self.source = self.client
+                self._returning = True
+                self._generation += 1  # the stream cut short below: watch again at once
+                stream = self._stream
+            logger.info("the read replica at %s serves again: watching it", self.client.target)
+            self._wake.set()
+            if stream is not None:
+                stream.cancel()
+            return
 
     def _watch_all(self, generation: int, names: int, exc: grpc.RpcError) -> None:
         with self._lock:
@@ -931,7 +1063,7 @@ class Watcher:
             "the metadata service at %s refused a watch of %d names (%s: %s); watching every "
             "agent instead, which costs the service more: a kvx metadata service takes up to "
             "%d names of any valid length in one watch",
-            self.client.target,
+            self.source.target,
             names,
             exc.code(),
             exc.details(),
@@ -942,7 +1074,9 @@ class Watcher:
         self._stop.set()
         self._wake.set()
         with self._lock:
-            stream = self._stream
+            stream, prober = self._stream, self._prober
         if stream is not None:
             stream.cancel()
         self._thread.join(5)
+        if prober is not None:
+            prober.join(5)

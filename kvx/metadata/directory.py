@@ -16,13 +16,16 @@ watch for one new peer costs no lookups of the others.
 
 A lookup is not kept when it is older than what the watch has shown: when
 a change of its name (other metadata, epoch, or a delete) arrived while it
-was asked, or when it comes from the watch's service and carries a lower
-revision than the watch's newest event of the name. Revisions are compared
-only within one stream's numbering: a new stream (a reconnection, which may
-reach another read replica or a restarted service, each counting its own)
-takes them from its snapshot, and an answer of the service itself (asked
-when a read replica lacks the name) is not compared. A lookup refused so
-is asked again after a short wait. Past
+was asked, or when it comes from the service the watch's stream follows and
+carries a lower revision than the stream's newest event of the name.
+Revisions are compared only within one stream's numbering, past its
+snapshot: a new stream (a reconnection, which may reach another read
+replica, a restarted service, or the service itself while its replica does
+not answer, each counting its own) takes them from its snapshot. An answer
+of another service (the service, asked when a read replica lacks the name;
+the replica, while the watch follows the service) is kept only when it is
+the record the watch showed last of that name, or the watch showed none. A
+lookup refused so is asked again after a short wait. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -139,20 +142,29 @@ class Directory:
                 time.sleep(_LOOKUP_RETRY_S * attempt)  # the watch (or the replica) catches up
             with self._lock:
                 changes = self._changes.get(name, 0)
-            record, comparable = read_through(self.reader, self.client, name)
+                stream = self._stream()
+            record, answered_by = read_through(self.reader, self.client, name)
             with self._lock:
                 # A change of this name shown during the lookup may be newer than the answer;
-                # a newer revision of the same numbering is.
+                # a newer revision of the same numbering is: that of the watch's one stream,
+                # past its snapshot, from the service that answered.
                 changed = self._changes.get(name, 0) != changes
-                behind = (
-                    record is not None and comparable and self._seen_revision.get(name, 0) > record.revision
-                )
+                comparable = stream is not None and stream == self._stream() and stream[1] is answered_by
+                if record is None:
+                    behind = False
+                elif comparable:
+                    behind = self._seen_revision.get(name, 0) > record.revision
+                else:
+                    # Another service's numbering (the watch on the service while a replica
+                    # answers, or the other way round), or a stream that changed meanwhile:
+                    # the answer must be the record the watch showed last, if it showed one.
+                    shown = self._last_event.get(name)
+                    behind = shown is not None and shown != (_PUT, record.epoch, _digest(record))
                 if changed or (behind and attempt < _LOOKUP_TRIES - 1):
                     continue
                 if behind:
-                    # Behind the watch after every try: its numbering may be another service's
-                    # (a replica the watch has not reconnected from yet), or the service lags.
-                    # Used, but not trusted: the next resolve asks again.
+                    # Behind the watch after every try: the service that answered lags, or
+                    # the watch does. Used, but not trusted: the next resolve asks again.
                     self._stale.add(name)
                 elif record is not None:
                     self._stale.discard(name)
@@ -175,6 +187,15 @@ class Directory:
             return peer
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
 
+    def _stream(self) -> tuple[int, MetadataClient] | None:
+        """The watch's current stream (its number, and the client it watches) once past
+        its snapshot; None before. Its revisions compare with that client's answers."""
+        watcher = self._watcher
+        if watcher is None:
+            return None
+        stream = watcher.current_stream  # read before snapshotting, which a new stream sets first
+        return None if watcher.snapshotting else stream
+
     def _ensure_watch(self, name: str) -> None:
         """Makes the watch cover ``name``, and waits for its snapshot when it had to
         (re)start: changes after that are seen, earlier ones are in the snapshot."""
@@ -185,7 +206,10 @@ class Directory:
             names = self._watched if len(self._watched) <= MAX_WATCHED_NAMES else ()
             watcher = self._watcher
             if watcher is None:
-                watcher = self._watcher = Watcher(self.reader, self._on_event, names=names)
+                # Watching a read replica: the service itself while the replica does not answer.
+                watcher = self._watcher = Watcher(
+                    self.reader, self._on_event, names=names, fallback=self.client
+                )
             elif watcher.names_refused or (not watcher.request.names and not names):
                 return  # it already watches every agent
             else:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
 from kvx.errors import ConfigError
-from kvx.metadata.client import MetadataClient, MetadataOptions
+from kvx.metadata.client import MetadataClient, MetadataOptions, Watcher
 from kvx.metadata.mirror import MirrorStore, parse_mirror_url
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer
 from kvx.v1 import metadata_pb2
@@ -453,3 +453,138 @@ def test_agents_watches_filling_the_cap_do_not_cut_a_replica_off():
                 second.cancel()
         finally:
             agent_watch.cancel()
+
+
+def _free_address() -> str:
+    from tests.integration.conftest import _free_port
+
+    return f"127.0.0.1:{_free_port()}"
+
+
+def test_a_watch_of_a_replica_that_is_down_falls_back_to_the_service_and_returns(service, monkeypatch):
+    """A read replica that does not answer must not leave its agents blind to
+    changes: their watch moves to the service at once and sees the changes
+    there, moves back to the replica once it serves again, and off it again
+    when it goes away."""
+    from kvx.metadata import client as client_module
+
+    monkeypatch.setattr(client_module, "READER_PROBE_S", 0.2)
+    replica_address = _free_address()
+    seen: list[tuple[str, int]] = []
+
+    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
+            seen.append((event.record.name, event.record.epoch))
+
+    reader, primary = MetadataClient(replica_address), MetadataClient(service.address)
+    servicer = service.server.servicer
+    watcher = Watcher(reader, on_event, names=["a", "b", "c"], fallback=primary)
+    try:
+        assert watcher.synced.wait(10), "the watch never synced with the replica down"
+        assert watcher.source is primary and watcher.current_stream[1] is primary
+        _register(service.address, "a", 3)
+        assert wait_until(lambda: ("a", 3) in seen)
+        store = MirrorStore(service.address, stale_s=10)
+        with ThreadedServer(MetadataServer(replica_address, store)):
+            # Back on the replica: the service serves only the replica's own watch.
+            assert wait_until(lambda: watcher.current_stream[1] is reader and len(store._watchers) == 1, 15)
+            assert wait_until(lambda: servicer.watch_streams == 1 and servicer.replica_watch_streams == 1)
+            _register(service.address, "b", 4)
+            assert wait_until(lambda: ("b", 4) in seen)  # through the replica, whose watch it is
+        # The replica gone again: back to the service, and still every change.
+        assert wait_until(lambda: watcher.current_stream[1] is primary and servicer.watch_streams == 1)
+        _register(service.address, "c", 5)
+        assert wait_until(lambda: ("c", 5) in seen)
+    finally:
+        watcher.stop()
+        reader.close()
+        primary.close()
+
+
+def test_a_replica_that_serves_but_refuses_watches_is_asked_less_and_less(service, monkeypatch):
+    """A replica whose health says SERVING but which refuses every watch (here: no
+    watch slots) must not pull its agents back and forth in step: each return it
+    refuses doubles the wait before the next, up to the cap, and the watch stays
+    on the service, seeing every change."""
+    from kvx.metadata import client as client_module
+
+    monkeypatch.setattr(client_module, "READER_PROBE_S", 0.05)
+    monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 0.4)
+    seen: list[str] = []
+
+    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
+            seen.append(event.record.name)
+
+    _register(service.address, "first", 3)
+    with _mirror(service.address, limits=ServiceLimits(max_watch_streams=1)) as mirror:
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        holder = stub(mirror.address).WatchAgents(metadata_pb2.WatchAgentsRequest(), timeout=60)
+        assert next(holder).record.name == "first"  # the replica's one watch slot, taken
+        reader, primary = MetadataClient(mirror.address), MetadataClient(service.address)
+        watcher = Watcher(reader, on_event, fallback=primary)
+        try:
+            assert watcher.synced.wait(10)
+            assert wait_until(lambda: watcher._probe_s == 0.4, 15), watcher._probe_s
+            assert watcher.source is primary
+            for i in range(3):
+                _register(service.address, f"w{i}", 3)
+            assert wait_until(lambda: {"w0", "w1", "w2"} <= set(seen))
+        finally:
+            watcher.stop()
+            holder.cancel()
+            reader.close()
+            primary.close()
+
+
+def test_an_agent_whose_replica_is_down_still_sees_its_peers_change(service, monkeypatch):
+    """An agent that reads from a replica that is down watches the service meanwhile:
+    a peer's new regions reach it. Once the replica answers lookups again (its
+    watch not moved back yet), its answers, numbered by another service than the
+    watch's, are kept when they are the record the watch showed, not refused as
+    behind the service's numbering."""
+    import numpy as np
+
+    from kvx.metadata import client as client_module
+
+    monkeypatch.setattr(client_module, "READER_PROBE_S", 600.0)  # the watch stays on the service
+    for _ in range(40):  # the service's revisions run far ahead of a new replica's
+        stub(service.address).UnregisterAgent(
+            metadata_pb2.UnregisterAgentRequest(
+                name="pad", lease_id=_register(service.address, "pad").lease_id
+            ),
+            timeout=5,
+        )
+    replica_address = _free_address()
+    options = MetadataOptions(read_target=replica_address)
+    with (
+        kvx.Agent("down-a", metadata=service.address, metadata_options=options) as a,
+        kvx.Agent("down-b", metadata=service.address) as b,
+    ):
+        directory = a._directory
+        assert directory is not None
+        assert a.connect("down-b").epoch == b.epoch  # asked of the service: the replica is down
+        watcher = directory._watcher
+        assert watcher is not None and watcher.current_stream[1] is directory.client
+        b.register(np.zeros(4096, np.uint8))
+        assert wait_until(lambda: len(a.connect("down-b").regions) == 1)
+
+        with ThreadedServer(MetadataServer(replica_address, MirrorStore(service.address))) as replica:
+            b.register(np.zeros(4096, np.uint8))
+
+            def replica_has_both() -> bool:
+                record = directory.reader.get("down-b")
+                return record is not None and len(record.metadata.regions) == 2
+
+            assert wait_until(replica_has_both, 30, (kvx.ConnectError,))
+            assert wait_until(lambda: "down-b" in directory._stale)  # the service's watch showed it
+            assert watcher.current_stream[1] is directory.client
+            lookups = replica.server.metrics.registry.get_sample_value(
+                "kvx_metadata_request_seconds_count", {"method": "GetAgent"}
+            )
+            assert len(a.connect("down-b").regions) == 2
+            after = replica.server.metrics.registry.get_sample_value(
+                "kvx_metadata_request_seconds_count", {"method": "GetAgent"}
+            )
+            assert after == lookups + 1  # the replica answered, once: not asked again as behind
+            assert "down-b" not in directory._stale

@@ -1,9 +1,11 @@
 """``Directory.resolve`` and the watch's events, with the services replaced by
 fakes: which answers it keeps. An answer is older than the watch when a
 change of its name arrived during the lookup, or when it carries a lower
-revision of the same numbering; a new watch stream (which may be another
-read replica's) sets the revisions anew; a record is the one the agent knows
-when its epoch and metadata are."""
+revision of the same numbering (the watch's stream, from the service that
+stream follows), or, from another service, when it is not the record the
+watch showed last; a new watch stream (which may be another read replica's)
+sets the revisions anew; a record is the one the agent knows when its epoch
+and metadata are."""
 
 from __future__ import annotations
 
@@ -55,7 +57,10 @@ def _directory(agent: _Agent, reader: _Reader) -> Directory:
     directory.client.close()
     directory.reader = reader  # type: ignore[assignment]
     directory._watched.add("peer")
-    directory._watcher = SimpleNamespace(snapshot_names=frozenset(), snapshotting=False)  # type: ignore[assignment]
+    # The watch's stream follows the reader, as an agent's does while its replica answers.
+    directory._watcher = SimpleNamespace(  # type: ignore[assignment]
+        snapshot_names=frozenset(), snapshotting=False, current_stream=(1, reader)
+    )
     return directory
 
 
@@ -139,5 +144,52 @@ def test_the_same_record_shown_again_during_a_lookup_is_no_change() -> None:
     directory = _directory(agent, reader)
     directory._on_event(_event(same))
     reader.during = lambda: directory._on_event(_event(same))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 1 and "peer" not in directory._stale
+
+
+def test_another_services_answer_is_kept_when_it_is_the_record_the_watch_showed() -> None:
+    """The watch follows the service (its replica did not answer a watch) while the
+    replica answers lookups: their numberings differ, so a lower revision is no
+    sign of age. The record the watch showed last is kept at once."""
+    agent = _Agent()
+    reader = _Reader([_record(2, revision=3)])
+    directory = _directory(agent, reader)
+    directory._watcher.current_stream = (1, directory.client)  # type: ignore[union-attr]
+    directory._on_event(_event(_record(2, revision=900)))  # the service's numbering
+    directory.resolve("peer", None, None)
+    assert reader.calls == 1 and len(agent.added[-1].regions) == 2
+    assert "peer" not in directory._stale
+
+
+def test_another_services_answer_that_is_not_what_the_watch_showed_is_asked_again() -> None:
+    """The same, but the replica has not copied the change the watch showed yet: its
+    answer (one region) is asked again until it is the watch's record (two), even
+    though its revision is higher than the watch's."""
+    agent = _Agent()
+    reader = _Reader([_record(1, revision=950), _record(2, revision=951)])
+    directory = _directory(agent, reader)
+    directory._watcher.current_stream = (1, directory.client)  # type: ignore[union-attr]
+    directory._on_event(_event(_record(2, revision=900)))
+    directory.resolve("peer", None, None)
+    assert reader.calls == 2 and len(agent.added[-1].regions) == 2
+    assert "peer" not in directory._stale
+
+
+def test_an_answer_across_a_new_stream_is_not_compared_by_revision() -> None:
+    """The watch reconnected during the lookup (another stream, another numbering):
+    the answer's revision says nothing against the old stream's; being the record
+    the watch showed, it is kept."""
+    agent = _Agent()
+    directory = _directory(agent, _Reader([]))
+    reader = _Reader([_record(1, revision=2)])
+    directory.reader = reader  # type: ignore[assignment]
+    directory._watcher.current_stream = (1, reader)  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=33)))
+
+    def reconnect() -> None:
+        directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+
+    reader.during = reconnect
     directory.resolve("peer", None, None)
     assert reader.calls == 1 and "peer" not in directory._stale
