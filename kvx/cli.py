@@ -436,7 +436,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """kvx's parser. With ``command`` (the command word of the line to parse), the
+    daemons' options (pydantic's settings, 0.2 s to import) are added only when it
+    is ``prefill`` or ``decode``; without it, every command's options are."""
     from kvx import __version__
 
     parser = argparse.ArgumentParser(
@@ -501,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_cluster_commands(sub)
     _add_doctor(sub)
-    _add_daemon_commands(sub)
+    _add_daemon_commands(sub, with_options=command in (None, "prefill", "decode"))
     meta = sub.add_parser(
         "metadata",
         help="run the metadata service (gRPC registry, admin REST API)",
@@ -906,9 +909,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
-    from kvx.daemon.settings import add_arguments
-
+def _add_daemon_commands(sub: argparse._SubParsersAction, with_options: bool) -> None:
     for role, other in (("prefill", "decode"), ("decode", "prefill")):
         daemon = sub.add_parser(
             role,
@@ -929,7 +930,10 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
             "      -- --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2\n"
             f"  (its {other} counterpart: kvx {other} ...)",
         )
-        add_arguments(daemon)
+        if with_options:
+            from kvx.daemon.settings import add_arguments
+
+            add_arguments(daemon)
 
 
 def _run_daemon(args: argparse.Namespace, engine_args: list[str]) -> int:
@@ -970,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         "--help",
     }:
         argv.insert(at + 1, "model")  # `kvx plan --model ...` is `kvx plan model --model ...`
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[at] if at < len(argv) else "").parse_args(argv)
     level = args.log_level or (
         "INFO" if args.command in ("metadata", "proxy", "prefill", "decode") else "WARNING"
     )
