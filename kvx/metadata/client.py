@@ -41,6 +41,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # gRPC waits up to 120 s between attempts to reconnect a channel whose service is
+    # down, and fails calls meanwhile: an agent would find its service (or its read
+    # replica) back up to two minutes late. 5 s at most.
+    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # Call metadata of a read replica's watch of its primary ("1"): the primary
@@ -50,10 +54,13 @@ _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 READ_REPLICA_HEADER = "kvx-read-replica"
 # A Watcher that fell back from a read replica to the service asks the replica's
 # health about this often (jittered, from half to one and a half times it), and
-# watches it again once it answers SERVING. Each return the replica refuses
-# doubles the wait, up to READER_PROBE_MAX_S; a return it answers resets it.
+# watches it again once it answers SERVING. Each return the replica does not keep
+# (READER_STAYED_S) doubles the wait, up to READER_PROBE_MAX_S; one it keeps resets it.
 READER_PROBE_S = 10.0
 READER_PROBE_MAX_S = 300.0
+READER_PROBE_TIMEOUT_S = 2.0  # one health check's deadline
+# A return to the replica counts as kept once its watch has lived this long past its snapshot.
+READER_STAYED_S = 10.0
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Bounds on how long to wait before asking again for a name another lease holds:
@@ -770,6 +777,12 @@ class _Renewer:
             self._stream = None
 
 
+def _why(ended: Exception) -> str:
+    """What ended a watch, for a log line: the gRPC status code, else the error."""
+    code = ended.code() if isinstance(ended, grpc.RpcError) and hasattr(ended, "code") else None
+    return str(code) if code is not None else str(ended)
+
+
 def _refuses_names(exc: grpc.RpcError) -> bool:
     """A watch of names refused for its names (too many, or a message too large for the
     service), not for a reason a watch of every agent would share (the stream cap)."""
@@ -834,15 +847,17 @@ class Watcher:
     of it), a watch is never left with nothing to watch while the service
     answers:
 
-    - a watch the replica ends before answering (it is down, or its copy is
-      stale) moves to ``fallback`` at once, with a warning;
-    - while there, the replica's health is asked every ``READER_PROBE_S``
-      (jittered), and the watch moves back once it says SERVING; a return
-      the replica refuses again doubles that wait (up to
-      ``READER_PROBE_MAX_S``), so a replica that says SERVING but refuses
-      watches does not pull its agents back and forth in step;
-    - a watch of ``fallback`` that ends, answered or not, reconnects to the
-      replica first (after the usual backoff).
+    - a watch of the replica that ends before the replica kept it
+      READER_STAYED_S past its snapshot (it is down, refuses it, or is
+      stale) moves to ``fallback`` at once, with a warning; one it kept that
+      long reconnects to the replica first;
+    - while on ``fallback``, the replica's health is asked every
+      ``READER_PROBE_S`` (jittered), and the watch moves back once it says
+      SERVING; a return the replica does not keep doubles that wait (up to
+      ``READER_PROBE_MAX_S``), so a replica that says SERVING but refuses or
+      drops watches does not pull its agents back and forth in step;
+    - a watch of ``fallback`` that ends reconnects to the replica first;
+      reconnections wait a jittered backoff.
 
     Each move is a reconnection: the snapshot comes again, in the other
     service's revisions. ``source`` is the client to watch now, and
@@ -887,8 +902,8 @@ class Watcher:
         self._stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse] | None = None
         self._prober: threading.Thread | None = None  # while watching the fallback
         self._probe_s = READER_PROBE_S
-        self._returning = False  # the prober moved the watch back; the replica has not answered yet
-        self._fell_back = False  # warned of a fallback; the replica has not answered since
+        self._returning = False  # the prober moved the watch back; the replica has not kept it yet
+        self._fell_back = False  # warned of a fallback; the replica has not kept a watch since
         self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
         self._thread.start()
 
@@ -911,8 +926,10 @@ class Watcher:
 
     def _run(self) -> None:
         attempt = 0
-        while not self._stop.is_set():
+        while True:
             with self._lock:
+                if self._stop.is_set():  # under the lock: stop() cancels the stream it finds here
+                    return
                 generation, request, source = self._generation, self.request, self.source
                 stream: grpc.CallIterator[metadata_pb2.WatchAgentsResponse]
                 self._stream = stream = source.stub.WatchAgents(request, metadata=source.call_metadata)
@@ -920,11 +937,11 @@ class Watcher:
                 self.current_stream = (self.current_stream[0] + 1, source)
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
             answered = False
+            synced_at: float | None = None
+            ended: Exception
             try:
                 for message in stream:
                     events = watch_events(message)  # checked before it counts as an answer
-                    if not answered:
-                        self._answered(source)
                     attempt, answered = 0, True
                     for event in events:
                         if (
@@ -936,62 +953,52 @@ class Watcher:
                         if synced:
                             self.snapshot_names = frozenset(present or ())
                             present = None
-                            self.snapshotting = False
                         try:
                             self.on_event(event)
                         except Exception:
                             logger.exception("watch callback failed")
                         if synced:
+                            # After the callback, which drops what the old stream numbered.
+                            self.snapshotting = False
+                            synced_at = time.monotonic()
                             with self._lock:
                                 if generation == self._generation:
                                     self.synced.set()
+                ended = EOFError("the metadata service ended the watch")
             except MalformedWatch as exc:
                 stream.cancel()
-                if self._stop.is_set():
-                    return
-                if attempt == 0:
+                ended = exc
+                if attempt == 0 and not self._stop.is_set():
                     logger.warning(
-                        "watch of the metadata service at %s broken (%s); reconnecting",
-                        source.target,
-                        exc,
+                        "watch of the metadata service at %s broken (%s); reconnecting", source.target, exc
                     )
                 # A service that sends what none sends is broken, not busy: the longest
                 # backoff, even after a stream that was good until then.
                 attempt = len(_BACKOFF_S) - 1
-                self._move(generation, self.client)  # off the fallback, as after any end there
             except grpc.RpcError as exc:
-                if self._stop.is_set():
-                    return
-                if generation != self._generation:
-                    continue  # cut short by watch_names: watch again now, not after a backoff
-                if not answered and request.names and _refuses_names(exc):
-                    self._watch_all(generation, len(request.names), exc)
-                    continue
-                if self.fallback is not None:
-                    if source is self.client and not answered:
-                        # The replica did not answer: the service's watch sees the changes meanwhile.
-                        self._fall_back(generation, exc)
-                        continue
-                    if source is self.fallback:
-                        self._move(generation, self.client)
-                if attempt == 0:
-                    logger.warning(
-                        "watch of the metadata service at %s ended (%s); reconnecting",
-                        source.target,
-                        exc.code(),
-                    )
-            self._wake.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                ended = exc
+            if self._stop.is_set():
+                return
+            if generation != self._generation:
+                continue  # cut short (watch_names, a move back): watch again now, not after a backoff
+            if isinstance(ended, grpc.RpcError) and not answered and request.names and _refuses_names(ended):
+                self._watch_all(generation, len(request.names), ended)
+                continue
+            if self.fallback is not None:
+                if source is self.client:
+                    stayed = synced_at is not None and time.monotonic() - synced_at >= READER_STAYED_S
+                    if self._left(generation, answered, stayed, ended):
+                        continue  # on the fallback now: its watch sees the changes meanwhile
+                else:
+                    self._move(generation, self.client)  # the replica first, after the backoff
+            if attempt == 0:  # (a broken stream was reported above)
+                logger.warning(
+                    "watch of the metadata service at %s ended (%s); reconnecting", source.target, _why(ended)
+                )
+            # Jittered, so that the agents of one service do not all come back in step.
+            self._wake.wait(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)] * random.uniform(1.0, 1.5))
             self._wake.clear()
             attempt += 1
-
-    def _answered(self, source: MetadataClient) -> None:
-        with self._lock:
-            if source is not self.client:
-                return
-            self._fell_back = False
-            if self._returning:
-                self._returning = False
-                self._probe_s = READER_PROBE_S  # the replica is back for good: probe soon next time
 
     def _move(self, generation: int, source: MetadataClient) -> None:
         """The next stream watches ``source`` (unless watch_names came meanwhile)."""
@@ -999,27 +1006,39 @@ class Watcher:
             if generation == self._generation:
                 self.source = source
 
-    def _fall_back(self, generation: int, exc: grpc.RpcError) -> None:
+    def _left(self, generation: int, answered: bool, stayed: bool, ended: Exception) -> bool:
+        """The replica's watch ended: whether the watch moves to the fallback now.
+
+        It stays with the replica (reconnects to it first) only when the replica
+        kept that watch READER_STAYED_S past its snapshot. Otherwise (it did not
+        answer, or it says SERVING yet cuts its watchers off) the watch moves,
+        and a return from the fallback that ended so doubles the wait before the
+        next; a return kept that long resets it."""
         assert self.fallback is not None
         with self._lock:
             if generation != self._generation or self._stop.is_set():
-                return
-            self.source = self.fallback
-            if self._returning:  # the replica refused again right after it said SERVING
-                self._returning = False
+                return False
+            returning, self._returning = self._returning, False
+            if answered and stayed:
+                self._probe_s = READER_PROBE_S  # the replica is back for good
+                self._fell_back = False
+                return False
+            if returning:
                 self._probe_s = min(self._probe_s * 2, READER_PROBE_MAX_S)
+            self.source = self.fallback
             if self._prober is None:
                 self._prober = threading.Thread(target=self._probe, name="kvx-watch-probe", daemon=True)
                 self._prober.start()
             first, self._fell_back = not self._fell_back, True
         logger.log(
-            logging.WARNING if first else logging.DEBUG,  # once until the replica answers again
-            "the read replica at %s did not answer a watch (%s); watching the metadata service "
+            logging.WARNING if first else logging.DEBUG,  # once until the replica keeps a watch again
+            "the read replica at %s did not keep a watch (%s); watching the metadata service "
             "at %s until it does",
             self.client.target,
-            exc.code(),
+            _why(ended),
             self.fallback.target,
         )
+        return True
 
     def _probe(self) -> None:
         """While the watch is on the fallback: asks the replica's health now and then,
@@ -1033,7 +1052,7 @@ class Watcher:
                 if self.source is not self.fallback:  # back on the replica by another way
                     self._prober = None
                     return
-            if not self.client.serving(min(self.client.options.timeout_s, READER_PROBE_S)):
+            if not self.client.serving(min(self.client.options.timeout_s, READER_PROBE_TIMEOUT_S)):
                 continue
             with self._lock:
                 if self._stop.is_set():

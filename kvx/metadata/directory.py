@@ -21,11 +21,12 @@ carries a lower revision than the stream's newest event of the name.
 Revisions are compared only within one stream's numbering, past its
 snapshot: a new stream (a reconnection, which may reach another read
 replica, a restarted service, or the service itself while its replica does
-not answer, each counting its own) takes them from its snapshot. An answer
-of another service (the service, asked when a read replica lacks the name;
-the replica, while the watch follows the service) is kept only when it is
-the record the watch showed last of that name, or the watch showed none. A
-lookup refused so is asked again after a short wait. Past
+not answer, each counting its own) takes them from its snapshot. Any other
+answer of the service itself is kept. A replica's answer that cannot be
+compared so (the watch follows the service, or is reconnecting) is kept
+when it is the record the watch showed last of that name (or the watch
+showed none), and is otherwise checked with the service, whose answer is
+kept. A lookup refused as older is asked again after a short wait. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -34,6 +35,7 @@ watch of names is watched whole (see ``Watcher``), with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -59,6 +61,8 @@ logger = logging.getLogger(__name__)
 _DELETE = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE
 _PUT = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT
 _SYNCED = metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+# What the watch showed last of a watched name missing from its snapshot: as a delete.
+_ABSENT = (_DELETE, 0, None)
 # The most names one watch may name (WatchAgentsRequest.names); past it, every agent is watched.
 MAX_WATCHED_NAMES = MAX_WATCH_NAMES
 # A lookup older than what the watch has shown is asked again, after a wait that grows.
@@ -145,26 +149,33 @@ class Directory:
                 stream = self._stream()
             record, answered_by = read_through(self.reader, self.client, name)
             with self._lock:
+                differs = (
+                    record is not None
+                    and answered_by is not self.client
+                    and not self._comparable(stream, answered_by)
+                    and self._not_shown(name, record)
+                )
+            if differs:
+                # A replica's answer that is not the record the watch showed last, on a
+                # stream of another numbering: the replica may lag, or the watch may.
+                # The service itself decides.
+                with contextlib.suppress(ConnectError):  # else the replica's, not trusted (below)
+                    record, answered_by, differs = self.client.get(name), self.client, False
+            with self._lock:
                 # A change of this name shown during the lookup may be newer than the answer;
                 # a newer revision of the same numbering is: that of the watch's one stream,
                 # past its snapshot, from the service that answered.
                 changed = self._changes.get(name, 0) != changes
-                comparable = stream is not None and stream == self._stream() and stream[1] is answered_by
-                if record is None:
-                    behind = False
-                elif comparable:
-                    behind = self._seen_revision.get(name, 0) > record.revision
-                else:
-                    # Another service's numbering (the watch on the service while a replica
-                    # answers, or the other way round), or a stream that changed meanwhile:
-                    # the answer must be the record the watch showed last, if it showed one.
-                    shown = self._last_event.get(name)
-                    behind = shown is not None and shown != (_PUT, record.epoch, _digest(record))
+                comparable = self._comparable(stream, answered_by)
+                behind = (
+                    record is not None and comparable and self._seen_revision.get(name, 0) > record.revision
+                )
                 if changed or (behind and attempt < _LOOKUP_TRIES - 1):
                     continue
-                if behind:
-                    # Behind the watch after every try: the service that answered lags, or
-                    # the watch does. Used, but not trusted: the next resolve asks again.
+                if behind or differs:
+                    # Behind the watch after every try (the service lags, or the watch does),
+                    # or a replica's answer the service could not check. Used, but not
+                    # trusted: the next resolve asks again.
                     self._stale.add(name)
                 elif record is not None:
                     self._stale.discard(name)
@@ -186,6 +197,18 @@ class Directory:
                     self._stale.add(name)
             return peer
         raise ConnectError(f"agent {name!r} keeps changing in the metadata service; try again")
+
+    def _comparable(self, stream: tuple[int, MetadataClient] | None, answered_by: MetadataClient) -> bool:
+        """Whether an answer's revision compares with the watch's: the watch's stream is
+        the one it was when the lookup began, past its snapshot, and follows the
+        service that answered."""
+        return stream is not None and stream == self._stream() and stream[1] is answered_by
+
+    def _not_shown(self, name: str, record: metadata_pb2.AgentRecord) -> bool:
+        """Whether the watch showed something of ``name`` last other than ``record``
+        (another epoch or metadata, a delete, or its absence from a snapshot)."""
+        shown = self._last_event.get(name)
+        return shown is not None and shown != (_PUT, record.epoch, _digest(record))
 
     def _stream(self) -> tuple[int, MetadataClient] | None:
         """The watch's current stream (its number, and the client it watches) once past
@@ -285,7 +308,7 @@ class Directory:
             self._stale.update(missing)
             for name in missing:  # gone meanwhile: a change, as a delete would be
                 self._changes[name] = self._changes.get(name, 0) + 1
-                self._last_event.pop(name, None)
+                self._last_event[name] = _ABSENT
             # Revisions of names the new stream did not show were another stream's numbering.
             for name in [n for n in self._seen_revision if n not in present]:
                 del self._seen_revision[name]

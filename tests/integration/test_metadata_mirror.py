@@ -526,7 +526,6 @@ def test_a_replica_that_serves_but_refuses_watches_is_asked_less_and_less(servic
         try:
             assert watcher.synced.wait(10)
             assert wait_until(lambda: watcher._probe_s == 0.4, 15), watcher._probe_s
-            assert watcher.source is primary
             for i in range(3):
                 _register(service.address, f"w{i}", 3)
             assert wait_until(lambda: {"w0", "w1", "w2"} <= set(seen))
@@ -546,6 +545,7 @@ def test_an_agent_whose_replica_is_down_still_sees_its_peers_change(service, mon
     import numpy as np
 
     from kvx.metadata import client as client_module
+    from kvx.metadata.directory import _digest
 
     monkeypatch.setattr(client_module, "READER_PROBE_S", 600.0)  # the watch stays on the service
     for _ in range(40):  # the service's revisions run far ahead of a new replica's
@@ -577,7 +577,10 @@ def test_an_agent_whose_replica_is_down_still_sees_its_peers_change(service, mon
                 return record is not None and len(record.metadata.regions) == 2
 
             assert wait_until(replica_has_both, 30, (kvx.ConnectError,))
-            assert wait_until(lambda: "down-b" in directory._stale)  # the service's watch showed it
+            copied = directory.reader.get("down-b")
+            assert copied is not None
+            shown = (metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT, copied.epoch, _digest(copied))
+            assert wait_until(lambda: directory._last_event.get("down-b") == shown)  # the service's watch
             assert watcher.current_stream[1] is directory.client
             lookups = replica.server.metrics.registry.get_sample_value(
                 "kvx_metadata_request_seconds_count", {"method": "GetAgent"}
@@ -588,3 +591,54 @@ def test_an_agent_whose_replica_is_down_still_sees_its_peers_change(service, mon
             )
             assert after == lookups + 1  # the replica answered, once: not asked again as behind
             assert "down-b" not in directory._stale
+
+
+def test_a_replica_that_answers_but_drops_each_watch_is_asked_less_and_less(service, monkeypatch):
+    """A replica that says SERVING and sends each watch its snapshot, then ends it at
+    once (as a replica that keeps losing its primary would), has not kept the watch:
+    each return to it doubles the wait before the next, and the changes are seen
+    on the service all along."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from kvx.metadata import client as client_module
+    from kvx.v1 import metadata_pb2_grpc
+
+    class Drops(metadata_pb2_grpc.MetadataServiceServicer):
+        watches = 0
+
+        def WatchAgents(self, request, context):  # noqa: N802
+            Drops.watches += 1
+            yield metadata_pb2.WatchAgentsResponse(type=metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "lost the primary")
+
+    monkeypatch.setattr(client_module, "READER_PROBE_S", 0.05)
+    monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 0.4)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    metadata_pb2_grpc.add_MetadataServiceServicer_to_server(Drops(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    seen: list[str] = []
+
+    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
+            seen.append(event.record.name)
+
+    reader, primary = MetadataClient(f"127.0.0.1:{port}"), MetadataClient(service.address)
+    watcher = Watcher(reader, on_event, fallback=primary)
+    try:
+        assert wait_until(lambda: watcher._probe_s == 0.4, 15), watcher._probe_s
+        assert wait_until(lambda: watcher.current_stream[1] is primary)
+        _register(service.address, "kept", 3)
+        assert wait_until(lambda: "kept" in seen)
+        # At the cap, a return every 0.2-0.6 s at most (and one reconnection each).
+        before = Drops.watches
+        time.sleep(1.5)
+        assert Drops.watches - before <= 2 * 8, Drops.watches - before
+    finally:
+        watcher.stop()
+        reader.close()
+        primary.close()
+        server.stop(0)

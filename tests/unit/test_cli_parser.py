@@ -14,7 +14,9 @@ def test_a_command_other_than_a_daemon_does_not_import_the_daemon_settings() -> 
         "cli.build_parser('bench').parse_args(['bench', '--backend', 'tcp'])\n"
         "print('pydantic_settings' in sys.modules, 'kvx.daemon.settings' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.split() == ["False", "False"], out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from kvx.errors import ConnectError
 from kvx.metadata.directory import Directory
 from kvx.v1 import agent_pb2, metadata_pb2
@@ -42,20 +44,28 @@ class _Agent:
 
 
 class _Reader:
+    target = "fake:1"
+
     def __init__(self, answers: list, during=None) -> None:
         self.answers, self.during, self.calls = answers, during, 0
 
-    def get(self, name: str) -> metadata_pb2.AgentRecord:
+    def get(self, name: str) -> metadata_pb2.AgentRecord | None:
         self.calls += 1
         if self.during is not None and self.calls == 1:
             self.during()
-        return self.answers[min(self.calls, len(self.answers)) - 1]
+        answer = self.answers[min(self.calls, len(self.answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
 
-def _directory(agent: _Agent, reader: _Reader) -> Directory:
+def _directory(agent: _Agent, reader: _Reader, service: _Reader | None = None) -> Directory:
+    """A Directory whose lookups go to ``reader`` (a read replica), and, where they
+    must, to ``service`` (the service itself: by default, one asked of nothing)."""
     directory = Directory(agent, "127.0.0.1:1", "decode", None, None, None)  # never started: no call
     directory.client.close()
     directory.reader = reader  # type: ignore[assignment]
+    directory.client = service or _Reader([])  # type: ignore[assignment]
     directory._watched.add("peer")
     # The watch's stream follows the reader, as an agent's does while its replica answers.
     directory._watcher = SimpleNamespace(  # type: ignore[assignment]
@@ -162,18 +172,62 @@ def test_another_services_answer_is_kept_when_it_is_the_record_the_watch_showed(
     assert "peer" not in directory._stale
 
 
-def test_another_services_answer_that_is_not_what_the_watch_showed_is_asked_again() -> None:
+def test_a_replicas_answer_that_is_not_what_the_watch_showed_is_asked_of_the_service() -> None:
     """The same, but the replica has not copied the change the watch showed yet: its
-    answer (one region) is asked again until it is the watch's record (two), even
-    though its revision is higher than the watch's."""
+    answer (one region), though of a higher revision than the watch's, is checked
+    with the service, whose answer (two regions) is kept."""
     agent = _Agent()
-    reader = _Reader([_record(1, revision=950), _record(2, revision=951)])
-    directory = _directory(agent, reader)
-    directory._watcher.current_stream = (1, directory.client)  # type: ignore[union-attr]
+    reader, service = _Reader([_record(1, revision=950)]), _Reader([_record(2, revision=901)])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
     directory._on_event(_event(_record(2, revision=900)))
     directory.resolve("peer", None, None)
-    assert reader.calls == 2 and len(agent.added[-1].regions) == 2
+    assert (reader.calls, service.calls) == (1, 1) and len(agent.added[-1].regions) == 2
     assert "peer" not in directory._stale
+
+
+def test_a_newer_answer_while_the_watch_reconnects_is_kept_after_the_service_agrees() -> None:
+    """The watch is reconnecting (a new stream, before its snapshot): the replica's
+    answer (two regions) is newer than what the old stream showed (one). The
+    service confirms it: kept, at once and trusted, not refused as behind."""
+    agent = _Agent()
+    newer = _record(2, revision=8)
+    reader, service = _Reader([newer]), _Reader([newer])
+    directory = _directory(agent, reader, service)
+    directory._on_event(_event(_record(1, revision=7)))
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory.resolve("peer", None, None)
+    assert (reader.calls, service.calls) == (1, 1) and len(agent.added[-1].regions) == 2
+    assert "peer" not in directory._stale
+
+
+def test_a_peer_missing_from_the_snapshot_is_not_taken_from_a_lagging_replica() -> None:
+    """The service's watch (a new stream) no longer shows the peer: it left. A replica
+    that has not copied that yet still answers its record: the service, asked,
+    has none, and the lookup says so."""
+    agent = _Agent()
+    reader, service = _Reader([_record(1, revision=3)]), _Reader([None])
+    directory = _directory(agent, reader, service)
+    directory._on_event(_event(_record(1, revision=40)))
+    directory._watcher.current_stream = (2, service)  # type: ignore[union-attr]
+    directory._on_event(
+        metadata_pb2.WatchAgentsResponse(type=metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED)
+    )
+    with pytest.raises(ConnectError, match="no agent named 'peer'"):
+        directory.resolve("peer", None, None)
+    assert (reader.calls, service.calls) == (1, 1) and not agent.added
+
+
+def test_a_replicas_answer_the_service_cannot_check_is_used_but_not_trusted() -> None:
+    """The replica's answer differs from what the watch showed and the service does
+    not answer: the peer is connected from it, and asked again next time."""
+    agent = _Agent()
+    reader, service = _Reader([_record(1, revision=3)]), _Reader([ConnectError("down")])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(_record(2, revision=900)))
+    directory.resolve("peer", None, None)
+    assert len(agent.added[-1].regions) == 1 and "peer" in directory._stale
 
 
 def test_an_answer_across_a_new_stream_is_not_compared_by_revision() -> None:
