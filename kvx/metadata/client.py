@@ -1043,6 +1043,14 @@ class Watcher:
     def _probe(self) -> None:
         """While the watch is on the fallback: asks the replica's health now and then,
         and moves the watch back once it says SERVING."""
+        try:
+            self._probe_until_back()
+        finally:
+            with self._lock:  # ended by an error too: the next fallback starts another
+                if self._prober is threading.current_thread():
+                    self._prober = None
+
+    def _probe_until_back(self) -> None:
         while True:
             with self._lock:
                 wait_s = self._probe_s * random.uniform(0.5, 1.5)

@@ -42,7 +42,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvx.errors import ConfigError, ConnectError
+from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import (
     MAX_WATCH_NAMES,
     MetadataClient,
@@ -159,7 +159,7 @@ class Directory:
                 # A replica's answer that is not the record the watch showed last, on a
                 # stream of another numbering: the replica may lag, or the watch may.
                 # The service itself decides.
-                with contextlib.suppress(ConnectError):  # else the replica's, not trusted (below)
+                with contextlib.suppress(ConnectError, MetadataError):  # else the replica's, not trusted
                     record, answered_by, differs = self.client.get(name), self.client, False
             with self._lock:
                 # A change of this name shown during the lookup may be newer than the answer;
