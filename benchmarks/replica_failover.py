@@ -13,7 +13,9 @@ registered agents, and one name all share (the beacon). Per round:
    each watcher sees it, through the replica.
 2. the replica is killed (SIGKILL) and, --change-after-s later, the beacon
    changes again: the delay from the change until each watcher sees it
-   (they must have moved to the primary), and how many watch the primary.
+   (they must have moved to the primary), and how many watch the primary;
+   meanwhile, from the kill on for --lookup-s, a GetAgent at the primary
+   every 10 ms: what the watchers moving there cost its other callers.
 3. the replica is started again (same address) after --down-s: the time
    until every watcher watches it again (the health probe, jittered around
    READER_PROBE_S, plus gRPC's reconnection backoff), and a change through
@@ -103,15 +105,17 @@ class _Registrar:
 
 
 def _watchers(
-    conn: Any, replica: str, primary: str, count: int, names: list[list[str]], probe_s: float
+    conn: Any, replica: str, primary: str, count: int, names: list[list[str]], probe_s: float, spread_s: float
 ) -> None:
     from kvx.metadata import client as client_module
-    from kvx.metadata.client import MetadataClient, Watcher
+    from kvx.metadata.client import READER_RECONNECT_MAX_S, MetadataClient, Watcher
     from kvx.v1 import metadata_pb2
 
     logging.getLogger("kvx").setLevel(logging.ERROR)  # a warning per watcher on each move
     if probe_s > 0:
         client_module.READER_PROBE_S = probe_s
+    if spread_s >= 0:
+        client_module.READER_MOVE_SPREAD_S = spread_s
     seen = [dict[int, float]() for _ in range(count)]  # watcher -> beacon epoch -> when first seen
 
     def on_event(w: int) -> Any:
@@ -121,7 +125,7 @@ def _watchers(
 
         return handle
 
-    readers = [MetadataClient(replica) for _ in range(count)]
+    readers = [MetadataClient(replica, reconnect_max_s=READER_RECONNECT_MAX_S) for _ in range(count)]
     fallbacks = [MetadataClient(primary) for _ in range(count)]
     for fallback in fallbacks:  # connected, as an agent's is: it registers and renews there
         fallback.serving(10)
@@ -166,7 +170,9 @@ class _Fleet:
             ]
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_watchers, args=(child, replica, primary, count, names, args.probe_s), daemon=True
+                target=_watchers,
+                args=(child, replica, primary, count, names, args.probe_s, args.move_spread_s),
+                daemon=True,
             )
             proc.start()
             self.conns.append(parent)
@@ -191,6 +197,41 @@ class _Fleet:
             proc.join(15)
             if proc.is_alive():
                 proc.kill()
+
+
+class _Lookups:
+    """GetAgent at the primary every 10 ms from a thread, for --lookup-s: what the
+    watchers that move there cost the primary's other callers."""
+
+    def __init__(self, primary: str, seconds: float) -> None:
+        import threading
+
+        from kvx.metadata.client import MetadataClient
+
+        self.client = MetadataClient(primary)
+        self.client.get("agent-00000")  # connected before the kill
+        self.seconds, self.took_ms = seconds, list[float]()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            self.client.get("agent-00000")
+            self.took_ms.append((time.perf_counter() - start) * 1000)
+            time.sleep(0.01)
+
+    def result(self) -> dict[str, float]:
+        self.thread.join()
+        self.client.close()
+        got = np.array(self.took_ms)
+        return {
+            "n": len(got),
+            "p50": round(float(np.percentile(got, 50)), 1),
+            "p99": round(float(np.percentile(got, 99)), 1),
+            "max": round(float(got.max()), 1),
+        }
 
 
 def _until(check: Any, timeout_s: float, step_s: float = 0.05) -> float | None:
@@ -225,6 +266,12 @@ def main() -> None:
     p.add_argument("--change-after-s", type=float, default=0.0, help="after the kill, before the change")
     p.add_argument("--down-s", type=float, default=5.0, help="how long the replica stays down")
     p.add_argument("--probe-s", type=float, default=0.0, help="READER_PROBE_S for the watchers (0: kvx's)")
+    p.add_argument(
+        "--move-spread-s", type=float, default=-1.0, help="READER_MOVE_SPREAD_S for the watchers (-1: kvx's)"
+    )
+    p.add_argument(
+        "--lookup-s", type=float, default=6.0, help="lookups at the primary from the kill on, this long"
+    )
     p.add_argument("--settle-s", type=float, default=11.0, help="after a round, before the next")
     p.add_argument("--timeout-s", type=float, default=120.0)
     args = p.parse_args()
@@ -251,6 +298,7 @@ def main() -> None:
             registrar.register(BEACON, epoch)
             result["steady"] = _delays(fleet, epoch, at, args.timeout_s)
 
+            lookups = _Lookups(primary_address, args.lookup_s)
             replica.send_signal(signal.SIGKILL)
             replica.wait(10)
             killed = time.monotonic()
@@ -260,6 +308,7 @@ def main() -> None:
             registrar.register(BEACON, epoch)
             result["replica_killed"] = _delays(fleet, epoch, at, args.timeout_s)
             result["replica_killed"]["on_primary"] = args.watchers - fleet.state()[1]
+            result["primary_lookup_ms"] = lookups.result()
             time.sleep(max(0.0, args.down_s - (time.monotonic() - killed)))
 
             replica = _service(replica_address, "--store", f"mirror://{primary_address}")

@@ -41,11 +41,27 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    # gRPC waits up to 120 s between attempts to reconnect a channel whose service is
-    # down, and fails calls meanwhile: an agent would find its service (or its read
-    # replica) back up to two minutes late. 5 s at most.
-    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
+# gRPC waits up to 120 s between attempts to reconnect a channel whose service is
+# down, and fails calls meanwhile: an agent would find its service (or its read
+# replica) back up to two minutes late. The cap is also how often every agent
+# tries while the service is down, and how widely their returns spread (gRPC
+# jitters it by 20 %), so it differs by channel:
+# - an agent's channel to the service: 100,000 agents try about 3,300
+#   connections a second while it is down, and come back over about 30 s;
+RECONNECT_MAX_S = 30.0
+# - to a read replica: only its share of the agents, which watch the service
+#   meanwhile and ask the replica's health about this often (READER_PROBE_S);
+READER_RECONNECT_MAX_S = 10.0
+# - a read replica's own channel to its primary: a few replicas, whose copy goes stale.
+MIRROR_RECONNECT_MAX_S = 5.0
+
+
+def channel_options(reconnect_max_s: float) -> list[tuple[str, int]]:
+    """CHANNEL_OPTIONS, and a reconnection backoff of at most ``reconnect_max_s``."""
+    return [*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", int(reconnect_max_s * 1000))]
+
+
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 # Call metadata of a read replica's watch of its primary ("1"): the primary
 # serves it from slots set aside for replicas (ServiceLimits.max_replica_watch_streams)
@@ -61,6 +77,9 @@ READER_PROBE_MAX_S = 300.0
 READER_PROBE_TIMEOUT_S = 2.0  # one health check's deadline
 # A return to the replica counts as kept once its watch has lived this long past its snapshot.
 READER_STAYED_S = 10.0
+# A watch that leaves its replica moves to the service after a random wait of up to this:
+# the agents of a replica that dies do not all open a watch there at once.
+READER_MOVE_SPREAD_S = 2.0
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # Bounds on how long to wait before asking again for a name another lease holds:
@@ -182,15 +201,21 @@ def read_through(
 
 
 class MetadataClient:
-    def __init__(self, target: str, options: MetadataOptions | None = None) -> None:
+    """One channel to a metadata service (or a read replica: ``reconnect_max_s=READER_RECONNECT_MAX_S``)."""
+
+    def __init__(
+        self, target: str, options: MetadataOptions | None = None, reconnect_max_s: float = RECONNECT_MAX_S
+    ) -> None:
         self.target = target
         self.options = options or MetadataOptions()
+        self.reconnect_max_s = reconnect_max_s
         opts = self.options
         creds = credentials(opts)
+        channel_opts = channel_options(reconnect_max_s)
         if creds is not None:
-            self._channel = grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, creds, options=channel_opts)
         else:
-            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options=channel_opts)
         self.stub = metadata_pb2_grpc.MetadataServiceStub(self._channel)
         self.call_metadata = call_metadata(opts)
 
@@ -849,8 +874,9 @@ class Watcher:
 
     - a watch of the replica that ends before the replica kept it
       READER_STAYED_S past its snapshot (it is down, refuses it, or is
-      stale) moves to ``fallback`` at once, with a warning; one it kept that
-      long reconnects to the replica first;
+      stale; a restart by ``watch_names`` does not end it) moves to
+      ``fallback`` after a random wait of up to READER_MOVE_SPREAD_S, with
+      a warning; one it kept that long reconnects to the replica first;
     - while on ``fallback``, the replica's health is asked every
       ``READER_PROBE_S`` (jittered), and the watch moves back once it says
       SERVING; a return the replica does not keep doubles that wait (up to
@@ -904,6 +930,9 @@ class Watcher:
         self._probe_s = READER_PROBE_S
         self._returning = False  # the prober moved the watch back; the replica has not kept it yet
         self._fell_back = False  # warned of a fallback; the replica has not kept a watch since
+        # When the replica's watch first passed its snapshot since it last ended (or since
+        # the watch moved to it): restarts of the watch (watch_names) do not reset it.
+        self._replica_since: float | None = None
         self._thread = threading.Thread(target=self._run, name="kvx-watch", daemon=True)
         self._thread.start()
 
@@ -937,7 +966,6 @@ class Watcher:
                 self.current_stream = (self.current_stream[0] + 1, source)
             present: set[str] | None = set()  # the snapshot's names, until SYNCED
             answered = False
-            synced_at: float | None = None
             ended: Exception
             try:
                 for message in stream:
@@ -960,7 +988,8 @@ class Watcher:
                         if synced:
                             # After the callback, which drops what the old stream numbered.
                             self.snapshotting = False
-                            synced_at = time.monotonic()
+                            if source is self.client and self._replica_since is None:
+                                self._replica_since = time.monotonic()
                             with self._lock:
                                 if generation == self._generation:
                                     self.synced.set()
@@ -986,9 +1015,15 @@ class Watcher:
                 continue
             if self.fallback is not None:
                 if source is self.client:
-                    stayed = synced_at is not None and time.monotonic() - synced_at >= READER_STAYED_S
+                    since, self._replica_since = self._replica_since, None  # the next SYNCED counts anew
+                    stayed = since is not None and time.monotonic() - since >= READER_STAYED_S
                     if self._left(generation, answered, stayed, ended):
-                        continue  # on the fallback now: its watch sees the changes meanwhile
+                        # On the fallback now: its watch sees the changes meanwhile. The agents
+                        # of a replica that dies reach the service spread over a moment, not at
+                        # once (each new watch costs it CPU).
+                        self._wake.wait(random.uniform(0, READER_MOVE_SPREAD_S))
+                        self._wake.clear()
+                        continue
                 else:
                     self._move(generation, self.client)  # the replica first, after the backoff
             if attempt == 0:  # (a broken stream was reported above)

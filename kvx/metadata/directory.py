@@ -26,7 +26,11 @@ answer of the service itself is kept. A replica's answer that cannot be
 compared so (the watch follows the service, or is reconnecting) is kept
 when it is the record the watch showed last of that name (or the watch
 showed none), and is otherwise checked with the service, whose answer is
-kept. A lookup refused as older is asked again after a short wait. Past
+kept. So is any replica's answer for a peer that a replica's new snapshot
+showed other than this agent knew it: that replica may be behind what the
+watch showed before (a replica that lost its primary serves its frozen
+copy for ``--mirror-stale-s``), and the peer's connection is not closed
+on its word. A lookup refused as older is asked again after a short wait. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import (
     MAX_WATCH_NAMES,
+    READER_RECONNECT_MAX_S,
     MetadataClient,
     MetadataOptions,
     Registration,
@@ -92,7 +97,9 @@ class Directory:
         # not queue behind the renewals of every agent at the service.
         read_target = options.read_target if options is not None else None
         try:
-            self.reader = MetadataClient(read_target, options) if read_target else self.client
+            self.reader = (
+                MetadataClient(read_target, options, READER_RECONNECT_MAX_S) if read_target else self.client
+            )
         except BaseException:
             self.client.close()
             raise
@@ -109,6 +116,10 @@ class Directory:
         # name -> the newest revision the current watch stream showed of it (that stream's numbering).
         self._seen_revision: dict[str, int] = {}
         self._stale: set[str] = set()
+        # Names a read replica's new snapshot showed other than this agent knew them: the
+        # replica may be behind what the watch showed before (a replica that lost its
+        # primary still serves its copy for a while). Not acted on until the service agrees.
+        self._unverified: set[str] = set()
         self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
 
@@ -152,13 +163,15 @@ class Directory:
                 differs = (
                     record is not None
                     and answered_by is not self.client
-                    and not self._comparable(stream, answered_by)
-                    and self._not_shown(name, record)
+                    and (
+                        name in self._unverified
+                        or (not self._comparable(stream, answered_by) and self._not_shown(name, record))
+                    )
                 )
             if differs:
                 # A replica's answer that is not the record the watch showed last, on a
-                # stream of another numbering: the replica may lag, or the watch may.
-                # The service itself decides.
+                # stream of another numbering, or of a name its snapshot may have shown
+                # behind: the replica may lag, or the watch may. The service itself decides.
                 with contextlib.suppress(ConnectError, MetadataError):  # else the replica's, not trusted
                     record, answered_by, differs = self.client.get(name), self.client, False
             with self._lock:
@@ -179,6 +192,8 @@ class Directory:
                     self._stale.add(name)
                 elif record is not None:
                     self._stale.discard(name)
+                    if answered_by is self.client:
+                        self._unverified.discard(name)
                     self._known[name] = record.epoch
                     # The watch's event of this record, if it comes later, is no news.
                     self._known_metadata[name] = _digest(record)
@@ -251,6 +266,7 @@ class Directory:
         # A new stream's snapshot (the first, or after a reconnection that may have reached
         # another read replica, or a restarted service) sets the revisions anew.
         snapshot = event.type == _PUT and (watcher is None or watcher.snapshotting)
+        from_replica = watcher is not None and watcher.current_stream[1] is not self.client
         with self._lock:
             if self._last_event.get(name) != (event.type, epoch, digest):
                 self._last_event[name] = (event.type, epoch, digest)
@@ -261,15 +277,22 @@ class Directory:
                 self._seen_revision[name] = max(self._seen_revision.get(name, 0), event.revision)
             # Regions may have changed, or the agent is gone. A PUT of the very record
             # this agent knows (a restarted watch's snapshot, a lookup's own change) changes nothing.
-            if (
+            news = (
                 event.type == _DELETE
                 or epoch != self._known.get(name)
                 or digest != self._known_metadata.get(name)
-            ):
+            )
+            if news:
                 self._stale.add(name)
+                if snapshot and from_replica and name in self._known_metadata:
+                    # Maybe behind what this agent knew (the service's watch, another
+                    # replica's): the next lookup asks the service, and the peer's
+                    # connection is left alone until then.
+                    self._unverified.add(name)
+            unverified = name in self._unverified
             if event.type == _PUT:
                 self._known[name] = epoch
-        if event.type == _PUT:
+        if event.type == _PUT and not unverified:
             try:
                 peer: Any = self.agent.peer(name)
             except ConnectError:
@@ -291,6 +314,7 @@ class Directory:
             self._known.pop(name, None)
             self._known_metadata.pop(name, None)
             self._seen_revision.pop(name, None)
+            self._unverified.discard(name)
             if cached is None:
                 self._stale.discard(name)
             else:

@@ -55,11 +55,12 @@ from grpc import aio
 from kvx.config import check_name
 from kvx.errors import ConfigError
 from kvx.metadata.client import (
-    CHANNEL_OPTIONS,
+    MIRROR_RECONNECT_MAX_S,
     READ_REPLICA_HEADER,
     WATCH_BATCH_BYTES,
     MetadataOptions,
     call_metadata,
+    channel_options,
     credentials,
     watch_events,
 )
@@ -131,7 +132,11 @@ class MirrorStore(MemoryStore):
         # A WatchAgentsResponse holds one record, or events of at most WATCH_BATCH_BYTES in
         # all (an event larger than that comes alone): no message beyond that and its frame.
         self._channel_options = [
-            *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            *(
+                o
+                for o in channel_options(MIRROR_RECONNECT_MAX_S)
+                if o[0] != "grpc.max_receive_message_length"
+            ),
             ("grpc.max_receive_message_length", max(max_record_bytes, WATCH_BATCH_BYTES) + 64 * 1024),
         ]
         self.primary = primary

@@ -469,6 +469,7 @@ def test_a_watch_of_a_replica_that_is_down_falls_back_to_the_service_and_returns
     from kvx.metadata import client as client_module
 
     monkeypatch.setattr(client_module, "READER_PROBE_S", 0.2)
+    monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
     replica_address = _free_address()
     seen: list[tuple[str, int]] = []
 
@@ -510,6 +511,7 @@ def test_a_replica_that_serves_but_refuses_watches_is_asked_less_and_less(servic
 
     monkeypatch.setattr(client_module, "READER_PROBE_S", 0.05)
     monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 0.4)
+    monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
     seen: list[str] = []
 
     def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
@@ -615,6 +617,7 @@ def test_a_replica_that_answers_but_drops_each_watch_is_asked_less_and_less(serv
 
     monkeypatch.setattr(client_module, "READER_PROBE_S", 0.05)
     monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 0.4)
+    monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     metadata_pb2_grpc.add_MetadataServiceServicer_to_server(Drops(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
@@ -642,3 +645,65 @@ def test_a_replica_that_answers_but_drops_each_watch_is_asked_less_and_less(serv
         reader.close()
         primary.close()
         server.stop(0)
+
+
+def test_a_watch_leaving_its_replica_waits_a_random_moment_first(service, monkeypatch):
+    """The agents of a replica that dies do not all open a watch at the service at
+    once: each waits a random moment of up to READER_MOVE_SPREAD_S first (here
+    drawn as the longest), and then watches the service."""
+    from kvx.metadata import client as client_module
+
+    monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 1.0)
+    draw = client_module.random.uniform
+    monkeypatch.setattr(
+        client_module.random,
+        "uniform",
+        lambda low, high: high if (low, high) == (0, 1.0) else draw(low, high),
+    )
+    with _mirror(service.address) as mirror:
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        reader, primary = MetadataClient(mirror.address), MetadataClient(service.address)
+        watcher = Watcher(reader, lambda event: None, names=["x"], fallback=primary)
+        try:
+            assert watcher.synced.wait(10) and watcher.current_stream[1] is reader
+            mirror.stop()
+            died = time.monotonic()
+            assert wait_until(lambda: watcher.current_stream[1] is primary, 10)
+            assert time.monotonic() - died >= 1.0
+        finally:
+            watcher.stop()
+            reader.close()
+            primary.close()
+
+
+def test_restarts_of_a_kept_watch_of_the_replica_do_not_count_as_its_end(service, monkeypatch):
+    """A return to the replica that it kept READER_STAYED_S resets the probe's wait,
+    even when the watch was restarted for new names (as an agent's is for each
+    new peer) more often than that: the replica kept the watch all along, and
+    only its last stream was short."""
+    from kvx.metadata import client as client_module
+
+    monkeypatch.setattr(client_module, "READER_STAYED_S", 0.6)
+    monkeypatch.setattr(client_module, "READER_PROBE_S", 600.0)  # no return during the test
+    monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 10_000.0)
+    monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
+    with _mirror(service.address) as mirror:
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        reader, primary = MetadataClient(mirror.address), MetadataClient(service.address)
+        watcher = Watcher(reader, lambda event: None, names=["p0"], fallback=primary)
+        try:
+            assert watcher.synced.wait(10) and watcher.current_stream[1] is reader
+            # As the probe leaves a return to the replica (after one doubling).
+            with watcher._lock:
+                watcher._returning, watcher._probe_s = True, 1200.0
+            for i in range(1, 6):  # a new peer every 0.2 s: 1 s on the replica in all
+                time.sleep(0.2)
+                watcher.watch_names([f"p{j}" for j in range(i + 1)])
+                assert watcher.synced.wait(5)
+            mirror.stop()  # its last stream lived under READER_STAYED_S
+            assert wait_until(lambda: watcher.current_stream[1] is primary, 15)
+            assert watcher._probe_s == 600.0  # kept: reset, not doubled to 2400
+        finally:
+            watcher.stop()
+            reader.close()
+            primary.close()

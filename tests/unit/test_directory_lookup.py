@@ -247,3 +247,58 @@ def test_an_answer_across_a_new_stream_is_not_compared_by_revision() -> None:
     reader.during = reconnect
     directory.resolve("peer", None, None)
     assert reader.calls == 1 and "peer" not in directory._stale
+
+
+def test_a_replica_snapshot_behind_what_the_agent_knew_does_not_roll_the_peer_back() -> None:
+    """The watch followed the service and showed the peer's restart (epoch 6, the
+    connected peer); it moves back to a replica whose copy froze before that
+    restart (it lost its primary, and serves its copy for --mirror-stale-s). Its
+    snapshot's epoch 5 does not close the connection to epoch 6, and the next
+    lookup asks the service, whose epoch 6 is kept, not the replica's 5."""
+    current = _record(1, revision=40, epoch=6)
+    replaced: list[int] = []
+
+    class _Connected(_Agent):
+        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(epoch=6, alive=True)
+
+        def _replace_stale_peer(self, name: str, epoch: int) -> None:
+            replaced.append(epoch)
+
+    agent = _Connected()
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))  # the service's watch: the restart
+    directory.resolve("peer", None, None)  # the replica's epoch 5 is not what the watch showed
+    assert agent.added[-1].epoch == 6 and service.calls == 1
+
+    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=7, epoch=5)))  # the frozen copy's snapshot
+    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    assert replaced == [] and "peer" in directory._stale
+
+    directory.resolve("peer", None, None)
+    assert agent.added[-1].epoch == 6 and service.calls == 2
+    assert "peer" not in directory._stale and directory._known["peer"] == 6
+    # Verified: the replica's later answers are compared as before.
+    directory._on_event(_event(_record(1, revision=8, epoch=6)))
+    assert replaced == [] and "peer" not in directory._stale
+
+
+def test_a_read_replicas_channel_reconnects_sooner_than_the_services() -> None:
+    """While the service is down, every agent's channel tries again at most every
+    RECONNECT_MAX_S (their returns spread that wide); a replica's channel, which
+    only its share of the agents holds, as often as its health is asked."""
+    from kvx.metadata.client import READER_RECONNECT_MAX_S, RECONNECT_MAX_S, MetadataOptions, channel_options
+
+    directory = Directory(
+        _Agent(), "127.0.0.1:1", "decode", None, None, MetadataOptions(read_target="127.0.0.1:2")
+    )
+    try:
+        assert directory.client.reconnect_max_s == RECONNECT_MAX_S == 30.0
+        assert directory.reader.reconnect_max_s == READER_RECONNECT_MAX_S == 10.0
+        assert ("grpc.max_reconnect_backoff_ms", 10_000) in channel_options(READER_RECONNECT_MAX_S)
+    finally:
+        directory._close_clients()
