@@ -15,7 +15,9 @@ registered agents, and one name all share (the beacon). Per round:
    changes again: the delay from the change until each watcher sees it
    (they must have moved to the primary), and how many watch the primary;
    meanwhile, from the kill on for --lookup-s, a GetAgent at the primary
-   every 10 ms: what the watchers moving there cost its other callers.
+   every 10 ms: what the watchers moving there cost its other callers; and
+   the CPU seconds the primary and the watchers' processes used from the
+   kill until every watcher saw the change (window_s).
 3. the replica is started again (same address) after --down-s: the time
    until every watcher watches it again (the health probe, jittered around
    READER_PROBE_S, plus gRPC's reconnection backoff), and a change through
@@ -234,6 +236,16 @@ class _Lookups:
         }
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User and system CPU seconds the processes have used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _until(check: Any, timeout_s: float, step_s: float = 0.05) -> float | None:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -299,6 +311,8 @@ def main() -> None:
             result["steady"] = _delays(fleet, epoch, at, args.timeout_s)
 
             lookups = _Lookups(primary_address, args.lookup_s)
+            watcher_pids = [proc.pid for proc in fleet.procs]
+            cpu_before = _cpu_s([primary.pid]), _cpu_s(watcher_pids)
             replica.send_signal(signal.SIGKILL)
             replica.wait(10)
             killed = time.monotonic()
@@ -308,6 +322,11 @@ def main() -> None:
             registrar.register(BEACON, epoch)
             result["replica_killed"] = _delays(fleet, epoch, at, args.timeout_s)
             result["replica_killed"]["on_primary"] = args.watchers - fleet.state()[1]
+            # Until every watcher saw the change: the primary's CPU, and the watchers'
+            # (their processes share this host's cores with it).
+            result["replica_killed"]["window_s"] = round(time.monotonic() - killed, 2)
+            result["replica_killed"]["primary_cpu_s"] = round(_cpu_s([primary.pid]) - cpu_before[0], 2)
+            result["replica_killed"]["watchers_cpu_s"] = round(_cpu_s(watcher_pids) - cpu_before[1], 2)
             result["primary_lookup_ms"] = lookups.result()
             time.sleep(max(0.0, args.down_s - (time.monotonic() - killed)))
 
