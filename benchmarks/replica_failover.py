@@ -110,7 +110,7 @@ def _watchers(
     conn: Any, replica: str, primary: str, count: int, names: list[list[str]], probe_s: float, spread_s: float
 ) -> None:
     from kvx.metadata import client as client_module
-    from kvx.metadata.client import READER_RECONNECT_MAX_S, MetadataClient, Watcher
+    from kvx.metadata.client import MetadataClient, Watcher
     from kvx.v1 import metadata_pb2
 
     logging.getLogger("kvx").setLevel(logging.ERROR)  # a warning per watcher on each move
@@ -127,7 +127,7 @@ def _watchers(
 
         return handle
 
-    readers = [MetadataClient(replica, reconnect_max_s=READER_RECONNECT_MAX_S) for _ in range(count)]
+    readers = [MetadataClient(replica, reader=True) for _ in range(count)]
     fallbacks = [MetadataClient(primary) for _ in range(count)]
     for fallback in fallbacks:  # connected, as an agent's is: it registers and renews there
         fallback.serving(10)

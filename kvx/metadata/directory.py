@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 from kvx.errors import ConfigError, ConnectError, MetadataError
 from kvx.metadata.client import (
     MAX_WATCH_NAMES,
-    READER_RECONNECT_MAX_S,
     MetadataClient,
     MetadataOptions,
     Registration,
@@ -97,9 +96,7 @@ class Directory:
         # not queue behind the renewals of every agent at the service.
         read_target = options.read_target if options is not None else None
         try:
-            self.reader = (
-                MetadataClient(read_target, options, READER_RECONNECT_MAX_S) if read_target else self.client
-            )
+            self.reader = MetadataClient(read_target, options, reader=True) if read_target else self.client
         except BaseException:
             self.client.close()
             raise
@@ -174,6 +171,13 @@ class Directory:
                 # behind: the replica may lag, or the watch may. The service itself decides.
                 with contextlib.suppress(ConnectError, MetadataError):  # else the replica's, not trusted
                     record, answered_by, differs = self.client.get(name), self.client, False
+                if differs and cached is not None and cached.alive:
+                    with self._lock:
+                        if name in self._unverified:
+                            # A replica's snapshot that may be behind, and no service to
+                            # ask: the live connection is kept, and asked about next time.
+                            self._stale.add(name)
+                            return cached
             with self._lock:
                 # A change of this name shown during the lookup may be newer than the answer;
                 # a newer revision of the same numbering is: that of the watch's one stream,
@@ -284,11 +288,14 @@ class Directory:
             )
             if news:
                 self._stale.add(name)
-                if snapshot and from_replica and name in self._known_metadata:
+            if snapshot and from_replica:
+                if news and name in self._known_metadata:
                     # Maybe behind what this agent knew (the service's watch, another
                     # replica's): the next lookup asks the service, and the peer's
                     # connection is left alone until then.
                     self._unverified.add(name)
+            else:  # the service's own event, or a replica's change as it happens
+                self._unverified.discard(name)
             unverified = name in self._unverified
             if event.type == _PUT:
                 self._known[name] = epoch

@@ -287,18 +287,80 @@ def test_a_replica_snapshot_behind_what_the_agent_knew_does_not_roll_the_peer_ba
     assert replaced == [] and "peer" not in directory._stale
 
 
-def test_a_read_replicas_channel_reconnects_sooner_than_the_services() -> None:
+def test_a_read_replicas_channel_pings_less_and_reconnects_sooner_than_the_services() -> None:
     """While the service is down, every agent's channel tries again at most every
     RECONNECT_MAX_S (their returns spread that wide); a replica's channel, which
-    only its share of the agents holds, as often as its health is asked."""
-    from kvx.metadata.client import READER_RECONNECT_MAX_S, RECONNECT_MAX_S, MetadataOptions, channel_options
+    only its share of the agents holds, as often as its health is asked. The
+    replica's channel, mostly an idle watch, pings half as often; a replica's own
+    channel to its primary reconnects within 5 s."""
+    from kvx.metadata.client import MetadataOptions, channel_options
+    from kvx.metadata.mirror import MirrorStore
 
     directory = Directory(
         _Agent(), "127.0.0.1:1", "decode", None, None, MetadataOptions(read_target="127.0.0.1:2")
     )
     try:
-        assert directory.client.reconnect_max_s == RECONNECT_MAX_S == 30.0
-        assert directory.reader.reconnect_max_s == READER_RECONNECT_MAX_S == 10.0
-        assert ("grpc.max_reconnect_backoff_ms", 10_000) in channel_options(READER_RECONNECT_MAX_S)
+        assert (directory.client.reconnect_max_s, directory.client.keepalive_s) == (30.0, 5.0)
+        assert (directory.reader.reconnect_max_s, directory.reader.keepalive_s) == (10.0, 10.0)
     finally:
         directory._close_clients()
+    options = dict(channel_options(10.0, 10.0))
+    assert options["grpc.max_reconnect_backoff_ms"] == 10_000 and options["grpc.keepalive_time_ms"] == 10_000
+    assert options["grpc.http2.max_pings_without_data"] == 0  # pings go on while nothing is sent
+    mirror = dict(MirrorStore("127.0.0.1:1")._channel_options)
+    assert mirror["grpc.max_reconnect_backoff_ms"] == 5_000 and mirror["grpc.keepalive_time_ms"] == 5_000
+
+
+def test_a_suspect_replica_snapshot_without_a_service_to_ask_keeps_the_live_connection() -> None:
+    """A replica's snapshot shows the peer older than the connected one, and the
+    service does not answer: the live connection is returned (and asked about
+    again next time), not replaced by the replica's record."""
+
+    class _Connected(_Agent):
+        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(epoch=6, alive=True)
+
+        def _replace_stale_peer(self, name: str, epoch: int) -> None:
+            raise AssertionError("replaced on a suspect snapshot's word")
+
+    agent = _Connected()
+    current = _record(1, revision=40, epoch=6)
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current, ConnectError("down")])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    cached = directory.resolve("peer", None, None)
+    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=7, epoch=5)))
+    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    added = len(agent.added)
+    assert directory.resolve("peer", cached, None) is cached
+    assert len(agent.added) == added and "peer" in directory._stale and service.calls == 2
+
+
+def test_the_services_own_event_after_a_suspect_snapshot_is_acted_on() -> None:
+    """Only the suspect snapshot is held back: the service's watch showing the
+    peer restart again (epoch 7) closes the old connection at once, as ever."""
+    replaced: list[int] = []
+
+    class _Connected(_Agent):
+        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(epoch=6, alive=True)
+
+        def _replace_stale_peer(self, name: str, epoch: int) -> None:
+            replaced.append(epoch)
+
+    agent = _Connected()
+    current = _record(1, revision=40, epoch=6)
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=7, epoch=5)))  # suspect: held back
+    directory._watcher.current_stream = (3, service)  # moved to the service again
+    directory._on_event(_event(_record(1, revision=41, epoch=7)))  # its snapshot: the peer restarted
+    assert replaced == [7] and "peer" not in directory._unverified

@@ -519,12 +519,12 @@ class KvxWorker:
             )
         import json
 
-        from kvx.metadata.client import READER_RECONNECT_MAX_S, MetadataClient, read_through
+        from kvx.metadata.client import MetadataClient, read_through
 
         if self._metadata_client is None:
             client = MetadataClient(self.cfg.metadata, self._metadata_options())
             reader = (
-                MetadataClient(self.cfg.metadata_read, self._metadata_options(), READER_RECONNECT_MAX_S)
+                MetadataClient(self.cfg.metadata_read, self._metadata_options(), reader=True)
                 if self.cfg.metadata_read
                 else client
             )
