@@ -37,23 +37,26 @@ AgentRecord = metadata_pb2.AgentRecord
 _Response = TypeVar("_Response")
 
 CHANNEL_OPTIONS = [
-    ("grpc.keepalive_permit_without_calls", 1),
+    # Pings only while a call is open: a channel with none has nothing to lose to a
+    # dead connection, and the next call's pings find it (its deadline bounds it).
+    ("grpc.keepalive_permit_without_calls", 0),
     # gRPC stops pinging after two pings while this side sends nothing, then pings once a
     # minute: a watch (nothing sent after its request) of a service gone without a word
-    # was noticed after about a minute (56 s measured), not keepalive's 10 s.
+    # was noticed after about a minute (56 s measured), not within keepalive's bound.
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 # Keepalive: a connection gone without a word (a host lost, a partition) is noticed
-# within the ping interval and KEEPALIVE_TIMEOUT_S. gRPC pings only while nothing is
-# read (each read resets the timer), so an agent's channel to the service, whose
-# lease renewals are answered every few seconds, sends none. Each ping costs the
-# service 0.10-0.13 ms of CPU (measured on a 2-core VM).
-KEEPALIVE_S = 5.0
+# within the ping interval and KEEPALIVE_TIMEOUT_S while a call is open. gRPC pings
+# only while nothing is read (each read resets the timer), so the channel of an
+# agent's lease renewals, answered every few seconds, sends none: what pings is an
+# agent's one watch, idle while its peers do not change. Each ping costs the service
+# 0.10-0.13 ms of CPU (measured on a 2-core VM): 100,000 agents' watches ping 10,000
+# times a second at this interval, about 1.2 cores of that VM in all.
+KEEPALIVE_S = 10.0
 KEEPALIVE_TIMEOUT_S = 5.0
-# A read replica's channel carries mostly an idle watch, so it does ping: 100,000
-# agents ping their replicas 10,000 times a second at this interval.
-READER_KEEPALIVE_S = 10.0
+# A read replica's own watch of its primary: few, and its copy goes stale (--mirror-stale-s).
+MIRROR_KEEPALIVE_S = 5.0
 # gRPC waits up to 120 s between attempts to reconnect a channel whose service is
 # down, and fails calls meanwhile: an agent would find its service (or its read
 # replica) back up to two minutes late. The cap is also how often every agent
@@ -220,14 +223,13 @@ def read_through(
 
 class MetadataClient:
     """One channel to a metadata service; ``reader``: to a read replica of it, which
-    its agents ping and reconnect to on the replica's own terms (READER_KEEPALIVE_S,
-    READER_RECONNECT_MAX_S)."""
+    its agents try to reconnect to more often (READER_RECONNECT_MAX_S)."""
 
     def __init__(self, target: str, options: MetadataOptions | None = None, reader: bool = False) -> None:
         self.target = target
         self.options = options or MetadataOptions()
         self.reconnect_max_s = READER_RECONNECT_MAX_S if reader else RECONNECT_MAX_S
-        self.keepalive_s = READER_KEEPALIVE_S if reader else KEEPALIVE_S
+        self.keepalive_s = KEEPALIVE_S
         opts = self.options
         creds = credentials(opts)
         channel_opts = channel_options(self.reconnect_max_s, self.keepalive_s)

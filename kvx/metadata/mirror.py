@@ -55,6 +55,7 @@ from grpc import aio
 from kvx.config import check_name
 from kvx.errors import ConfigError
 from kvx.metadata.client import (
+    MIRROR_KEEPALIVE_S,
     MIRROR_RECONNECT_MAX_S,
     READ_REPLICA_HEADER,
     WATCH_BATCH_BYTES,
@@ -134,7 +135,7 @@ class MirrorStore(MemoryStore):
         self._channel_options = [
             *(
                 o
-                for o in channel_options(MIRROR_RECONNECT_MAX_S)
+                for o in channel_options(MIRROR_RECONNECT_MAX_S, MIRROR_KEEPALIVE_S)
                 if o[0] != "grpc.max_receive_message_length"
             ),
             ("grpc.max_receive_message_length", max(max_record_bytes, WATCH_BATCH_BYTES) + 64 * 1024),

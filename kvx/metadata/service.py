@@ -815,9 +815,10 @@ class MetadataServer:
         options = [
             ("grpc.max_receive_message_length", max_receive_bytes(self.limits)),
             ("grpc.so_reuseport", 0),
-            # kvx's clients ping every 5 s, also while idle (kvx/metadata/client.py): accept
-            # that, instead of gRPC's default of one ping in 5 min without data, past which a
-            # server answers an idle client's pings with GOAWAY "too_many_pings".
+            # kvx's clients ping every 10 s (a read replica's channel to its primary every 5 s)
+            # while a watch sends them nothing (kvx/metadata/client.py), and older ones also
+            # with no call open: accept that, instead of gRPC's default of one ping in 5 min
+            # without data, past which a server answers with GOAWAY "too_many_pings".
             ("grpc.keepalive_permit_without_calls", 1),
             # Their pings arrive bunched when either side is short of CPU (a loaded host, a
             # registration storm): a 5 s pinger must not be cut off for two pings that land

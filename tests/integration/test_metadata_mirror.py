@@ -737,7 +737,7 @@ def test_a_replica_gone_without_a_word_is_left_within_keepalive(service, monkeyp
     reason = _no_firewall()
     if reason:
         pytest.skip(reason)
-    monkeypatch.setattr(client_module, "READER_KEEPALIVE_S", 1.5)
+    monkeypatch.setattr(client_module, "KEEPALIVE_S", 1.5)
     monkeypatch.setattr(client_module, "KEEPALIVE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(client_module, "READER_STAYED_S", 600.0)  # not kept: moves at once
     monkeypatch.setattr(client_module, "READER_PROBE_S", 600.0)  # and stays on the service

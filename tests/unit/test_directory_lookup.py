@@ -287,12 +287,12 @@ def test_a_replica_snapshot_behind_what_the_agent_knew_does_not_roll_the_peer_ba
     assert replaced == [] and "peer" not in directory._stale
 
 
-def test_a_read_replicas_channel_pings_less_and_reconnects_sooner_than_the_services() -> None:
+def test_a_read_replicas_channel_reconnects_sooner_and_channels_ping_only_in_a_call() -> None:
     """While the service is down, every agent's channel tries again at most every
     RECONNECT_MAX_S (their returns spread that wide); a replica's channel, which
     only its share of the agents holds, as often as its health is asked. The
-    replica's channel, mostly an idle watch, pings half as often; a replica's own
-    channel to its primary reconnects within 5 s."""
+    channels ping every 10 s while a call is open (none without); a replica's own
+    channel to its primary pings every 5 s and reconnects within 5 s."""
     from kvx.metadata.client import MetadataOptions, channel_options
     from kvx.metadata.mirror import MirrorStore
 
@@ -300,13 +300,15 @@ def test_a_read_replicas_channel_pings_less_and_reconnects_sooner_than_the_servi
         _Agent(), "127.0.0.1:1", "decode", None, None, MetadataOptions(read_target="127.0.0.1:2")
     )
     try:
-        assert (directory.client.reconnect_max_s, directory.client.keepalive_s) == (30.0, 5.0)
+        assert directory.client.reconnect_max_s == 30.0
         assert (directory.reader.reconnect_max_s, directory.reader.keepalive_s) == (10.0, 10.0)
+        assert directory.client.keepalive_s == 10.0
     finally:
         directory._close_clients()
     options = dict(channel_options(10.0, 10.0))
     assert options["grpc.max_reconnect_backoff_ms"] == 10_000 and options["grpc.keepalive_time_ms"] == 10_000
     assert options["grpc.http2.max_pings_without_data"] == 0  # pings go on while nothing is sent
+    assert options["grpc.keepalive_permit_without_calls"] == 0  # but not with no call open
     mirror = dict(MirrorStore("127.0.0.1:1")._channel_options)
     assert mirror["grpc.max_reconnect_backoff_ms"] == 5_000 and mirror["grpc.keepalive_time_ms"] == 5_000
 
