@@ -896,10 +896,10 @@ class Watcher:
     - a watch of the replica that ends before the replica kept it
       READER_STAYED_S past its snapshot (it is down, refuses it, or is
       stale; a restart by ``watch_names`` does not end it) moves to
-      ``fallback``, with a warning, after a random wait of up to
-      READER_MOVE_SPREAD_S where the replica had answered it (at once
-      where it did not); one it kept that long reconnects to the replica
-      first;
+      ``fallback``, with a warning; one it kept that long reconnects to
+      the replica first, and moves if that fails. A move waits a random
+      moment of up to READER_MOVE_SPREAD_S where the replica had answered
+      (a replica that never did, as at an agent's start, is left at once);
     - while on ``fallback``, the replica's health is asked every
       ``READER_PROBE_S`` (jittered), and the watch moves back once it says
       SERVING; a return the replica does not keep doubles that wait (up to
@@ -953,6 +953,7 @@ class Watcher:
         self._probe_s = READER_PROBE_S
         self._returning = False  # the prober moved the watch back; the replica has not kept it yet
         self._fell_back = False  # warned of a fallback; the replica has not kept a watch since
+        self._kept_ended = False  # a watch the replica kept ended; the reconnection to it has not answered
         # When the replica's watch first passed its snapshot since it last ended (or since
         # the watch moved to it): restarts of the watch (watch_names) do not reset it.
         self._replica_since: float | None = None
@@ -1040,12 +1041,11 @@ class Watcher:
                 if source is self.client:
                     since = self._replica_since
                     stayed = since is not None and time.monotonic() - since >= READER_STAYED_S
-                    if self._left(generation, answered, stayed, ended):
-                        # On the fallback now: its watch sees the changes meanwhile. The agents
-                        # of a replica that dies (that had answered them) reach the service
-                        # spread over a moment, not at once: each new watch costs it CPU.
-                        if answered:
-                            self._wake.wait(random.uniform(0, READER_MOVE_SPREAD_S))
+                    wait_s = self._left(generation, answered, stayed, ended)
+                    if wait_s is not None:
+                        # On the fallback now (after wait_s): its watch sees the changes meanwhile.
+                        if wait_s > 0:
+                            self._wake.wait(wait_s)
                             self._wake.clear()
                         continue
                 else:
@@ -1065,24 +1065,34 @@ class Watcher:
             if generation == self._generation:
                 self.source = source
 
-    def _left(self, generation: int, answered: bool, stayed: bool, ended: Exception) -> bool:
-        """The replica's watch ended: whether the watch moves to the fallback now.
+    def _left(self, generation: int, answered: bool, stayed: bool, ended: Exception) -> float | None:
+        """The replica's watch ended: None where the watch stays with the replica,
+        else how long to wait before it watches the fallback.
 
         It stays with the replica (reconnects to it first) only when the replica
         kept that watch READER_STAYED_S past its snapshot. Otherwise (it did not
         answer, or it says SERVING yet cuts its watchers off) the watch moves,
         and a return from the fallback that ended so doubles the wait before the
-        next; a return kept that long resets it."""
+        next; a return kept that long resets it.
+
+        The move waits a random moment of up to READER_MOVE_SPREAD_S where the
+        replica had answered (this watch, or the one it kept before this
+        reconnection failed): the agents of a replica that dies reach the
+        service spread over that, not at once, as each new watch costs it CPU.
+        A replica that never answered (an agent starting while it is down) is
+        left at once."""
         assert self.fallback is not None
         with self._lock:
             if generation != self._generation or self._stop.is_set():
-                return False  # a restart (watch_names), which does not end the replica's watch
+                return None  # a restart (watch_names), which does not end the replica's watch
             self._replica_since = None  # ended: the next stream's SYNCED counts anew
             returning, self._returning = self._returning, False
             if answered and stayed:
                 self._probe_s = READER_PROBE_S  # the replica is back for good
                 self._fell_back = False
-                return False
+                self._kept_ended = True  # if it is gone, the reconnection fails: spread that move
+                return None
+            spread, self._kept_ended = answered or self._kept_ended, False
             if returning:
                 self._probe_s = min(self._probe_s * 2, READER_PROBE_MAX_S)
             self.source = self.fallback
@@ -1090,6 +1100,7 @@ class Watcher:
                 self._prober = threading.Thread(target=self._probe, name="kvx-watch-probe", daemon=True)
                 self._prober.start()
             first, self._fell_back = not self._fell_back, True
+            wait_s = random.uniform(0, READER_MOVE_SPREAD_S) if spread else 0.0
         logger.log(
             logging.WARNING if first else logging.DEBUG,  # once until the replica keeps a watch again
             "the read replica at %s did not keep a watch (%s); watching the metadata service "
@@ -1098,7 +1109,7 @@ class Watcher:
             _why(ended),
             self.fallback.target,
         )
-        return True
+        return wait_s
 
     def _probe(self) -> None:
         """While the watch is on the fallback: asks the replica's health now and then,

@@ -288,16 +288,18 @@ class Directory:
             )
             if news:
                 self._stale.add(name)
-            if snapshot and from_replica:
-                if news and name in self._known_metadata:
-                    # Maybe behind what this agent knew (the service's watch, another
-                    # replica's): the next lookup asks the service, and the peer's
-                    # connection is left alone until then.
-                    self._unverified.add(name)
-            else:  # the service's own event, or a replica's change as it happens
+            if not from_replica or not news:
+                # The service's own event, or a replica showing what this agent knew
+                # (it has caught up).
                 self._unverified.discard(name)
+            elif snapshot and name in self._known_metadata:
+                # Maybe behind what this agent knew (the service's watch, another
+                # replica's): the next lookup asks the service, and the peer's
+                # connection is left alone until then. So is each later change the
+                # replica shows of it: one that is behind replays older changes.
+                self._unverified.add(name)
             unverified = name in self._unverified
-            if event.type == _PUT:
+            if event.type == _PUT and not unverified:
                 self._known[name] = epoch
         if event.type == _PUT and not unverified:
             try:

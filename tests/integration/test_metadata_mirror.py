@@ -647,13 +647,17 @@ def test_a_replica_that_answers_but_drops_each_watch_is_asked_less_and_less(serv
         server.stop(0)
 
 
-def test_a_watch_leaving_its_replica_waits_a_random_moment_first(service, monkeypatch):
+@pytest.mark.parametrize("kept", [False, True], ids=["new-watch", "kept-watch"])
+def test_a_watch_leaving_its_replica_waits_a_random_moment_first(service, monkeypatch, kept):
     """The agents of a replica that dies do not all open a watch at the service at
     once: each waits a random moment of up to READER_MOVE_SPREAD_S first (here
-    drawn as the longest), and then watches the service."""
+    drawn as the longest), and then watches the service. So does a watch the
+    replica had kept (READER_STAYED_S), which tries the replica once more first."""
     from kvx.metadata import client as client_module
 
     monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 1.0)
+    if kept:
+        monkeypatch.setattr(client_module, "READER_STAYED_S", 0.5)
     draw, drawn = client_module.random.uniform, []
 
     def longest(low: float, high: float) -> float:
@@ -669,6 +673,8 @@ def test_a_watch_leaving_its_replica_waits_a_random_moment_first(service, monkey
         watcher = Watcher(reader, lambda event: None, names=["x"], fallback=primary)
         try:
             assert watcher.synced.wait(10) and watcher.current_stream[1] is reader
+            if kept:
+                time.sleep(1.0)
             mirror.stop()
             assert wait_until(lambda: watcher.current_stream[1] is primary, 10)
             moved = time.monotonic()
@@ -715,11 +721,15 @@ def test_restarts_of_a_kept_watch_of_the_replica_do_not_count_as_its_end(service
 def _no_firewall() -> str | None:
     import os
     import shutil
+    import subprocess
 
     if os.geteuid() != 0:
         return "drops a port's packets with iptables, which needs root (CI runs the suite as root)"
     if shutil.which("iptables") is None:
         return "needs iptables: scripts/test.sh installs it (apt-get install iptables)"
+    probe = subprocess.run(["iptables", "-S", "INPUT"], capture_output=True, text=True, timeout=20)
+    if probe.returncode != 0:
+        return f"iptables cannot be used here (CAP_NET_ADMIN?): {probe.stderr.strip()}"
     return None
 
 
@@ -730,6 +740,7 @@ def test_a_replica_gone_without_a_word_is_left_within_keepalive(service, monkeyp
     and then noticed it only after about a minute). Here the pings are 1.5 s
     apart with a 1 s timeout, the replica drops everything after 5 s of
     quiet, and the watch follows the service within a few seconds."""
+    import contextlib
     import subprocess
 
     from kvx.metadata import client as client_module
@@ -769,7 +780,8 @@ def test_a_replica_gone_without_a_word_is_left_within_keepalive(service, monkeyp
             assert wait_until(lambda: "quiet" in seen)
         finally:
             for rule in added:
-                subprocess.run(["iptables", "-D", *rule], timeout=20)
+                with contextlib.suppress(subprocess.SubprocessError):
+                    subprocess.run(["iptables", "-D", *rule], timeout=20)
             watcher.stop()
             reader.close()
             primary.close()

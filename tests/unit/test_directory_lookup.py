@@ -366,3 +366,34 @@ def test_the_services_own_event_after_a_suspect_snapshot_is_acted_on() -> None:
     directory._watcher.current_stream = (3, service)  # moved to the service again
     directory._on_event(_event(_record(1, revision=41, epoch=7)))  # its snapshot: the peer restarted
     assert replaced == [7] and "peer" not in directory._unverified
+
+
+def test_a_lagging_replicas_later_changes_of_a_suspect_peer_are_held_back_too() -> None:
+    """A replica that is behind replays older changes after its snapshot: the
+    change of the old incarnation's regions (epoch 5) that follows its suspect
+    snapshot does not close the connection to epoch 6 either; once it shows
+    epoch 6, the record the agent knew, it has caught up."""
+    replaced: list[int] = []
+
+    class _Connected(_Agent):
+        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(epoch=6, alive=True)
+
+        def _replace_stale_peer(self, name: str, epoch: int) -> None:
+            replaced.append(epoch)
+
+    agent = _Connected()
+    current = _record(1, revision=40, epoch=6)
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(_record(1, revision=7, epoch=5)))  # suspect snapshot
+    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    directory._on_event(_event(_record(2, revision=8, epoch=5)))  # the old incarnation's change, replayed
+    assert replaced == [] and "peer" in directory._unverified and directory._known["peer"] == 6
+    directory._on_event(_event(_record(1, revision=9, epoch=6)))  # caught up: what the agent knew
+    assert replaced == [] and "peer" not in directory._unverified
