@@ -953,7 +953,7 @@ class Watcher:
         self._probe_s = READER_PROBE_S
         self._returning = False  # the prober moved the watch back; the replica has not kept it yet
         self._fell_back = False  # warned of a fallback; the replica has not kept a watch since
-        self._kept_ended = False  # a watch the replica kept ended; the reconnection to it has not answered
+        self._kept_ended = False  # a watch the replica kept ended: the next move is spread
         # When the replica's watch first passed its snapshot since it last ended (or since
         # the watch moved to it): restarts of the watch (watch_names) do not reset it.
         self._replica_since: float | None = None

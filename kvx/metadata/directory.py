@@ -30,7 +30,10 @@ kept. So is any replica's answer for a peer that a replica's new snapshot
 showed other than this agent knew it: that replica may be behind what the
 watch showed before (a replica that lost its primary serves its frozen
 copy for ``--mirror-stale-s``), and the peer's connection is not closed
-on its word. A lookup refused as older is asked again after a short wait. Past
+on its word, nor on that replica's later changes of it (a replica that is
+behind replays older ones) until it shows what this agent knew; the
+service is asked right after the snapshot, and the change is acted on if
+it agrees. A lookup refused as older is asked again after a short wait. Past
 ``MAX_WATCHED_NAMES`` peers the watch covers every agent: dropping the oldest
 peers instead would leave their restarts unseen. A name that no agent has
 (its lookup found none) leaves the watch's names. A service that refuses the
@@ -115,8 +118,10 @@ class Directory:
         self._stale: set[str] = set()
         # Names a read replica's new snapshot showed other than this agent knew them: the
         # replica may be behind what the watch showed before (a replica that lost its
-        # primary still serves its copy for a while). Not acted on until the service agrees.
+        # primary still serves its copy for a while). Not acted on until the service agrees
+        # (_verify, a lookup, its watch) or the replica shows what this agent knew.
         self._unverified: set[str] = set()
+        self._to_verify: set[str] = set()  # marked by the snapshot under way: asked of the service after it
         self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
 
@@ -189,10 +194,11 @@ class Directory:
                 )
                 if changed or (behind and attempt < _LOOKUP_TRIES - 1):
                     continue
-                if behind or differs:
+                if behind or differs or (answered_by is not self.client and name in self._unverified):
                     # Behind the watch after every try (the service lags, or the watch does),
-                    # or a replica's answer the service could not check. Used, but not
-                    # trusted: the next resolve asks again.
+                    # or a replica's answer the service could not check (or that a suspect
+                    # snapshot marked meanwhile). Used, but not trusted: the next resolve
+                    # asks again.
                     self._stale.add(name)
                 elif record is not None:
                     self._stale.discard(name)
@@ -261,6 +267,12 @@ class Directory:
     def _on_event(self, event: metadata_pb2.WatchAgentsResponse) -> None:
         if event.type == _SYNCED:
             self._mark_missing_stale()
+            with self._lock:
+                suspects, self._to_verify = self._to_verify, set()
+            if suspects:  # asked of the service apart: this thread delivers the watch's events
+                threading.Thread(
+                    target=self._verify, args=(suspects,), name="kvx-verify", daemon=True
+                ).start()
             return
         if event.type not in (_PUT, _DELETE):
             return
@@ -298,6 +310,7 @@ class Directory:
                 # connection is left alone until then. So is each later change the
                 # replica shows of it: one that is behind replays older changes.
                 self._unverified.add(name)
+                self._to_verify.add(name)
             unverified = name in self._unverified
             if event.type == _PUT and not unverified:
                 self._known[name] = epoch
@@ -342,9 +355,45 @@ class Directory:
             for name in missing:  # gone meanwhile: a change, as a delete would be
                 self._changes[name] = self._changes.get(name, 0) + 1
                 self._last_event[name] = _ABSENT
+                if watcher.current_stream[1] is not self.client and name in self._known_metadata:
+                    # A replica's snapshot may lack a peer by lagging: its replays are held back.
+                    self._unverified.add(name)
+                    self._to_verify.add(name)
             # Revisions of names the new stream did not show were another stream's numbering.
             for name in [n for n in self._seen_revision if n not in present]:
                 del self._seen_revision[name]
+
+    def _verify(self, names: set[str]) -> None:
+        """Asks the service about peers a replica's snapshot showed other than this
+        agent knew them. Where the service agrees with the replica (the peer did
+        change while the watch moved), the change is acted on now, not at the next
+        lookup; otherwise the mark stays until the replica catches up, the
+        service's watch speaks, or a lookup asks the service."""
+        for name in sorted(names):
+            try:
+                record = self.client.get(name)
+            except (ConnectError, MetadataError, ValueError):  # ValueError: closed meanwhile
+                return  # the next lookup asks again
+            shown = _ABSENT if record is None else (_PUT, record.epoch, _digest(record))
+            with self._lock:
+                if name not in self._unverified or self._last_event.get(name) != shown:
+                    continue  # settled meanwhile, or the replica is behind: held
+                self._unverified.discard(name)
+                if record is None:
+                    continue  # gone: stale already, and the next lookup forgets it
+                self._known[name] = record.epoch
+            try:
+                peer: Any = self.agent.peer(name)
+            except ConnectError:
+                continue
+            if peer.epoch != record.epoch:
+                logger.info(
+                    "peer %s restarted (epoch %#x -> %#x): closing the old connection",
+                    name,
+                    peer.epoch,
+                    record.epoch,
+                )
+                self.agent._replace_stale_peer(name, record.epoch)
 
     def close(self) -> None:
         if self._watcher is not None:

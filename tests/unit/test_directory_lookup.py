@@ -397,3 +397,35 @@ def test_a_lagging_replicas_later_changes_of_a_suspect_peer_are_held_back_too() 
     assert replaced == [] and "peer" in directory._unverified and directory._known["peer"] == 6
     directory._on_event(_event(_record(1, revision=9, epoch=6)))  # caught up: what the agent knew
     assert replaced == [] and "peer" not in directory._unverified
+
+
+def test_a_suspect_snapshot_the_service_agrees_with_is_acted_on_at_once() -> None:
+    """The peer really restarted (epoch 7) while the watch moved to the replica:
+    after the snapshot the service is asked apart, agrees, and the old
+    connection is closed then, not only at the next lookup. Where it does not
+    agree (the replica is behind), the mark stays."""
+    replaced: list[int] = []
+
+    class _Connected(_Agent):
+        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(epoch=6, alive=True)
+
+        def _replace_stale_peer(self, name: str, epoch: int) -> None:
+            replaced.append(epoch)
+
+    agent = _Connected()
+    current, restarted = _record(1, revision=40, epoch=6), _record(1, revision=41, epoch=7)
+    reader, service = _Reader([None]), _Reader([current, current, restarted])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)  # asked of the service: the reader has nothing
+    for shown in (_record(1, revision=7, epoch=5), _record(1, revision=8, epoch=7)):
+        directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+        directory._watcher.snapshotting = True  # type: ignore[union-attr]
+        directory._on_event(_event(shown))
+        assert directory._to_verify == {"peer"}
+        suspects, directory._to_verify = directory._to_verify, set()
+        directory._verify(suspects)  # as the thread started at SYNCED does
+    # Epoch 5: the service said 6, so held. Epoch 7: the service said 7, so acted on.
+    assert replaced == [7] and "peer" not in directory._unverified and directory._known["peer"] == 7
