@@ -78,6 +78,29 @@ def _event(record: metadata_pb2.AgentRecord) -> metadata_pb2.WatchAgentsResponse
     return metadata_pb2.WatchAgentsResponse(type=_PUT, record=record, revision=record.revision)
 
 
+class _Connected(_Agent):
+    """An agent connected to the peer's epoch 6; ``replaced`` lists each epoch the
+    directory told it to replace that connection with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[int] = []
+
+    def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
+        return SimpleNamespace(epoch=6, alive=True)
+
+    def _replace_stale_peer(self, name: str, epoch: int) -> None:
+        self.replaced.append(epoch)
+
+
+def _replica_snapshot(directory: Directory, reader: _Reader, record: metadata_pb2.AgentRecord) -> None:
+    """The watch moved to ``reader`` (a replica), whose snapshot shows ``record``."""
+    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
+    directory._watcher.snapshotting = True  # type: ignore[union-attr]
+    directory._on_event(_event(record))
+    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+
+
 def test_an_answer_during_which_a_change_was_seen_is_asked_again() -> None:
     """The lookup's answer (one region) was read before the change the watch
     delivered meanwhile (two regions): it is not kept, even though its revision,
@@ -256,14 +279,6 @@ def test_a_replica_snapshot_behind_what_the_agent_knew_does_not_roll_the_peer_ba
     snapshot's epoch 5 does not close the connection to epoch 6, and the next
     lookup asks the service, whose epoch 6 is kept, not the replica's 5."""
     current = _record(1, revision=40, epoch=6)
-    replaced: list[int] = []
-
-    class _Connected(_Agent):
-        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-            return SimpleNamespace(epoch=6, alive=True)
-
-        def _replace_stale_peer(self, name: str, epoch: int) -> None:
-            replaced.append(epoch)
 
     agent = _Connected()
     reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current])
@@ -273,18 +288,15 @@ def test_a_replica_snapshot_behind_what_the_agent_knew_does_not_roll_the_peer_ba
     directory.resolve("peer", None, None)  # the replica's epoch 5 is not what the watch showed
     assert agent.added[-1].epoch == 6 and service.calls == 1
 
-    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
-    directory._watcher.snapshotting = True  # type: ignore[union-attr]
-    directory._on_event(_event(_record(1, revision=7, epoch=5)))  # the frozen copy's snapshot
-    directory._watcher.snapshotting = False  # type: ignore[union-attr]
-    assert replaced == [] and "peer" in directory._stale
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))  # the frozen copy's snapshot
+    assert agent.replaced == [] and "peer" in directory._stale
 
     directory.resolve("peer", None, None)
     assert agent.added[-1].epoch == 6 and service.calls == 2
     assert "peer" not in directory._stale and directory._known["peer"] == 6
     # Verified: the replica's later answers are compared as before.
     directory._on_event(_event(_record(1, revision=8, epoch=6)))
-    assert replaced == [] and "peer" not in directory._stale
+    assert agent.replaced == [] and "peer" not in directory._stale
 
 
 def test_a_read_replicas_channel_reconnects_sooner_and_channels_ping_only_in_a_call() -> None:
@@ -318,13 +330,6 @@ def test_a_suspect_replica_snapshot_without_a_service_to_ask_keeps_the_live_conn
     service does not answer: the live connection is returned (and asked about
     again next time), not replaced by the replica's record."""
 
-    class _Connected(_Agent):
-        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-            return SimpleNamespace(epoch=6, alive=True)
-
-        def _replace_stale_peer(self, name: str, epoch: int) -> None:
-            raise AssertionError("replaced on a suspect snapshot's word")
-
     agent = _Connected()
     current = _record(1, revision=40, epoch=6)
     reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current, ConnectError("down")])
@@ -332,26 +337,16 @@ def test_a_suspect_replica_snapshot_without_a_service_to_ask_keeps_the_live_conn
     directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
     directory._on_event(_event(current))
     cached = directory.resolve("peer", None, None)
-    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
-    directory._watcher.snapshotting = True  # type: ignore[union-attr]
-    directory._on_event(_event(_record(1, revision=7, epoch=5)))
-    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))
     added = len(agent.added)
     assert directory.resolve("peer", cached, None) is cached
     assert len(agent.added) == added and "peer" in directory._stale and service.calls == 2
+    assert agent.replaced == []  # not on the suspect snapshot's word
 
 
 def test_the_services_own_event_after_a_suspect_snapshot_is_acted_on() -> None:
     """Only the suspect snapshot is held back: the service's watch showing the
     peer restart again (epoch 7) closes the old connection at once, as ever."""
-    replaced: list[int] = []
-
-    class _Connected(_Agent):
-        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-            return SimpleNamespace(epoch=6, alive=True)
-
-        def _replace_stale_peer(self, name: str, epoch: int) -> None:
-            replaced.append(epoch)
 
     agent = _Connected()
     current = _record(1, revision=40, epoch=6)
@@ -365,7 +360,7 @@ def test_the_services_own_event_after_a_suspect_snapshot_is_acted_on() -> None:
     directory._on_event(_event(_record(1, revision=7, epoch=5)))  # suspect: held back
     directory._watcher.current_stream = (3, service)  # moved to the service again
     directory._on_event(_event(_record(1, revision=41, epoch=7)))  # its snapshot: the peer restarted
-    assert replaced == [7] and "peer" not in directory._unverified
+    assert agent.replaced == [7] and "peer" not in directory._unverified
 
 
 def test_a_lagging_replicas_later_changes_of_a_suspect_peer_are_held_back_too() -> None:
@@ -373,14 +368,6 @@ def test_a_lagging_replicas_later_changes_of_a_suspect_peer_are_held_back_too() 
     change of the old incarnation's regions (epoch 5) that follows its suspect
     snapshot does not close the connection to epoch 6 either; once it shows
     epoch 6, the record the agent knew, it has caught up."""
-    replaced: list[int] = []
-
-    class _Connected(_Agent):
-        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-            return SimpleNamespace(epoch=6, alive=True)
-
-        def _replace_stale_peer(self, name: str, epoch: int) -> None:
-            replaced.append(epoch)
 
     agent = _Connected()
     current = _record(1, revision=40, epoch=6)
@@ -389,14 +376,11 @@ def test_a_lagging_replicas_later_changes_of_a_suspect_peer_are_held_back_too() 
     directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
     directory._on_event(_event(current))
     directory.resolve("peer", None, None)
-    directory._watcher.current_stream = (2, reader)  # type: ignore[union-attr]
-    directory._watcher.snapshotting = True  # type: ignore[union-attr]
-    directory._on_event(_event(_record(1, revision=7, epoch=5)))  # suspect snapshot
-    directory._watcher.snapshotting = False  # type: ignore[union-attr]
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))  # suspect snapshot
     directory._on_event(_event(_record(2, revision=8, epoch=5)))  # the old incarnation's change, replayed
-    assert replaced == [] and "peer" in directory._unverified and directory._known["peer"] == 6
+    assert agent.replaced == [] and "peer" in directory._unverified and directory._known["peer"] == 6
     directory._on_event(_event(_record(1, revision=9, epoch=6)))  # caught up: what the agent knew
-    assert replaced == [] and "peer" not in directory._unverified
+    assert agent.replaced == [] and "peer" not in directory._unverified
 
 
 def test_a_suspect_snapshot_the_service_agrees_with_is_acted_on_at_once() -> None:
@@ -404,14 +388,6 @@ def test_a_suspect_snapshot_the_service_agrees_with_is_acted_on_at_once() -> Non
     after the snapshot the service is asked apart, agrees, and the old
     connection is closed then, not only at the next lookup. Where it does not
     agree (the replica is behind), the mark stays."""
-    replaced: list[int] = []
-
-    class _Connected(_Agent):
-        def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-            return SimpleNamespace(epoch=6, alive=True)
-
-        def _replace_stale_peer(self, name: str, epoch: int) -> None:
-            replaced.append(epoch)
 
     agent = _Connected()
     current, restarted = _record(1, revision=40, epoch=6), _record(1, revision=41, epoch=7)
@@ -428,4 +404,4 @@ def test_a_suspect_snapshot_the_service_agrees_with_is_acted_on_at_once() -> Non
         suspects, directory._to_verify = directory._to_verify, set()
         directory._verify(suspects)  # as the thread started at SYNCED does
     # Epoch 5: the service said 6, so held. Epoch 7: the service said 7, so acted on.
-    assert replaced == [7] and "peer" not in directory._unverified and directory._known["peer"] == 7
+    assert agent.replaced == [7] and "peer" not in directory._unverified and directory._known["peer"] == 7
