@@ -822,8 +822,11 @@ class MetadataServer:
             ("grpc.keepalive_permit_without_calls", 1),
             # Their pings arrive bunched when either side is short of CPU (a loaded host, a
             # registration storm): a 5 s pinger must not be cut off for two pings that land
-            # 4 s apart, which took every stream of that connection down with it.
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            # 4 s apart, which took every stream of that connection down with it. (gRPC's
+            # constant GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS names this key;
+            # an unknown key is ignored without a word, and the default then counts every
+            # ping of a watch that sends nothing as a strike.)
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
             # A service starved of CPU for seconds reads a client's pings of that time
             # together; three such bunches (gRPC's default of 2 strikes) cut it off.
             ("grpc.http2.max_ping_strikes", 10),

@@ -785,3 +785,41 @@ def test_a_replica_gone_without_a_word_is_left_within_keepalive(service, monkeyp
             watcher.stop()
             reader.close()
             primary.close()
+
+
+def test_watches_that_receive_nothing_are_not_cut_off_for_their_pings(service, monkeypatch):
+    """A watch sends nothing after its request, and one whose names do not change
+    receives nothing either: its client pings to find out whether the connection
+    still stands. The service must take those pings (a service that counts them as
+    abuse answers GOAWAY "too_many_pings" after its strikes, ending every stream of
+    the connection: an agent's watch restarted, a replica took a whole new snapshot).
+    Pings here 1.2 s apart, an agent's watch and a replica's watch of its primary, for
+    longer than eleven pings."""
+    from kvx.metadata import client as client_module
+    from kvx.metadata import mirror as mirror_module
+
+    monkeypatch.setattr(client_module, "KEEPALIVE_S", 1.2)
+    monkeypatch.setattr(mirror_module, "MIRROR_KEEPALIVE_S", 1.2)
+    seen: list[str] = []
+
+    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
+            seen.append(event.record.name)
+
+    store = MirrorStore(service.address, MetadataOptions())
+    with ThreadedServer(MetadataServer("127.0.0.1:0", store)) as mirror:
+        assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
+        client = MetadataClient(service.address)
+        watcher = Watcher(client, on_event, names=["quiet"])
+        try:
+            assert watcher.synced.wait(10)
+            stream = watcher.current_stream[0]
+            time.sleep(16)  # 13 pings each
+            assert (watcher.current_stream[0], store.resyncs) == (stream, 0)
+            _register(service.address, "quiet", 3)
+            assert wait_until(lambda: "quiet" in seen)
+            assert wait_until(lambda: _epoch_at(mirror.address, "quiet") == 3)
+            assert (watcher.current_stream[0], store.resyncs) == (stream, 0)
+        finally:
+            watcher.stop()
+            client.close()
