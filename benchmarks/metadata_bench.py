@@ -1170,10 +1170,12 @@ def main() -> int:
         looks = _collect(out_l, "done", n_look, 120)
         if args.mode == "watch":
             time.sleep(2.0)  # the last changes' deliveries
+        # Counted while the agents still renew: once they stop, a slow host's wait for
+        # their reports outlasts the leases' ttl, and the count then tells nothing.
+        registered = _count_registered(replicas[0].address)
         ctl["stop"].set()
         agents = _collect(out_a, "done", len(shares), 120)
         watches = _collect(out_w, "done", len(wprocs), 120)
-        registered = _count_registered(replicas[0].address)
         rss = [_status_kb(r.proc.pid, "VmHWM") for r in replicas]
         cpu = [(b - a) / window for a, b in zip(cpu0, cpu1, strict=True)]
         service_cpu = sum(cpu)
