@@ -729,6 +729,30 @@ def max_receive_bytes(limits: ServiceLimits) -> int:
     return max(limits.max_record_bytes, MAX_WATCH_NAMES_BYTES) + 64 * 1024
 
 
+def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
+    """The gRPC server's options. gRPC ignores a key it does not know without a word
+    (tests/unit check each key against the gRPC library)."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes(limits)),
+        ("grpc.so_reuseport", 0),
+        # kvx's clients ping every 10 s (a read replica's channel to its primary every 5 s)
+        # while a watch sends them nothing (kvx/metadata/client.py), and older ones also
+        # with no call open: accept that, instead of gRPC's default of one ping in 5 min
+        # without data, past which a server answers with GOAWAY "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Their pings arrive bunched when either side is short of CPU (a loaded host, a
+        # registration storm): a 5 s pinger must not be cut off for two pings that land
+        # 4 s apart, which took every stream of that connection down with it. (gRPC's
+        # constant GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS names this key;
+        # an unknown key is ignored without a word, and the default then counts every
+        # ping of a watch that sends nothing as a strike.)
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+        # A service starved of CPU for seconds reads a client's pings of that time
+        # together; three such bunches (gRPC's default of 2 strikes) cut it off.
+        ("grpc.http2.max_ping_strikes", 10),
+    ]
+
+
 def _not_found(name: str) -> Refused:
     return Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
 
@@ -812,25 +836,7 @@ class MetadataServer:
             raise ConfigError(
                 f"metadata service listen address {self.listen!r}: expected host:port, e.g. 127.0.0.1:50051"
             ) from None
-        options = [
-            ("grpc.max_receive_message_length", max_receive_bytes(self.limits)),
-            ("grpc.so_reuseport", 0),
-            # kvx's clients ping every 10 s (a read replica's channel to its primary every 5 s)
-            # while a watch sends them nothing (kvx/metadata/client.py), and older ones also
-            # with no call open: accept that, instead of gRPC's default of one ping in 5 min
-            # without data, past which a server answers with GOAWAY "too_many_pings".
-            ("grpc.keepalive_permit_without_calls", 1),
-            # Their pings arrive bunched when either side is short of CPU (a loaded host, a
-            # registration storm): a 5 s pinger must not be cut off for two pings that land
-            # 4 s apart, which took every stream of that connection down with it. (gRPC's
-            # constant GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS names this key;
-            # an unknown key is ignored without a word, and the default then counts every
-            # ping of a watch that sends nothing as a strike.)
-            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-            # A service starved of CPU for seconds reads a client's pings of that time
-            # together; three such bunches (gRPC's default of 2 strikes) cut it off.
-            ("grpc.http2.max_ping_strikes", 10),
-        ]
+        options = server_options(self.limits)
         self._server = aio.server(options=options)
         self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

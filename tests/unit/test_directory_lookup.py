@@ -325,6 +325,33 @@ def test_a_read_replicas_channel_reconnects_sooner_and_channels_ping_only_in_a_c
     assert mirror["grpc.max_reconnect_backoff_ms"] == 5_000 and mirror["grpc.keepalive_time_ms"] == 5_000
 
 
+def test_every_grpc_option_key_kvx_sets_is_one_grpc_knows() -> None:
+    """gRPC ignores an option key it does not know, without a word: the service once
+    set its ping allowance under a key that only resembles gRPC's, kept the default,
+    and cut every idle watch off with GOAWAY "too_many_pings". Each "grpc.*" key in
+    kvx's source must appear in the gRPC library itself, and the server's and the
+    channels' options must come from those keys."""
+    import pathlib
+    import re
+
+    from grpc._cython import cygrpc
+
+    from kvx.metadata.client import channel_options
+    from kvx.metadata.service import ServiceLimits, server_options
+
+    library = pathlib.Path(cygrpc.__file__).read_bytes()
+    source = pathlib.Path(__file__).resolve().parents[2] / "kvx"
+    keys = {
+        key
+        for path in source.rglob("*.py")
+        for key in re.findall(r"""["'](grpc\.[a-z0-9_.]+)["']""", path.read_text())
+    }
+    set_now = {key for key, _ in server_options(ServiceLimits()) + channel_options(5.0)}
+    assert "grpc.http2.min_ping_interval_without_data_ms" in set_now and set_now <= keys
+    unknown = sorted(key for key in keys if key.encode() + b"\0" not in library)
+    assert not unknown, f"option keys gRPC does not know: {unknown}"
+
+
 def test_a_suspect_replica_snapshot_without_a_service_to_ask_keeps_the_live_connection() -> None:
     """A replica's snapshot shows the peer older than the connected one, and the
     service does not answer: the live connection is returned (and asked about
