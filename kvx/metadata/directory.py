@@ -106,8 +106,9 @@ class Directory:
         self.registration = Registration(self.client, self.record)
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}  # name -> epoch of the newest record seen
-        # name -> digest of the metadata of the record a lookup last returned: an event
-        # that carries the same is no news.
+        # name -> digest of the metadata of the record a lookup last returned (or the
+        # watch showed since, or the service answered _verify): an event that carries
+        # the same is no news. Only peers this agent looked up are in it.
         self._known_metadata: dict[str, bytes] = {}
         # name -> changes the watch has shown of it (events whose type, epoch or metadata
         # differ from the one before): a lookup during which this moved is asked again.
@@ -118,10 +119,14 @@ class Directory:
         self._stale: set[str] = set()
         # Names a read replica's new snapshot showed other than this agent knew them: the
         # replica may be behind what the watch showed before (a replica that lost its
-        # primary still serves its copy for a while). Not acted on until the service agrees
-        # (_verify, a lookup, its watch) or the replica shows what this agent knew.
+        # primary still serves its copy for a while). The replica's word on them is not
+        # acted on until the service agrees (_verify, a lookup, its watch) or the replica
+        # shows what this agent knew; each change it shows of them meanwhile is asked of
+        # the service (_verify), whose answer is acted on.
         self._unverified: set[str] = set()
         self._to_verify: set[str] = set()  # marked by the snapshot under way: asked of the service after it
+        self._verify_pending: set[str] = set()  # asked of the service by the one kvx-verify thread
+        self._verifying = False  # that thread is at work
         self._watched: set[str] = set()  # names resolved: the watch's names
         self._watcher: Watcher | None = None
 
@@ -270,9 +275,7 @@ class Directory:
             with self._lock:
                 suspects, self._to_verify = self._to_verify, set()
             if suspects:  # asked of the service apart: this thread delivers the watch's events
-                threading.Thread(
-                    target=self._verify, args=(suspects,), name="kvx-verify", daemon=True
-                ).start()
+                self._verify_later(suspects)
             return
         if event.type not in (_PUT, _DELETE):
             return
@@ -314,6 +317,12 @@ class Directory:
             unverified = name in self._unverified
             if event.type == _PUT and not unverified:
                 self._known[name] = epoch
+                if name in self._known_metadata:  # what this agent knows of a peer it looked up
+                    self._known_metadata[name] = digest  # type: ignore[assignment]
+        if unverified and news and not snapshot:
+            # Held back, but maybe a real change (the replica caught up past what this
+            # agent knew): the service says which.
+            self._verify_later({name})
         if event.type == _PUT and not unverified:
             try:
                 peer: Any = self.agent.peer(name)
@@ -363,30 +372,57 @@ class Directory:
             for name in [n for n in self._seen_revision if n not in present]:
                 del self._seen_revision[name]
 
+    def _verify_later(self, names: set[str]) -> None:
+        """Has the one kvx-verify thread ask the service about ``names`` (started if none
+        is at work): the watch's thread must not wait for the service."""
+        with self._lock:
+            self._verify_pending.update(names)
+            if self._verifying:
+                return
+            self._verifying = True
+        threading.Thread(target=self._verify_pending_names, name="kvx-verify", daemon=True).start()
+
+    def _verify_pending_names(self) -> None:
+        while True:
+            with self._lock:
+                names, self._verify_pending = self._verify_pending, set()
+                if not names:
+                    self._verifying = False
+                    return
+            self._verify(names)
+
     def _verify(self, names: set[str]) -> None:
-        """Asks the service about peers a replica's snapshot showed other than this
-        agent knew them. Where the service agrees with the replica (the peer did
-        change while the watch moved), the change is acted on now, not at the next
-        lookup; otherwise the mark stays until the replica catches up, the
-        service's watch speaks, or a lookup asks the service."""
+        """Asks the service about peers a replica showed other than this agent knew them.
+        The service's answer is what this agent knows from then on, and a restart it
+        shows closes the old connection now, not at the next lookup. Where the service
+        agrees with the replica (the peer did change while the watch moved, or the
+        replica caught up past what this agent knew), the replica is trusted with the
+        name again; otherwise the mark stays until the replica shows what the service
+        said, the service's watch speaks, or a lookup asks the service."""
         for name in sorted(names):
             try:
                 record = self.client.get(name)
             except (ConnectError, MetadataError, ValueError):  # ValueError: closed meanwhile
-                return  # the next lookup asks again
+                return  # the next lookup, or the replica's next change of it, asks again
             shown = _ABSENT if record is None else (_PUT, record.epoch, _digest(record))
             with self._lock:
-                if name not in self._unverified or self._last_event.get(name) != shown:
-                    continue  # settled meanwhile, or the replica is behind: held
-                self._unverified.discard(name)
+                if name not in self._unverified:
+                    continue  # settled meanwhile
+                if self._last_event.get(name) == shown:
+                    self._unverified.discard(name)
                 if record is None:
                     continue  # gone: stale already, and the next lookup forgets it
                 self._known[name] = record.epoch
+                if name in self._known_metadata:
+                    self._known_metadata[name] = _digest(record)
             try:
                 peer: Any = self.agent.peer(name)
             except ConnectError:
                 continue
             if peer.epoch != record.epoch:
+                with self._lock:
+                    if self._known.get(name) != record.epoch:
+                        continue  # the watch showed a newer one meanwhile, and acted on it
                 logger.info(
                     "peer %s restarted (epoch %#x -> %#x): closing the old connection",
                     name,

@@ -80,17 +80,19 @@ def _event(record: metadata_pb2.AgentRecord) -> metadata_pb2.WatchAgentsResponse
 
 class _Connected(_Agent):
     """An agent connected to the peer's epoch 6; ``replaced`` lists each epoch the
-    directory told it to replace that connection with."""
+    directory told it to replace that connection with (connected to at once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.replaced: list[int] = []
+        self.connected = 6
 
     def peer(self, name: str) -> SimpleNamespace:  # type: ignore[override]
-        return SimpleNamespace(epoch=6, alive=True)
+        return SimpleNamespace(epoch=self.connected, alive=True)
 
     def _replace_stale_peer(self, name: str, epoch: int) -> None:
         self.replaced.append(epoch)
+        self.connected = epoch  # as if connected again at once
 
 
 def _replica_snapshot(directory: Directory, reader: _Reader, record: metadata_pb2.AgentRecord) -> None:
@@ -432,3 +434,70 @@ def test_a_suspect_snapshot_the_service_agrees_with_is_acted_on_at_once() -> Non
         directory._verify(suspects)  # as the thread started at SYNCED does
     # Epoch 5: the service said 6, so held. Epoch 7: the service said 7, so acted on.
     assert agent.replaced == [7] and "peer" not in directory._unverified and directory._known["peer"] == 7
+
+
+def test_a_suspect_peer_takes_the_services_answer_and_is_released_when_the_replica_catches_up() -> None:
+    """The replica's snapshot shows epoch 5 while the agent knew 6 and the service
+    already has 7: the service's answer is acted on (the connection to 6 closed),
+    and once the replica shows 7 it is trusted again, so its next change (a
+    restart to 8) is acted on as well. Held forever before: 7 was not what the
+    agent knew, and every later change stayed behind the mark."""
+
+    agent = _Connected()
+    current = _record(1, revision=40, epoch=6)
+    reader, service = (
+        _Reader([_record(1, revision=7, epoch=5)]),
+        _Reader([current, _record(1, revision=41, epoch=7)]),
+    )
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))
+    suspects, directory._to_verify = directory._to_verify, set()
+    directory._verify(suspects)  # the service says 7
+    assert agent.replaced == [7] and directory._known["peer"] == 7 and "peer" in directory._unverified
+    directory._on_event(_event(_record(1, revision=8, epoch=7)))  # the replica caught up
+    assert "peer" not in directory._unverified
+    directory._on_event(_event(_record(1, revision=9, epoch=8)))  # and the peer restarts again
+    assert agent.replaced == [7, 8]
+
+
+def test_a_held_peers_change_shown_by_the_replica_is_asked_of_the_service() -> None:
+    """After a suspect snapshot, a change the replica shows of the peer may be a
+    replay (held) or real: the service is asked about it, and where it agrees the
+    change is acted on."""
+
+    agent = _Connected()
+    current, restarted = _record(1, revision=40, epoch=6), _record(1, revision=41, epoch=7)
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current, restarted])
+    directory = _directory(agent, reader, service)
+    asked: list[set[str]] = []
+    directory._verify_later = asked.append  # type: ignore[method-assign]
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))
+    directory._to_verify = set()  # (that snapshot's own check is another test's)
+    directory._on_event(_event(_record(1, revision=8, epoch=7)))  # held, and asked about
+    assert asked == [{"peer"}] and agent.replaced == []
+    directory._verify(asked[0])
+    assert agent.replaced == [7] and "peer" not in directory._unverified
+
+
+def test_a_change_the_services_watch_showed_is_what_a_replica_snapshot_is_compared_with() -> None:
+    """The peer restarted with other regions while the watch followed the service;
+    a replica that shows that same record later is not suspect (before, only a
+    lookup's record counted as what the agent knew)."""
+
+    agent = _Connected()
+    current, restarted = _record(1, revision=40, epoch=6), _record(2, revision=41, epoch=7)
+    reader, service = _Reader([_record(1, revision=7, epoch=5)]), _Reader([current])
+    directory = _directory(agent, reader, service)
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    directory._on_event(_event(restarted))  # the service's watch: a restart, other regions
+    assert agent.replaced == [7]
+    _replica_snapshot(directory, reader, _record(2, revision=12, epoch=7))
+    assert "peer" not in directory._unverified and directory._to_verify == set()
