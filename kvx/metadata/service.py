@@ -729,12 +729,24 @@ def max_receive_bytes(limits: ServiceLimits) -> int:
     return max(limits.max_record_bytes, MAX_WATCH_NAMES_BYTES) + 64 * 1024
 
 
+# The service pings a connection that has sent it nothing for this long, and closes it
+# when the ping is not answered within the timeout: a client gone without a word (a host
+# lost, a partition) holding a watch that receives nothing would otherwise keep its
+# --max-watch-streams slot for gRPC's default of two hours. kvx's clients ping more
+# often while they watch (kvx/metadata/client.py), and an answered ping or renewal resets
+# this timer, so it pings only connections that are silent.
+CLIENT_KEEPALIVE_S = 60.0
+CLIENT_KEEPALIVE_TIMEOUT_S = 20.0
+
+
 def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
     """The gRPC server's options. gRPC ignores a key it does not know without a word
     (tests/unit check each key against the gRPC library)."""
     return [
         ("grpc.max_receive_message_length", max_receive_bytes(limits)),
         ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", int(CLIENT_KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(CLIENT_KEEPALIVE_TIMEOUT_S * 1000)),
         # kvx's clients ping every 10 s (a read replica's channel to its primary every 5 s)
         # while a watch sends them nothing (kvx/metadata/client.py), and older ones also
         # with no call open: accept that, instead of gRPC's default of one ping in 5 min

@@ -823,3 +823,71 @@ def test_watches_that_receive_nothing_are_not_cut_off_for_their_pings(service, m
         finally:
             watcher.stop()
             client.close()
+
+
+def test_a_watcher_gone_without_a_word_gives_its_watch_slot_back(monkeypatch):
+    """A client that holds the service's one watch slot and then vanishes (its
+    packets dropped, no FIN: a host lost) must not keep the slot: the service's
+    own keepalive (here a ping after 1 s of silence, 1 s to answer) finds the
+    connection dead, and another client's watch is taken. Without it the slot
+    stayed taken for gRPC's default of two hours."""
+    import contextlib
+    import subprocess
+
+    from kvx.metadata import service as service_module
+
+    reason = _no_firewall()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setattr(service_module, "CLIENT_KEEPALIVE_S", 1.0)
+    monkeypatch.setattr(service_module, "CLIENT_KEEPALIVE_TIMEOUT_S", 1.0)
+    limits = ServiceLimits(max_watch_streams=1)
+    request = metadata_pb2.WatchAgentsRequest(names=["quiet"])
+    with ThreadedServer(MetadataServer("127.0.0.1:0", limits=limits)) as srv:
+        port = srv.address.rsplit(":", 1)[1]
+        gone = grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        stream = gone.unary_stream(
+            "/kvx.v1.MetadataService/WatchAgents",
+            request_serializer=metadata_pb2.WatchAgentsRequest.SerializeToString,
+            response_deserializer=metadata_pb2.WatchAgentsResponse.FromString,
+        )(request)
+        assert next(stream).type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+        listing = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.splitlines()
+        # Recv-Q, Send-Q, local address, peer address (the service's port).
+        local_ports = [line.split()[2].rsplit(":", 1)[1] for line in listing]
+        assert len(local_ports) == 1, listing  # the vanishing client's one connection
+        rules = [
+            ["INPUT", "-p", "tcp", flag, local_ports[0], "-j", "DROP"] for flag in ("--dport", "--sport")
+        ]
+        added: list[list[str]] = []
+        other = stub(srv.address)
+        try:
+            with pytest.raises(grpc.RpcError) as info:  # the slot is taken
+                next(other.WatchAgents(request, timeout=5))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for rule in rules:
+                subprocess.run(["iptables", "-I", *rule], check=True, timeout=20)
+                added.append(rule)
+
+            def watch_taken() -> bool:
+                try:
+                    return next(other.WatchAgents(request, timeout=5)).type == (
+                        metadata_pb2.WatchAgentsResponse.EVENT_TYPE_SYNCED
+                    )
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    return False
+
+            assert wait_until(watch_taken, 15)
+        finally:
+            for rule in added:
+                with contextlib.suppress(subprocess.SubprocessError):
+                    subprocess.run(["iptables", "-D", *rule], timeout=20)
+            stream.cancel()
+            gone.close()
