@@ -380,7 +380,12 @@ class Directory:
             if self._verifying:
                 return
             self._verifying = True
-        threading.Thread(target=self._verify_pending_names, name="kvx-verify", daemon=True).start()
+        try:
+            threading.Thread(target=self._verify_pending_names, name="kvx-verify", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._verifying = False
+            raise
 
     def _verify_pending_names(self) -> None:
         while True:
@@ -389,7 +394,10 @@ class Directory:
                 if not names:
                     self._verifying = False
                     return
-            self._verify(names)
+            try:
+                self._verify(names)
+            except Exception:  # the thread must go on: it is the only one that asks
+                logger.exception("checking peers %s with the metadata service failed", sorted(names))
 
     def _verify(self, names: set[str]) -> None:
         """Asks the service about peers a replica showed other than this agent knew them.
@@ -400,21 +408,30 @@ class Directory:
         name again; otherwise the mark stays until the replica shows what the service
         said, the service's watch speaks, or a lookup asks the service."""
         for name in sorted(names):
+            with self._lock:
+                if name not in self._unverified:
+                    continue  # settled meanwhile
             try:
                 record = self.client.get(name)
             except (ConnectError, MetadataError, ValueError):  # ValueError: closed meanwhile
                 return  # the next lookup, or the replica's next change of it, asks again
-            shown = _ABSENT if record is None else (_PUT, record.epoch, _digest(record))
             with self._lock:
                 if name not in self._unverified:
                     continue  # settled meanwhile
-                if self._last_event.get(name) == shown:
-                    self._unverified.discard(name)
+                last = self._last_event.get(name)
+                if (
+                    (last is not None and last[0] != _PUT)
+                    if record is None
+                    else (last == (_PUT, record.epoch, _digest(record)))
+                ):
+                    self._unverified.discard(name)  # the replica shows what the service says
                 if record is None:
                     continue  # gone: stale already, and the next lookup forgets it
                 self._known[name] = record.epoch
                 if name in self._known_metadata:
                     self._known_metadata[name] = _digest(record)
+                # A lookup under way may hold an older answer: it asks again.
+                self._changes[name] = self._changes.get(name, 0) + 1
             try:
                 peer: Any = self.agent.peer(name)
             except ConnectError:
@@ -422,7 +439,7 @@ class Directory:
             if peer.epoch != record.epoch:
                 with self._lock:
                     if self._known.get(name) != record.epoch:
-                        continue  # the watch showed a newer one meanwhile, and acted on it
+                        continue  # known otherwise meanwhile (the watch, a lookup): theirs stands
                 logger.info(
                     "peer %s restarted (epoch %#x -> %#x): closing the old connection",
                     name,

@@ -750,7 +750,8 @@ def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
         # kvx's clients ping every 10 s (a read replica's channel to its primary every 5 s)
         # while a watch sends them nothing (kvx/metadata/client.py), and older ones also
         # with no call open: accept that, instead of gRPC's default of one ping in 5 min
-        # without data, past which a server answers with GOAWAY "too_many_pings".
+        # without data, past which a server answers with GOAWAY "too_many_pings". (It also
+        # lets the service's own pings, CLIENT_KEEPALIVE_S, reach connections with no call.)
         ("grpc.keepalive_permit_without_calls", 1),
         # Their pings arrive bunched when either side is short of CPU (a loaded host, a
         # registration storm): a 5 s pinger must not be cut off for two pings that land

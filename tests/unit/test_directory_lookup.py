@@ -501,3 +501,48 @@ def test_a_change_the_services_watch_showed_is_what_a_replica_snapshot_is_compar
     assert agent.replaced == [7]
     _replica_snapshot(directory, reader, _record(2, revision=12, epoch=7))
     assert "peer" not in directory._unverified and directory._to_verify == set()
+
+
+def test_the_verify_thread_goes_on_after_an_error() -> None:
+    """An error while acting on the service's answer (closing the old connection
+    failed) is logged: the one thread that asks must not die with the flag that
+    says it is at work still set, or nothing would be asked again."""
+
+    directory = _directory(_Agent(), _Reader([None]))
+    calls: list[set[str]] = []
+
+    def failing(names: set[str]) -> None:
+        calls.append(names)
+        raise OSError("closing the old connection failed")
+
+    directory._verify = failing  # type: ignore[method-assign]
+    directory._verify_pending, directory._verifying = {"peer"}, True
+    directory._verify_pending_names()
+    assert calls == [{"peer"}] and directory._verifying is False
+
+
+def test_the_services_answer_makes_a_lookup_under_way_ask_again_and_a_delete_matches() -> None:
+    """The service's answer in _verify counts as a change (a lookup that got an
+    older answer meanwhile asks again); and a replica that shows the held peer
+    deleted, as the service says, is trusted with it again."""
+
+    agent = _Connected()
+    current = _record(1, revision=40, epoch=6)
+    reader, service = (
+        _Reader([_record(1, revision=7, epoch=5)]),
+        _Reader([current, _record(1, 41, epoch=7), None]),
+    )
+    directory = _directory(agent, reader, service)
+    directory._verify_later = lambda names: None  # type: ignore[method-assign]
+    directory._watcher.current_stream = (1, service)  # type: ignore[union-attr]
+    directory._on_event(_event(current))
+    directory.resolve("peer", None, None)
+    _replica_snapshot(directory, reader, _record(1, revision=7, epoch=5))
+    changes = directory._changes["peer"]
+    directory._verify({"peer"})  # the service says 7
+    assert directory._changes["peer"] == changes + 1 and "peer" in directory._unverified
+    gone = metadata_pb2.WatchAgentsResponse(type=metadata_pb2.WatchAgentsResponse.EVENT_TYPE_DELETE)
+    gone.record.CopyFrom(_record(1, revision=8, epoch=7))
+    directory._on_event(gone)  # the replica: deleted (held)
+    directory._verify({"peer"})  # the service: not registered either
+    assert "peer" not in directory._unverified
