@@ -4,6 +4,7 @@ refuses every write, resynchronises after the primary restarts, stops
 answering once it is stale, and needs the primary's token."""
 
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -63,6 +64,17 @@ def _serving(address: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     finally:
         channel.close()
+
+
+def _names_put() -> tuple[list[str], Callable[[metadata_pb2.WatchAgentsResponse], None]]:
+    """A watch callback, and the list of the names it saw put, in order."""
+    seen: list[str] = []
+
+    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
+        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
+            seen.append(event.record.name)
+
+    return seen, on_event
 
 
 def test_a_mirror_copies_the_records_and_follows_every_change(service):
@@ -512,11 +524,7 @@ def test_a_replica_that_serves_but_refuses_watches_is_asked_less_and_less(servic
     monkeypatch.setattr(client_module, "READER_PROBE_S", 0.05)
     monkeypatch.setattr(client_module, "READER_PROBE_MAX_S", 0.4)
     monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
-    seen: list[str] = []
-
-    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
-        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
-            seen.append(event.record.name)
+    seen, on_event = _names_put()
 
     _register(service.address, "first", 3)
     with _mirror(service.address, limits=ServiceLimits(max_watch_streams=1)) as mirror:
@@ -623,11 +631,7 @@ def test_a_replica_that_answers_but_drops_each_watch_is_asked_less_and_less(serv
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    seen: list[str] = []
-
-    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
-        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
-            seen.append(event.record.name)
+    seen, on_event = _names_put()
 
     reader, primary = MetadataClient(f"127.0.0.1:{port}"), MetadataClient(service.address)
     watcher = Watcher(reader, on_event, fallback=primary)
@@ -753,11 +757,7 @@ def test_a_replica_gone_without_a_word_is_left_within_keepalive(service, monkeyp
     monkeypatch.setattr(client_module, "READER_STAYED_S", 600.0)  # not kept: moves at once
     monkeypatch.setattr(client_module, "READER_PROBE_S", 600.0)  # and stays on the service
     monkeypatch.setattr(client_module, "READER_MOVE_SPREAD_S", 0.05)
-    seen: list[str] = []
-
-    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
-        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
-            seen.append(event.record.name)
+    seen, on_event = _names_put()
 
     with _mirror(service.address) as mirror:
         assert wait_until(lambda: _serving(mirror.address) == health_pb2.HealthCheckResponse.SERVING)
@@ -800,11 +800,7 @@ def test_watches_that_receive_nothing_are_not_cut_off_for_their_pings(service, m
 
     monkeypatch.setattr(client_module, "KEEPALIVE_S", 1.2)
     monkeypatch.setattr(mirror_module, "MIRROR_KEEPALIVE_S", 1.2)
-    seen: list[str] = []
-
-    def on_event(event: metadata_pb2.WatchAgentsResponse) -> None:
-        if event.type == metadata_pb2.WatchAgentsResponse.EVENT_TYPE_PUT:
-            seen.append(event.record.name)
+    seen, on_event = _names_put()
 
     store = MirrorStore(service.address, MetadataOptions())
     with ThreadedServer(MetadataServer("127.0.0.1:0", store)) as mirror:
