@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 from kvx.errors import TimeoutError
 
@@ -33,6 +33,14 @@ class Notification:
 
     peer: str
     data: bytes
+
+
+class Leader(Protocol):
+    """What lets ``Transfer.wait`` read a transfer's answers on its own thread
+    (the control connection, ``Connection.lead``): returns once the transfer
+    finished, once it cannot go on, or at ``deadline`` (``time.monotonic()``)."""
+
+    def lead(self, transfer: Transfer, deadline: float) -> None: ...
 
 
 # The locks of every transfer born finished (Transfer.finished): wait() never
@@ -66,6 +74,7 @@ class Transfer:
         "_on_parts_done",
         "_verify",
         "_cleanup",
+        "_leader",
     )
 
     def __init__(self, op: Op, peer: str, nbytes: int, parts: int, default_timeout_s: float) -> None:
@@ -90,6 +99,8 @@ class Transfer:
         self._verify: Callable[[Transfer], None] | None = None
         # Run when the transfer finishes, before waiters wake (releases pins); set by the agent.
         self._cleanup: Callable[[], None] | None = None
+        # The connection whose answers ``wait`` may read on its own thread (offer_lead).
+        self._leader: Leader | None = None
 
     @classmethod
     def finished(
@@ -105,7 +116,7 @@ class Transfer:
         t._error = error
         t._parts_left = 0
         t._lock = t._done = _NEVER_HELD  # the transfer is not pending: held only for a moment
-        t._callbacks = t._on_parts_done = t._verify = t._cleanup = None
+        t._callbacks = t._on_parts_done = t._verify = t._cleanup = t._leader = None
         t._default_timeout_s = 0.0
         return t
 
@@ -130,10 +141,19 @@ class Transfer:
         return None if not d else self.bytes / d / 1e9
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until finished; raise its error. Timing out leaves it running."""
+        """Block until finished; raise its error. Timing out leaves it running.
+
+        Where the backend allows it, the waiting thread reads the answers
+        itself rather than sleeping until a kvx thread hands them over."""
         if self._state is TransferState.PENDING:
             limit = self._default_timeout_s if timeout_s is None else timeout_s
-            if not self._done.acquire(timeout=max(limit, 0)):
+            left = limit
+            leader = self._leader
+            if leader is not None:
+                deadline = time.monotonic() + limit
+                leader.lead(self, deadline)
+                left = deadline - time.monotonic()
+            if not self._done.acquire(timeout=max(left, 0)):
                 raise TimeoutError(
                     f"{self.op.value} of {self.bytes} bytes from {self.peer!r} not finished after {limit}s"
                 )
@@ -141,8 +161,15 @@ class Transfer:
         if self._error is not None:
             raise self._error
 
+    def runs_user_work(self) -> bool:
+        """Done callbacks, or a verify check, are to run when it finishes."""
+        return bool(self._callbacks) or self._verify is not None
+
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
-        """Call ``fn(transfer)`` once finished (at once if it already is), from a kvx thread."""
+        """Call ``fn(transfer)`` once finished (at once if it already is), from a kvx
+        thread, or from whichever thread found it finished or failed it (a
+        posting thread, a thread in ``wait`` when a connection broke). It
+        must not block."""
         with self._lock:
             if self._state is TransferState.PENDING:
                 if self._callbacks is None:
@@ -181,6 +208,12 @@ class Transfer:
         assert self._state is TransferState.PENDING and parts > 0
         self._parts_left = parts
         self._on_parts_done = then
+
+    def offer_lead(self, leader: Leader) -> None:
+        """``wait`` may let ``leader`` read the answers on the waiting thread
+        (the first part's connection, when several offer)."""
+        if self._leader is None:
+            self._leader = leader
 
     def fail_unposted(self, error: BaseException) -> bool:
         """Finish with ``error`` a transfer that never got to ``expect_parts``
@@ -224,11 +257,14 @@ class Transfer:
             self._state = TransferState.FAILED if self._error is not None else TransferState.DONE
             callbacks, self._callbacks = self._callbacks or (), None
             cleanup, self._cleanup = self._cleanup, None
-        if cleanup is not None:
-            cleanup()
-        self._done.release()
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # a callback must not break the connection thread
-                logger.exception("transfer done-callback failed")
+            self._leader = None
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            self._done.release()  # even when the waiting thread running this is interrupted
+            for fn in callbacks:
+                try:
+                    fn(self)
+                except Exception:  # a callback must not break the connection thread
+                    logger.exception("transfer done-callback failed")

@@ -10,7 +10,9 @@ pipelined: each connection has a reader thread that takes responses as they
 come, bytes going straight from the socket into registered memory
 (``io.recvv``). Small requests are sent by the posting thread; large WRITE
 payloads by a sender thread per connection, so that posting never blocks on
-the network.
+the network. A thread in ``Transfer.wait`` reads the answers itself while
+every request in flight on the connection is its own (``Connection.lead``),
+and the reader sleeps on.
 
 Only the reader thread closes a connection's socket, after the sender is
 done with it: a descriptor number is never reused under a thread still
@@ -19,9 +21,11 @@ moving bytes through it.
 
 from __future__ import annotations
 
+import array
 import builtins
 import collections
 import contextlib
+import fcntl
 import hmac
 import itertools
 import logging
@@ -29,6 +33,7 @@ import os
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +79,16 @@ logger = logging.getLogger(__name__)
 INLINE_SEND_BYTES = 256 * 1024
 # A transfer is spread over several streams only when each gets this much.
 MIN_STREAM_BYTES = 1 << 20
+# A thread in Connection.lead looks at least this often whether it should stop
+# (the transfer failed while the socket stayed up for a copy, say).
+_LEAD_SLICE_S = 0.1
+# What a waiting thread reads itself (Connection.lead): answers to these requests
+# (no pins, whose copies and revokes stay on the reader), whole messages up to this size.
+_LED_REQUESTS = frozenset({MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.NOTIFY, MsgType.VERIFY})
+_LED_ANSWERS = frozenset(
+    {MsgType.READ_RESP, MsgType.WRITE_RESP, MsgType.NOTIFY_ACK, MsgType.VERIFY_OK, MsgType.ERROR}
+)
+_LEAD_MAX_BYTES = 4 << 20
 # A pinned transfer is cut into requests only to spread it over several
 # streams; its bytes never pass through a message.
 _NO_BYTE_LIMIT = 1 << 62
@@ -125,7 +140,12 @@ class Links:
         try:
             for index in range(streams):
                 sock, limits = dial(self.ctx, target_name, target_epoch, address)
-                conns.append(Connection(self, sock, target_name, index))
+                try:
+                    conn = Connection(self, sock, target_name, index)
+                except BaseException:
+                    sock.close()
+                    raise
+                conns.append(conn)
         except BaseException:
             for conn in conns:
                 conn.abandon()
@@ -283,7 +303,31 @@ def _translate(exc: BaseException, peer: str, io_s: float) -> KvxError:
         return TimeoutError(f"peer {peer!r} moved no data for {io_s}s (Timeouts.io_s): {exc}")
     if isinstance(exc, OSError):
         return PeerLostError(f"connection to peer {peer!r} lost: {exc}")
+    if not isinstance(exc, Exception):
+        return TransferError(f"reading from peer {peer!r} was interrupted ({type(exc).__name__})")
     return TransferError(f"internal error: {exc!r}")
+
+
+def _buffered(fd: int) -> int:
+    """Bytes waiting in a socket's receive buffer."""
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
+
+
+def _set_lowat(sock: socket.socket, old: int, new: int) -> int:
+    """Wake poll() only once ``new`` bytes are buffered (SO_RCVLOWAT; Linux
+    grows the receive buffer to hold them, up to half of its largest size,
+    and caps the mark there). Returns the mark in force."""
+    if new == old:
+        return old
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, new)
+    if new == 1:
+        return 1
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+    except OSError:
+        return new  # the caller's finally sets it back
 
 
 # SO_LINGER on, 0 s: close() resets the connection instead of finishing it.
@@ -333,6 +377,22 @@ class Connection:
         # Set by a backend (Link.hook_revoked): the leases a revoke ended and those left, with
         # the lock held, once no copy uses the ended ones.
         self.on_revoked: Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], None] | None = None
+        # The thread reading the socket now (the reader, or a waiting thread in lead()), or None.
+        self.reading: threading.Thread | None = None
+        self.turn_cv = threading.Condition(self.lock)  # the reader waits here for lead() to end
+        self.lead_turns = 0  # lead() turns ended so far
+        self.lead_deadline = 0.0  # when the turn's wait ends (time.monotonic())
+        self.answers_led = 0  # answers read by waiting threads (lead)
+        self.sock_closed = threading.Event()
+        # The reader sleeps here (an epoll set holding the socket), lead() takes the socket out.
+        self._parked = select.epoll()
+        try:
+            self._parked.register(self.fd, select.EPOLLIN)
+        except BaseException:
+            self._parked.close()
+            raise
+        self._lead_poll = select.poll()  # only the thread in lead() uses it
+        self._lead_poll.register(self.fd, select.POLLIN)
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
@@ -343,7 +403,9 @@ class Connection:
         assert not self.reader.is_alive()
         self.error = self.error or ClosedError("connect failed")
         self.closed = True
+        self._parked.close()
         self.sock.close()
+        self.sock_closed.set()
         self.links._connection_closed(self)
         if self.on_closed is not None:
             self.on_closed(self)
@@ -366,6 +428,7 @@ class Connection:
                 error = None
                 self.pending[request_id] = part
                 self.last_progress = time.monotonic()
+                part.transfer.offer_lead(self)
                 inline = (
                     not self.queue
                     and not (part.sends_data and (part.nbytes > INLINE_SEND_BYTES or part.device >= 0))
@@ -459,50 +522,250 @@ class Connection:
             self.on_break(error)
 
     def _read_loop(self) -> None:
+        me = self.reader
         try:
             while True:
-                header = recv_header(self.sock, self._idle)
-                if header is None:
-                    raise PeerLostError(f"peer {self.peer!r} closed the connection")
-                msg_type, request_id, payload_len, aux, data_len = check_header(header)
-                if msg_type == MsgType.SHM_REVOKE:
-                    self._revoke(request_id, payload_len, aux, data_len)
-                    continue
-                if msg_type == MsgType.RDMA_RESET:
-                    self._peer_reset(request_id, payload_len, aux, data_len)
-                    continue
-                with self.lock:
-                    if self.error is not None:
-                        raise _again(self.error)
-                    part = self.pending.get(request_id)
-                    if part is None:
-                        raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
-                    self.receiving = part
+                self._await_message()
                 try:
-                    result = self._read_response(part, request_id, msg_type, payload_len, aux, data_len)
-                except BaseException as exc:
-                    failure = _translate(exc, self.peer, self.io_s)
+                    self._read_one()
+                finally:
                     with self.lock:
-                        self.pending.pop(request_id, None)
-                        self.receiving = None
-                    self._release(part, _again(failure))
-                    raise failure from exc
+                        self.reading = None
+        except BaseException as exc:
+            self._reading_failed(exc)
+        finally:
+            with self.lock:
+                self._turn_back()  # a thread in lead() sees the error and stops
+                self.reading = me  # for good: the socket is about to close
+            self._close_socket()
+
+    def _await_message(self) -> None:
+        """The reader's wait: until a message arrives that no waiting thread
+        takes (``lead``). Returns with the reading turn (``self.reading``).
+
+        The reader sleeps in an epoll set, not on the socket itself, so that
+        ``lead`` can take the socket out of the set: an answer read by the
+        waiting thread then wakes no one else."""
+        parked, me = self._parked, self.reader
+        while True:
+            with self.lock:
+                idle_s = self.io_s - (time.monotonic() - self.last_progress) if self.pending else self.io_s
+                turns = self.lead_turns
+            ready = parked.poll(max(idle_s, 0.0) + 0.001)
+            with self.lock:
+                self._turn_back()  # a waiting thread reads; it hands the socket back
+                self.reading = me
+                if ready and self.lead_turns == turns:
+                    return  # no waiting thread read since the poll: what woke us is there
+                error = self.error
+                stalled = bool(self.pending) and time.monotonic() - self.last_progress >= self.io_s
+            with contextlib.suppress(OSError):  # a lead() cut short may have left its mark
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            if parked.poll(0):
+                return
+            with self.lock:
+                self.reading = None
+            if error is not None:
+                raise _again(error)  # the socket should have woken us; end anyway
+            if stalled:
+                raise TimeoutError("no message from the peer within the timeout")
+
+    def _turn_back(self) -> None:
+        """With self.lock held: wait until no thread in ``lead`` has the turn.
+
+        A thread interrupted (Ctrl-C) at the wrong moment of its hand-back
+        could keep it forever; the turn is taken back from a thread that has
+        ended, or that holds it ``io_s`` past the end of its wait, and the
+        socket is put back in the epoll set."""
+        while self.reading is not None:
+            holder = self.reading
+            if self.turn_cv.wait(self.io_s) or self.reading is not holder:
+                continue
+            if holder.is_alive() and time.monotonic() < self.lead_deadline + self.io_s:
+                continue
+            logger.warning("peer %s: took the connection back from thread %s", self.peer, holder.name)
+            self.reading = None
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            with contextlib.suppress(OSError):
+                self._parked.register(self.fd, select.EPOLLIN)
+
+    def lead(self, transfer: Transfer, deadline: float) -> None:
+        """Wait for ``transfer`` by reading its answers on the calling thread
+        (``Transfer.wait`` calls this): one thread wake-up per request instead
+        of two (the reader's, then the waiter's), with the reader left asleep.
+
+        Only while every request in flight on the connection is the
+        transfer's own (host memory, no pins), and no other thread reads. The
+        waiting thread takes a message only once all of it is in the socket's
+        buffer, so a peer that sends slowly cannot hold it past ``deadline``;
+        anything else (another type, a larger message, a message that stops
+        coming) is left to the reader. Returns when the transfer has
+        finished, when the waiting thread stops reading, or at ``deadline``.
+        A stall or a broken connection is handled as the reader would: the
+        connection ends, and this returns once the reader has closed it (or
+        at ``deadline``, or after ``Timeouts.close_s``)."""
+        me = threading.current_thread()
+        ended = False
+        try:
+            with self.lock:
+                if self.reading is not None or not self._may_lead(transfer):
+                    return
+                self.reading = me
+                self.lead_deadline = deadline
+            self._parked.unregister(self.fd)
+            ended = self._lead_loop(transfer, deadline)
+        finally:
+            if self.reading is me:
+                try:
+                    self._parked.register(self.fd, select.EPOLLIN)
+                except FileExistsError:
+                    pass
+                except OSError as exc:  # the reader could not wake for this socket any more
+                    self.shutdown(PeerLostError(f"connection to peer {self.peer!r} lost: {exc}"))
+                finally:
+                    with self.lock:
+                        self.reading = None
+                        self.lead_turns += 1  # the reader checks what woke it again
+                        self.turn_cv.notify()
+        if ended:
+            # The reader closes the socket now (reset, when requests were still in flight):
+            # wait for that, so that the failure is reported after it, within the wait's time.
+            self.sock_closed.wait(min(self.links.ctx.timeouts.close_s, max(0.0, deadline - time.monotonic())))
+
+    def _lead_loop(self, transfer: Transfer, deadline: float) -> bool:
+        """``lead``'s reading, with the turn held; True when it ended the connection."""
+        fd, lowat = self.fd, 1
+        try:
+            while True:
+                with self.lock:
+                    if not self._may_lead(transfer):
+                        return False
+                    stalled = bool(self.pending) and time.monotonic() - self.last_progress >= self.io_s
+                if stalled:
+                    if _buffered(fd):
+                        return False  # bytes came, slowly: the reader judges them by io_s
+                    self._reading_failed(TimeoutError("no message from the peer within the timeout"))
+                    return True
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return False
+                had = have = _buffered(fd)
+                if had < lowat:
+                    woke = self._lead_poll.poll(max(1, int(min(left_s, _LEAD_SLICE_S) * 1000)))
+                    have = _buffered(fd)
+                    if lowat > 1 and have == had:
+                        # Nothing came for a while (the message stopped coming), or the poll
+                        # woke for the end of the connection: the reader takes it from here.
+                        return False
+                    if not woke:
+                        continue
+                if have == 0:  # readable with nothing to read: the peer closed or reset
+                    self._read_one()  # raises what the reader would
+                    return False
+                if have < _wire.HEADER_SIZE:
+                    lowat = _set_lowat(self.sock, lowat, _wire.HEADER_SIZE)
+                    if lowat < _wire.HEADER_SIZE:
+                        return False
+                    continue
+                msg_type, request_id, payload_len, _, data_len = check_header(
+                    self.sock.recv(_wire.HEADER_SIZE, socket.MSG_PEEK)
+                )
+                total = _wire.HEADER_SIZE + payload_len + data_len
+                if msg_type not in _LED_ANSWERS or total > _LEAD_MAX_BYTES:
+                    return False
+                with self.lock:
+                    part = self.pending.get(request_id)
+                if part is None or part.transfer is not transfer:
+                    return False  # not its own (or a protocol error): the reader's
+                if have < total:
+                    lowat = _set_lowat(self.sock, lowat, total)
+                    if lowat < total:
+                        return False  # the kernel caps the mark below the message: the reader's
+                    continue
+                lowat = _set_lowat(self.sock, lowat, 1)
+                try:
+                    self._read_one()  # all of it is buffered: nothing here waits on the peer
+                except BaseException as exc:
+                    self._reading_failed(exc)
+                    if not isinstance(exc, Exception):
+                        raise  # KeyboardInterrupt and the like, after the connection ended
+                    return True
+                self.answers_led += 1
+        except (KvxError, OSError) as exc:  # a bad header; the socket failed
+            self._reading_failed(exc)
+            return True
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    def _may_lead(self, transfer: Transfer) -> bool:
+        """With self.lock held: the transfer is unfinished, has no done
+        callbacks or verify check to run (they would run while this thread
+        holds the socket, perhaps under a lock of the caller's), and every
+        request in flight is its own, of a kind ``lead`` reads."""
+        return (
+            not transfer.done()
+            and not transfer.runs_user_work()
+            and self.error is None
+            and bool(self.pending)
+            and all(
+                part.transfer is transfer and part.op in _LED_REQUESTS and part.device < 0
+                for part in self.pending.values()
+            )
+        )
+
+    def _reading_failed(self, exc: BaseException) -> None:
+        """Reading the socket failed with ``exc``: end the connection."""
+        with self.lock:
+            error = self.error
+        if error is None and isinstance(exc, Exception) and not isinstance(exc, (KvxError, OSError)):
+            logger.error("reading from peer %s failed", self.peer, exc_info=exc)
+        self.shutdown(error or _translate(exc, self.peer, self.io_s))
+
+    def _read_one(self) -> None:
+        """Read one message and act on it; the caller has the reading turn."""
+        header = recv_header(self.sock, self._idle)
+        if header is None:
+            raise PeerLostError(f"peer {self.peer!r} closed the connection")
+        msg_type, request_id, payload_len, aux, data_len = check_header(header)
+        if msg_type == MsgType.SHM_REVOKE:
+            self._revoke(request_id, payload_len, aux, data_len)
+            return
+        if msg_type == MsgType.RDMA_RESET:
+            self._peer_reset(request_id, payload_len, aux, data_len)
+            return
+        with self.lock:
+            if self.error is not None:
+                raise _again(self.error)
+            part = self.pending.get(request_id)
+            if part is None:
+                raise ProtocolError(f"peer {self.peer!r} answered unknown request {request_id}")
+            self.receiving = part
+        try:
+            result = self._read_response(part, request_id, msg_type, payload_len, aux, data_len)
+        except BaseException as exc:
+            failure = _translate(exc, self.peer, self.io_s)
+            try:
                 with self.lock:
                     self.pending.pop(request_id, None)
                     self.receiving = None
-                    self.last_progress = time.monotonic()
-                self._release(part, result)
-                if msg_type == MsgType.SHM_PIN_OK and part.keep is None:
-                    # Unpinned only now: finishing the transfer first takes the send off its critical path.
-                    self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
-        except BaseException as exc:
+            finally:
+                self._release(part, _again(failure))
+            if not isinstance(exc, Exception):
+                raise  # an interrupt of the waiting thread in lead(): the caller ends the connection
+            raise failure from exc
+        try:
             with self.lock:
-                error = self.error
-            if error is None and not isinstance(exc, (KvxError, OSError)):
-                logger.exception("reader for peer %s failed", self.peer)
-            self.shutdown(error or _translate(exc, self.peer, self.io_s))
+                self.pending.pop(request_id, None)
+                self.receiving = None
+                self.last_progress = time.monotonic()
         finally:
-            self._close_socket()
+            self._release(part, result)
+        if msg_type == MsgType.SHM_PIN_OK and part.keep is None:
+            # Unpinned only now: finishing the transfer first takes the send off its critical path.
+            self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
 
     def _idle(self) -> bool:
         """While waiting for a response: True if the wait is not (yet) a stall.
@@ -710,7 +973,9 @@ class Connection:
             self.copy_waiters -= 1
         with self.send_lock:
             self.closed = True
+            self._parked.close()
             self.sock.close()
+        self.sock_closed.set()
         self.links._connection_closed(self)
         if self.on_closed is not None:
             self.on_closed(self)
@@ -812,8 +1077,10 @@ class Link:
             conn.on_revoked = fn
 
     def asking_would_block(self) -> bool:
-        """The calling thread is the reader that ``ask`` needs for its answer."""
-        return threading.current_thread() is self.conns[0].reader
+        """The calling thread is the one that ``ask`` needs to read its answer:
+        the reader, or a waiting thread reading in its place (``lead``)."""
+        me, conn = threading.current_thread(), self.conns[0]
+        return me is conn.reader or me is conn.reading
 
     def fail(self, error: KvxError) -> None:
         """End the link because of ``error`` (a backend found the peer dead

@@ -1,0 +1,362 @@
+"""The waiting thread reads its own answer (``Connection.lead``).
+
+A thread in ``Transfer.wait`` takes the connection's socket from the reader
+thread while every request in flight on it is its own; the reader sleeps on
+and wakes only for what the waiter does not take. These tests check who
+finished each transfer, that the socket goes back to the reader whenever the
+waiter stops, that a peer sending slowly cannot hold a wait past its
+timeout, and that nothing is lost or hangs when many threads wait on one
+connection at once.
+"""
+
+import _thread
+import contextlib
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from kvx import Descs
+from kvx._net import parse_address
+from kvx.v1 import agent_pb2
+
+BLOCK = 4096
+
+
+def _thaw_once_reading(worker, peer, thread):
+    """Let the worker answer once ``thread`` reads the connection (is in lead())."""
+
+    def thaw():
+        deadline = time.monotonic() + 10
+        while _conn(peer).reading is not thread and time.monotonic() < deadline:
+            time.sleep(0.005)
+        worker.thaw()
+
+    threading.Thread(target=thaw, daemon=True).start()
+
+
+def _peer(make_worker, make_agent, metadata=None, **agent_kwargs):
+    worker = make_worker()
+    agent = make_agent(backend="tcp", **agent_kwargs)
+    pool = np.zeros(1 << 20, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(metadata(worker.metadata) if metadata else worker.metadata)
+    return worker, agent, pool, region, peer
+
+
+def _conn(peer):
+    return peer._channel._link.conns[0]
+
+
+def _wait_done(t, timeout_s=10):
+    """Without wait(): only the reader thread can finish ``t``."""
+    deadline = time.monotonic() + timeout_s
+    while not t.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return t.done()
+
+
+def test_the_waiting_thread_reads_its_answer_and_an_unwaited_one_is_read_by_the_reader(
+    make_worker, make_agent
+):
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote, conn = peer.regions[0], _conn(peer)
+
+    worker.freeze()  # the answer comes only once this thread is in wait()
+    t = peer.read(region.descs(0, BLOCK), remote.descs(BLOCK, BLOCK))
+    led = conn.answers_led
+    _thaw_once_reading(worker, peer, threading.current_thread())
+    t.wait(10)
+    assert conn.answers_led == led + 1
+    assert pool[:BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
+
+    t = peer.read(region.descs(BLOCK, BLOCK), remote.descs(0, BLOCK))
+    assert _wait_done(t) and t.state is kvx.TransferState.DONE
+    assert conn.answers_led == led + 1  # the reader took it
+    assert pool[BLOCK : 2 * BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_answers_to_other_transfers_and_transfers_with_callbacks_are_the_readers(make_worker, make_agent):
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote, conn = peer.regions[0], _conn(peer)
+    led = conn.answers_led
+    worker.freeze()
+    try:
+        first = peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK))
+        second = peer.read(region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK))
+    finally:
+        threading.Timer(0.3, worker.thaw).start()
+    first.wait(10)  # another transfer is in flight: this thread does not read
+    assert _wait_done(second)
+
+    # A done callback that takes a lock the waiting thread holds: were the callback run
+    # on the waiting thread, under its lock, it would never return.
+    lock, ran = threading.Lock(), []
+
+    def callback(_):
+        if lock.acquire(timeout=5):  # no hang if it ever ran under the waiting thread's lock
+            lock.release()
+            ran.append(threading.current_thread().name)
+        else:
+            ran.append("the waiting thread, which holds the lock")
+
+    worker.freeze()
+    third = peer.read(region.descs(2 * BLOCK, BLOCK), remote.descs(2 * BLOCK, BLOCK))
+    third.add_done_callback(callback)
+    threading.Timer(0.3, worker.thaw).start()
+    with lock:
+        third.wait(10)
+    deadline = time.monotonic() + 10
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran and ran[0].startswith("kvx-read-")
+    assert conn.answers_led == led
+    assert pool[: 3 * BLOCK].tobytes() == worker.expected(0, 3 * BLOCK).tobytes()
+
+
+def test_a_wait_that_times_out_gives_the_socket_back_to_the_reader(make_worker, make_agent):
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    conn = _conn(peer)
+    led = conn.answers_led
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        with pytest.raises(kvx.TimeoutError):
+            t.wait(0.2)
+        assert t.state is kvx.TransferState.PENDING
+        assert conn.reading is None
+    finally:
+        worker.thaw()
+    assert _wait_done(t) and t.state is kvx.TransferState.DONE
+    assert conn.answers_led == led
+    assert pool[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_an_interrupted_wait_gives_the_socket_back_to_the_reader(make_worker, make_agent):
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    conn = _conn(peer)
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        me = threading.current_thread()
+
+        def interrupt():
+            deadline = time.monotonic() + 10
+            while conn.reading is not me and time.monotonic() < deadline:
+                time.sleep(0.005)
+            _thread.interrupt_main()
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            t.wait(10)
+        assert conn.reading is None and t.state is kvx.TransferState.PENDING
+    finally:
+        worker.thaw()
+    assert _wait_done(t) and t.state is kvx.TransferState.DONE
+    assert peer.alive and pool[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def test_a_hung_peer_fails_a_wait_that_reads_the_socket_within_io_s(make_worker, make_agent):
+    worker, _, _, region, peer = _peer(make_worker, make_agent, timeouts=kvx.Timeouts(io_s=1))
+    worker.freeze()
+    try:
+        start = time.monotonic()
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        readers = []
+        threading.Timer(0.3, lambda: readers.append(_conn(peer).reading)).start()
+        with pytest.raises(kvx.TimeoutError, match="io_s"):
+            t.wait(10)
+        assert 0.9 < time.monotonic() - start < 3
+        assert readers == [threading.current_thread()]  # this thread was reading when it stalled
+        assert _conn(peer).closed  # reset before the failure was reported
+    finally:
+        worker.thaw()
+    assert not peer.alive
+
+
+def test_closing_the_agent_ends_a_wait_that_reads_the_socket(make_worker, make_agent):
+    worker, agent, _, region, peer = _peer(make_worker, make_agent)
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK))
+        errors = []
+
+        def waiter():
+            try:
+                t.wait(30)
+            except kvx.KvxError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while _conn(peer).reading is not thread and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _conn(peer).reading is thread
+        started = time.monotonic()
+        agent.close()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert time.monotonic() - started < 3
+        assert len(errors) == 1 and isinstance(errors[0], kvx.ClosedError)
+    finally:
+        worker.thaw()
+
+
+class _SlowProxy:
+    """A TCP relay in front of a worker. While ``slow`` is set it passes on
+    the first 64 bytes of what the worker sends at once (a message's header
+    and a little of its body), then one byte every 20 ms; while ``paused`` is
+    also set, nothing more until it is cleared."""
+
+    def __init__(self, target):
+        self.target = target
+        self.slow = threading.Event()
+        self.paused = threading.Event()
+        self.held = threading.Event()  # nothing passes while set
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target)
+                self._socks += [client, upstream]
+                threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, slowed):
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                while slowed and self.held.is_set():
+                    time.sleep(0.005)
+                if slowed and self.slow.is_set():
+                    dst.sendall(data[:64])
+                    data = data[64:]
+                while slowed and self.slow.is_set() and data:
+                    if self.paused.is_set():
+                        time.sleep(0.01)
+                        continue
+                    dst.sendall(data[:1])
+                    data = data[1:]
+                    time.sleep(0.02)
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def metadata(self, metadata):
+        md = agent_pb2.AgentMetadata.FromString(metadata)
+        for endpoint in md.endpoints:
+            if endpoint.backend == agent_pb2.BACKEND_TCP:
+                self.target = parse_address(endpoint.address)
+                endpoint.address = self.address
+        return md.SerializeToString()
+
+    def close(self):
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+
+
+def _release_once_reading(proxy, conn, thread):
+    def release():
+        deadline = time.monotonic() + 10
+        while conn.reading is not thread and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proxy.held.clear()
+
+    threading.Thread(target=release, daemon=True).start()
+
+
+def test_a_peer_that_answers_slowly_cannot_hold_a_wait_past_its_timeout(make_worker, make_agent):
+    proxy = _SlowProxy(None)
+    try:
+        worker, _, pool, region, peer = _peer(make_worker, make_agent, metadata=proxy.metadata)
+        conn = _conn(peer)
+        peer.read(region.descs(0, BLOCK), peer.regions[0].descs(0, BLOCK)).wait(10)
+
+        # The header and a little of the body at once, the rest a byte per 20 ms (80 s),
+        # once this thread reads the connection.
+        proxy.held.set()
+        proxy.slow.set()
+        t = peer.read(region.descs(BLOCK, BLOCK), peer.regions[0].descs(BLOCK, BLOCK))
+        _release_once_reading(proxy, conn, threading.current_thread())
+        start = time.monotonic()
+        with pytest.raises(kvx.TimeoutError):
+            t.wait(0.5)
+        assert time.monotonic() - start < 1.5
+        assert t.state is kvx.TransferState.PENDING
+        assert conn.reading is not threading.current_thread()
+        proxy.slow.clear()  # the rest comes at once; the reader takes it
+        assert _wait_done(t) and t.state is kvx.TransferState.DONE
+        assert pool[BLOCK : 2 * BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
+
+        # A message that stops coming half-way goes back to the reader long before the wait ends.
+        proxy.held.set()
+        proxy.paused.set()
+        proxy.slow.set()
+        t = peer.read(region.descs(2 * BLOCK, BLOCK), peer.regions[0].descs(2 * BLOCK, BLOCK))
+        waiter = threading.Thread(target=lambda: t.wait(10))
+        waiter.start()
+        _release_once_reading(proxy, conn, waiter)
+        seen, deadline = set(), time.monotonic() + 5
+        while time.monotonic() < deadline and not (waiter in seen and conn.reading is conn.reader):
+            seen.add(conn.reading)
+            time.sleep(0.005)
+        assert waiter in seen and conn.reading is conn.reader and not t.done()  # the reader's now
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        proxy.paused.clear()
+        proxy.slow.clear()
+        waiter.join(10)
+        assert t.state is kvx.TransferState.DONE
+        assert pool[2 * BLOCK : 3 * BLOCK].tobytes() == worker.expected(2 * BLOCK, BLOCK).tobytes()
+        assert peer.alive
+    finally:
+        proxy.close()
+
+
+def test_many_threads_waiting_on_one_connection_lose_nothing(make_worker, make_agent):
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote = peer.regions[0]
+    blocks = (1 << 20) // BLOCK
+    expected = worker.expected(0, 1 << 20).reshape(-1, BLOCK)
+    threads, per_thread = 4, 150
+    failures = []
+    done = []
+
+    def run(index):
+        rng = np.random.default_rng(index)
+        mine = np.arange(index, blocks, threads)  # each thread its own local blocks
+        try:
+            for k in range(per_thread):
+                local = int(mine[k % len(mine)])
+                r = int(rng.integers(blocks))
+                pool[local * BLOCK : (local + 1) * BLOCK] = 0
+                t = peer.read(
+                    Descs.from_blocks(region, [local], BLOCK), Descs.from_blocks(remote, [r], BLOCK)
+                )
+                t.wait(10)
+                done.append(t.state)
+                if not np.array_equal(pool[local * BLOCK : (local + 1) * BLOCK], expected[r]):
+                    failures.append((index, k, local, r))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not any(w.is_alive() for w in workers), "a waiting thread hung"
+    assert failures == []
+    assert done == [kvx.TransferState.DONE] * (threads * per_thread)
+    assert _conn(peer).answers_led > 0  # some waiting threads read their own answers
+    assert peer.alive
