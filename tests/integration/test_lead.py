@@ -21,6 +21,7 @@ import pytest
 import kvx
 from kvx import Descs
 from kvx._net import parse_address
+from kvx.backends.control import link, wire
 from kvx.v1 import agent_pb2
 
 BLOCK = 4096
@@ -77,6 +78,66 @@ def test_the_waiting_thread_reads_its_answer_and_an_unwaited_one_is_read_by_the_
     assert _wait_done(t) and t.state is kvx.TransferState.DONE
     assert conn.answers_led == led + 1  # the reader took it
     assert pool[BLOCK : 2 * BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def _read_frozen(worker, peer, conn, local, remote):
+    """READ with the answer held back until this thread reads the connection
+    (or 0.5 s); True when it was this thread that read."""
+    me, seen = threading.current_thread(), []
+    worker.freeze()
+    t = peer.read(local, remote)
+
+    def thaw():
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and conn.reading is not me:
+            time.sleep(0.005)
+        seen.append(conn.reading is me)
+        worker.thaw()
+
+    thawer = threading.Thread(target=thaw, daemon=True)
+    thawer.start()
+    t.wait(10)
+    thawer.join(10)
+    assert t.state is kvx.TransferState.DONE
+    return seen[0]
+
+
+def test_large_answers_and_answers_larger_than_the_window_are_the_readers(
+    make_worker, make_agent, monkeypatch
+):
+    """The reader copies a large answer while the rest of it still arrives; a
+    waiting thread would first wait for all of it (link._LEAD_MAX_DATA). And a
+    waiting thread that slept until more of a message has come than the
+    receive window lets the peer send would wait in vain."""
+    marks = []
+    real_set_lowat = link._set_lowat
+    monkeypatch.setattr(
+        link, "_set_lowat", lambda sock, old, new: marks.append(new) or real_set_lowat(sock, old, new)
+    )
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote, conn = peer.regions[0], _conn(peer)
+    size = link._LEAD_MAX_DATA
+
+    def check(local_size, took_turn, led):
+        before = conn.answers_led
+        local, far = region.descs(0, local_size), remote.descs(BLOCK, local_size)
+        assert _read_frozen(worker, peer, conn, local, far) is took_turn
+        assert conn.answers_led - before == led
+        assert pool[:local_size].tobytes() == worker.expected(BLOCK, local_size).tobytes()
+        pool[:local_size] = 0
+
+    # A new connection's buffer (tcp_rmem's default, 128 KiB on Linux) does not hold it:
+    # the waiting thread looks at the header, then gives the message to the reader.
+    assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2 < size
+    check(size, True, 0)
+    assert max(marks, default=1) <= wire.HEADER_SIZE
+    # Once the kernel has grown the buffer for the traffic, it does.
+    for _ in range(3):
+        peer.read(region.descs(0, 1 << 20), remote.descs(0, 1 << 20)).wait(10)
+    assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2 >= size + BLOCK
+    check(size, True, 1)
+    # One block more: not even the header.
+    check(size + BLOCK, False, 0)
 
 
 def test_answers_to_other_transfers_and_transfers_with_callbacks_are_the_readers(make_worker, make_agent):

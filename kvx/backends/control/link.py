@@ -82,13 +82,23 @@ MIN_STREAM_BYTES = 1 << 20
 # A thread in Connection.lead looks at least this often whether it should stop
 # (the transfer failed while the socket stayed up for a copy, say).
 _LEAD_SLICE_S = 0.1
+# ... and gives a message up to the reader when no byte of it came for this long:
+# it may never come whole (a window smaller than the message), and the reader,
+# which reads as the bytes come, costs only one thread wake-up more.
+_LEAD_BODY_S = 0.01
 # What a waiting thread reads itself (Connection.lead): answers to these requests
-# (no pins, whose copies and revokes stay on the reader), whole messages up to this size.
+# (no pins, whose copies and revokes stay on the reader), with at most these many
+# data and payload bytes. The reader copies a large answer while the rest of it still
+# arrives; a waiting thread, which takes a message only once all of it is buffered,
+# loses that overlap, and above a few hundred KiB the copy costs more than the
+# thread wake-up saved: READs of 2-3 MiB took 18-39% longer with whole messages of up
+# to 4 MiB led than with none (benchmarks/RESULTS.md, 2026-11-28).
 _LED_REQUESTS = frozenset({MsgType.READ_REQ, MsgType.WRITE_REQ, MsgType.NOTIFY, MsgType.VERIFY})
 _LED_ANSWERS = frozenset(
     {MsgType.READ_RESP, MsgType.WRITE_RESP, MsgType.NOTIFY_ACK, MsgType.VERIFY_OK, MsgType.ERROR}
 )
-_LEAD_MAX_BYTES = 4 << 20
+_LEAD_MAX_DATA = 256 << 10
+_LEAD_MAX_PAYLOAD = 64 << 10
 # A pinned transfer is cut into requests only to spread it over several
 # streams; its bytes never pass through a message.
 _NO_BYTE_LIMIT = 1 << 62
@@ -652,7 +662,8 @@ class Connection:
                     return False
                 had = have = _buffered(fd)
                 if had < lowat:
-                    woke = self._lead_poll.poll(max(1, int(min(left_s, _LEAD_SLICE_S) * 1000)))
+                    slice_s = _LEAD_SLICE_S if lowat == 1 else _LEAD_BODY_S
+                    woke = self._lead_poll.poll(max(1, int(min(left_s, slice_s) * 1000)))
                     have = _buffered(fd)
                     if lowat > 1 and have == had:
                         # Nothing came for a while (the message stopped coming), or the poll
@@ -671,14 +682,26 @@ class Connection:
                 msg_type, request_id, payload_len, _, data_len = check_header(
                     self.sock.recv(_wire.HEADER_SIZE, socket.MSG_PEEK)
                 )
-                total = _wire.HEADER_SIZE + payload_len + data_len
-                if msg_type not in _LED_ANSWERS or total > _LEAD_MAX_BYTES:
+                if (
+                    msg_type not in _LED_ANSWERS
+                    or data_len > _LEAD_MAX_DATA
+                    or payload_len > _LEAD_MAX_PAYLOAD
+                ):
                     return False
+                total = _wire.HEADER_SIZE + payload_len + data_len
                 with self.lock:
                     part = self.pending.get(request_id)
                 if part is None or part.transfer is not transfer:
                     return False  # not its own (or a protocol error): the reader's
                 if have < total:
+                    # Sleep until all of it is here only if the receive buffer holds it as it
+                    # is. Raising SO_RCVLOWAT grows the buffer, but the window the peer was
+                    # told opens only once something is read: a message larger than the
+                    # window stops coming (a new connection's 128 KiB buffer took 124 KiB of
+                    # a 256 KiB answer, then nothing). The window is at most about half the
+                    # buffer until the kernel has measured the real overhead per byte.
+                    if total > self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2:
+                        return False
                     lowat = _set_lowat(self.sock, lowat, total)
                     if lowat < total:
                         return False  # the kernel caps the mark below the message: the reader's
@@ -704,14 +727,19 @@ class Connection:
         """With self.lock held: the transfer is unfinished, has no done
         callbacks or verify check to run (they would run while this thread
         holds the socket, perhaps under a lock of the caller's), and every
-        request in flight is its own, of a kind ``lead`` reads."""
+        request in flight is its own, of a kind ``lead`` reads (a READ's
+        answer at most ``_LEAD_MAX_DATA`` long: for a longer one the waiting
+        thread would only wake for its header and hand the socket back)."""
         return (
             not transfer.done()
             and not transfer.runs_user_work()
             and self.error is None
             and bool(self.pending)
             and all(
-                part.transfer is transfer and part.op in _LED_REQUESTS and part.device < 0
+                part.transfer is transfer
+                and part.op in _LED_REQUESTS
+                and part.device < 0
+                and (part.op != MsgType.READ_REQ or part.nbytes <= _LEAD_MAX_DATA)
                 for part in self.pending.values()
             )
         )
