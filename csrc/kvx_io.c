@@ -9,6 +9,7 @@
  *
  *   sendv(fd, prefix, addrs, lens, timeout_ms) -> None
  *   recvv(fd, addrs, lens, timeout_ms) -> None
+ *   wait_readable(fd, spin_us) -> bool
  *
  * addrs and lens are C-contiguous buffers of native uint64 (numpy uint64
  * arrays), of equal length. prefix is a bytes-like object sent before the
@@ -17,6 +18,13 @@
  * with TimeoutError when the socket accepts or yields no byte for that long.
  * The socket may be non-blocking (EAGAIN waits in poll()) or blocking with
  * SO_RCVTIMEO/SO_SNDTIMEO set (the kernel waits; EAGAIN is the timeout).
+ *
+ * wait_readable polls a socket without sleeping for at most spin_us
+ * microseconds (a bounded busy-poll, the GIL released): True as soon as it
+ * is readable (bytes, the end of the connection, an error the next call
+ * reports), False when the time ran out. A thread that expects an answer
+ * within microseconds calls it before it sleeps in poll(), and saves the
+ * kernel's wake-up of a sleeping thread.
  *
  * Every function has a pure-Python twin in kvx/_io_py.py; tests run both.
  */
@@ -32,6 +40,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #ifndef IOV_MAX
 #define IOV_MAX 1024
@@ -211,11 +220,52 @@ static PyObject *kvx_recvv(PyObject *self, PyObject *args)
     return res;
 }
 
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static PyObject *kvx_wait_readable(PyObject *self, PyObject *args)
+{
+    int fd, spin_us;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "ii:wait_readable", &fd, &spin_us))
+        return NULL;
+    if (spin_us < 0) {
+        PyErr_SetString(PyExc_ValueError, "spin_us must not be negative");
+        return NULL;
+    }
+    int ready = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct pollfd pfd = {.fd = fd, .events = POLLIN, .revents = 0};
+    int64_t end = now_ns() + (int64_t)spin_us * 1000;
+    for (;;) {
+        int rc = poll(&pfd, 1, 0);
+        if (rc > 0 || (rc < 0 && errno != EINTR)) {
+            ready = 1; /* readable, or an error the caller's next call reports */
+            break;
+        }
+        if (now_ns() >= end)
+            break;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ready);
+}
+
 static PyMethodDef kvx_methods[] = {
     {"sendv", kvx_sendv, METH_VARARGS,
      "sendv(fd, prefix, addrs, lens, timeout_ms): send prefix, then each (addr, len)."},
     {"recvv", kvx_recvv, METH_VARARGS,
      "recvv(fd, addrs, lens, timeout_ms): receive exactly into each (addr, len)."},
+    {"wait_readable", kvx_wait_readable, METH_VARARGS,
+     "wait_readable(fd, spin_us): poll fd without sleeping for up to spin_us; True once readable."},
     {NULL, NULL, 0, NULL},
 };
 

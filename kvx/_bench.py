@@ -29,6 +29,8 @@ import numpy as np
 from kvx._datapath import io as _io
 from kvx._worker import Worker, WorkerConfig
 from kvx.agent import Agent
+from kvx.backends.control import link as _link
+from kvx.backends.control import serve as _serve
 from kvx.descs import Descs
 from kvx.errors import ConfigError
 
@@ -299,6 +301,13 @@ class _Session:
             "memory": self.memory,
             "data_path": _io.IMPL,
             "streams": self.peer.streams,
+            # The bounded polls before a thread sleeps (both processes read the same
+            # environment): the waiting thread's for its tcp answer, the target's for
+            # its next request.
+            "spin_us": {
+                "wait": _io.spin_us("KVX_TCP_SPIN_US", _link.SPIN_US),
+                "serve": _io.spin_us("KVX_SERVE_SPIN_US", _serve.SERVE_SPIN_US),
+            },
         }
 
     def close(self) -> None:
@@ -403,7 +412,16 @@ def render_sweep(result: dict[str, Any]) -> str:
         f"{pp['ratio_p50']:.2f}x"
     )
     lines.append(f"  backend: {r['backend']}: {r['backend_reason']}")
+    lines.append(_polls(r))
     return "\n".join(lines)
+
+
+def _polls(r: dict[str, Any]) -> str:
+    spin = r["spin_us"]
+    return (
+        f"  polls before sleeping: a waiting thread up to {spin['wait']} us (KVX_TCP_SPIN_US), "
+        f"the target's serving thread up to {spin['serve']} us (KVX_SERVE_SPIN_US)"
+    )
 
 
 def plot_sweep(result: dict[str, Any], path: str) -> None:
@@ -450,6 +468,7 @@ def render(result: dict[str, Any]) -> str:
             f"  ratio:            {r['ratio']:.2f} of the {r['limit']} limit",
             f"  backend:          {r['backend']}: {r['backend_reason']}"
             + ("" if r["verified"] else "   (DATA NOT VERIFIED)"),
+            _polls(r),
         ]
     )
 

@@ -186,9 +186,9 @@ class Agent:
             lambda inode: self._listener.serves(inode),
             host,
         )
+        self._links = Links(ctx)  # before the backends: it may refuse the environment's settings
         self._backends = _load_backends(ctx)
         self._selector = Selector(self._backends)
-        self._links = Links(ctx)
         handlers = {name: b.handlers() for name, b in self._backends.items()}
         try:
             self._listener = Listener(ctx, host, port, advertise_host, handlers)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvx._datapath import staging as _staging
+from kvx._datapath.io import spin_us
 from kvx.errors import ConfigError, RegionError, TransferError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ NOT_PACKED = (4, -1)
 # How long a thread polls the event of its own copy before it sleeps on it, in
 # microseconds (Engine.wait). KVX_CUDA_SPIN_US overrides; 0 never polls.
 SPIN_US = 100
-SPIN_US_MAX = 10_000
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"
 
@@ -249,18 +249,7 @@ def copy_method() -> str:
 
 def spin_seconds() -> float:
     """KVX_CUDA_SPIN_US, checked, in seconds."""
-    raw = os.environ.get("KVX_CUDA_SPIN_US", "").strip()
-    if not raw:
-        return SPIN_US / 1e6
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= SPIN_US_MAX:
-        raise ConfigError(
-            f"KVX_CUDA_SPIN_US must be a whole number of microseconds from 0 to {SPIN_US_MAX}, not {raw!r}"
-        )
-    return value / 1e6
+    return spin_us("KVX_CUDA_SPIN_US", SPIN_US) / 1e6
 
 
 _modules: dict[int, Any] = {}

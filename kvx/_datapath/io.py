@@ -1,11 +1,13 @@
 """Selects the implementation of the native byte path: socket scatter-gather
-(sendv, recvv) and cross-memory attach to same-host processes (vm_readv,
-vm_writev, and leased_copy: the shm backend's check of descriptors against a
-lease, resolution and copy in one call; leased_post: the same with the local
+(sendv, recvv), a bounded busy-poll of a socket (wait_readable), and
+cross-memory attach to same-host processes (vm_readv, vm_writev, and
+leased_copy: the shm backend's check of descriptors against a lease,
+resolution and copy in one call; leased_post: the same with the local
 descriptors resolved against this agent's regions in that call too;
 conn_leased_post: leased_post with the connection's lease taken and given
-back in that call too; leased_triples: leased_post's checks for a copy the GPU makes, which
-writes the copy's triples for the kernel instead of moving bytes).
+back in that call too; leased_triples: leased_post's checks for a copy the
+GPU makes, which writes the copy's triples for the kernel instead of moving
+bytes).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 # numpy arrays, bytes and memoryviews all pass (the C side takes any uint64 buffer).
 sendv: Callable[[int, bytes, Any, Any, int], None]
 recvv: Callable[[int, Any, Any, int], None]
+wait_readable: Callable[[int, int], bool]
 vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
 memcpyv: Callable[[Any, Any, Any], None]
@@ -75,6 +78,7 @@ def use(choice: str) -> str:
         IMPL, \
         sendv, \
         recvv, \
+        wait_readable, \
         vm_readv, \
         vm_writev, \
         memcpyv, \
@@ -84,11 +88,32 @@ def use(choice: str) -> str:
         conn_leased_post, \
         leased_triples
     (io, cma), IMPL = _select(choice)
-    sendv, recvv = io.sendv, io.recvv
+    sendv, recvv, wait_readable = io.sendv, io.recvv, io.wait_readable
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
     conn_leased_post, leased_triples = cma.conn_leased_post, cma.leased_triples
     return IMPL
+
+
+# Bounded busy-polls (KVX_*_SPIN_US): at most 10 ms.
+SPIN_US_MAX = 10_000
+
+
+def spin_us(variable: str, default: int) -> int:
+    """A bounded busy-poll's length from the environment, checked: a whole
+    number of microseconds from 0 (never poll) to SPIN_US_MAX."""
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= SPIN_US_MAX:
+        raise ConfigError(
+            f"{variable} must be a whole number of microseconds from 0 to {SPIN_US_MAX}, not {raw!r}"
+        )
+    return value
 
 
 IMPL = ""

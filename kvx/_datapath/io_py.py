@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import time
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -72,3 +73,18 @@ def recvv(fd: int, addrs, lens, timeout_ms: int) -> None:
     """Receive exactly into each (addr, len), in order; see csrc/kvx_io.c."""
     _check_pairs(addrs, lens)
     _move_all(fd, _views(addrs, lens, True), False, timeout_ms)
+
+
+def wait_readable(fd: int, spin_us: int) -> bool:
+    """Poll fd without sleeping for at most spin_us microseconds; True once
+    it is readable (bytes, the end of the connection, an error); see
+    csrc/kvx_io.c."""
+    if spin_us < 0:
+        raise ValueError("spin_us must not be negative")
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    end = time.perf_counter() + spin_us / 1e6
+    while not poller.poll(0):  # the GIL is released in each poll
+        if time.perf_counter() >= end:
+            return False
+    return True

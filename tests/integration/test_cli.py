@@ -273,6 +273,12 @@ def test_bench_json_has_the_promised_fields():
         assert isinstance(data[key], float) and data[key] > 0, key
     assert data["verified"] is True and data["streams"] == 2 and data["bytes_per_transfer"] == 64 * 8192
     assert abs(data["ratio"] - data["throughput_gbps"] / data["limit_gbps"]) < 1e-9
+    # The bounded polls before sleeping are reported: both run in the benchmark.
+    spin = {
+        "wait": os.environ.get("KVX_TCP_SPIN_US", "100"),
+        "serve": os.environ.get("KVX_SERVE_SPIN_US", "0"),
+    }
+    assert data["spin_us"] == {k: int(v) for k, v in spin.items()}
 
 
 @pytest.mark.slow
@@ -286,6 +292,7 @@ def test_bench_write_text_output(backend, limit):
     assert result.returncode == 0, result.stderr
     assert f"of the {limit} limit" in result.stdout and "NOT VERIFIED" not in result.stdout
     assert f"backend:          {'shm' if backend == 'auto' else backend}:" in result.stdout
+    assert "polls before sleeping: a waiting thread up to" in result.stdout
 
 
 @native_pass_only  # how the command stops or refuses: no byte path

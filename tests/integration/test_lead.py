@@ -11,6 +11,7 @@ connection at once.
 
 import _thread
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -421,3 +422,87 @@ def test_many_threads_waiting_on_one_connection_lose_nothing(make_worker, make_a
     assert done == [kvx.TransferState.DONE] * (threads * per_thread)
     assert _conn(peer).answers_led > 0  # some waiting threads read their own answers
     assert peer.alive
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_waiting_thread_polls_for_its_answer_only_so_long_before_it_sleeps(
+    make_worker, make_agent, monkeypatch
+):
+    """KVX_TCP_SPIN_US: the waiting thread polls the socket without sleeping
+    for that long before it sleeps in poll(); an answer that comes meanwhile
+    is caught without the kernel waking a thread. An answer that does not
+    come costs at most that long per slice of the wait, not the wait; 0
+    never polls."""
+    monkeypatch.setenv("KVX_TCP_SPIN_US", "10000")
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote, conn = peer.regions[0], _conn(peer)
+    assert conn.spin_us == 10_000
+    caught = conn.spins_caught
+    for i in range(20):
+        peer.read(region.descs(0, BLOCK), remote.descs(i * BLOCK, BLOCK)).wait(10)
+        assert pool[:BLOCK].tobytes() == worker.expected(i * BLOCK, BLOCK).tobytes()
+    assert conn.spins_caught > caught
+
+    worker.freeze()
+    try:
+        t = peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK))
+        cpu = time.thread_time()
+        with pytest.raises(kvx.TimeoutError):
+            t.wait(1.0)
+        # About 10 ms of each 100 ms slice (link._LEAD_SLICE_S); polling throughout, 1 s.
+        assert time.thread_time() - cpu < 0.4
+    finally:
+        worker.thaw()
+    assert _wait_done(t) and t.state is kvx.TransferState.DONE
+
+    conn.spin_us = 0
+    caught = conn.spins_caught
+    for i in range(10):
+        peer.read(region.descs(0, BLOCK), remote.descs(i * BLOCK, BLOCK)).wait(10)
+    assert conn.spins_caught == caught
+
+
+def test_a_serving_thread_polls_only_after_a_request_of_an_authenticated_peer(
+    make_worker, make_agent, monkeypatch
+):
+    """KVX_SERVE_SPIN_US: after each request it answered, the target's
+    serving thread polls for the next one for that long, then sleeps. An
+    idle connection costs the target no CPU, and connections that never
+    finish their handshake never make it poll."""
+    monkeypatch.setenv("KVX_SERVE_SPIN_US", "10000")
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote = peer.regions[0]
+    for i in range(50):
+        peer.read(region.descs(0, BLOCK), remote.descs(i % 64 * BLOCK, BLOCK)).wait(10)
+        assert pool[:BLOCK].tobytes() == worker.expected(i % 64 * BLOCK, BLOCK).tobytes()
+    time.sleep(0.05)  # the last request's poll ends (10 ms)
+    cpu = _cpu_s(worker.process.pid)
+    time.sleep(1.0)
+    assert _cpu_s(worker.process.pid) - cpu < 0.3  # polling throughout: about 1 s
+
+    md = agent_pb2.AgentMetadata.FromString(worker.metadata)
+    address = next(parse_address(e.address) for e in md.endpoints if e.backend == agent_pb2.BACKEND_TCP)
+    with contextlib.ExitStack() as stack:
+        for _ in range(16):  # half a header each: the handshake waits, nothing polls
+            sock = stack.enter_context(socket.create_connection(address, timeout=5))
+            sock.sendall(wire.MAGIC)
+        cpu = _cpu_s(worker.process.pid)
+        time.sleep(1.0)
+        assert _cpu_s(worker.process.pid) - cpu < 0.3
+    peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(10)  # still served
+
+
+@pytest.mark.parametrize("variable", ["KVX_TCP_SPIN_US", "KVX_SERVE_SPIN_US"])
+def test_an_agent_refuses_a_poll_time_out_of_range(make_agent, monkeypatch, variable):
+    for bad in ("-1", "10001", "1e3", "soon"):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(kvx.ConfigError, match=f"{variable} must be a whole number of microseconds"):
+            make_agent(backend="tcp")
+    monkeypatch.setenv(variable, "0")
+    make_agent(backend="tcp").close()

@@ -43,7 +43,9 @@ def _u64(values):
 def conn():
     """A Connection as a link makes it (its reader not started), on a socket pair."""
     mine, theirs = socket.socketpair()
-    links = SimpleNamespace(ctx=SimpleNamespace(io_ms=1000, timeouts=SimpleNamespace(io_s=1.0, close_s=1.0)))
+    links = SimpleNamespace(
+        spin_us=0, ctx=SimpleNamespace(io_ms=1000, timeouts=SimpleNamespace(io_s=1.0, close_s=1.0))
+    )
     c = Connection(links, mine, "peer", 0)
     yield c, theirs
     mine.close()

@@ -3,6 +3,7 @@
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -29,7 +30,11 @@ def test_the_implementation_follows_kvx_native():
     assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
-    assert (_io.sendv, _io.recvv) == (expected.sendv, expected.recvv)
+    assert (_io.sendv, _io.recvv, _io.wait_readable) == (
+        expected.sendv,
+        expected.recvv,
+        expected.wait_readable,
+    )
 
 
 def test_kvx_native_takes_only_0_1_or_nothing():
@@ -119,3 +124,39 @@ def test_send_to_closed_peer_raises(impl):
 def test_mismatched_arrays_are_refused(impl):
     with pytest.raises(ValueError):
         impl.recvv(0, np.zeros(2, np.uint64), np.zeros(3, np.uint64), 10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wait_readable_polls_for_at_most_its_time(impl):
+    """A bounded busy-poll: False once the time is spent with nothing to
+    read, True at once for bytes, for the end of the connection and for a
+    reset; 0 looks once."""
+    a, b = socket.socketpair()
+    with a, b:
+        start = time.perf_counter()
+        assert impl.wait_readable(a.fileno(), 20_000) is False
+        assert 0.02 <= time.perf_counter() - start < 2
+        assert impl.wait_readable(a.fileno(), 0) is False
+        b.send(b"x")
+        start = time.perf_counter()
+        assert impl.wait_readable(a.fileno(), 5_000_000) is True
+        assert time.perf_counter() - start < 2  # not the 5 s it may poll for
+        assert a.recv(1) == b"x"
+        b.close()
+        assert impl.wait_readable(a.fileno(), 0) is True  # the end: the next recv says so
+        assert a.recv(1) == b""
+        with pytest.raises(ValueError, match="must not be negative"):
+            impl.wait_readable(a.fileno(), -1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wait_readable_returns_when_bytes_come_while_it_polls(impl):
+    a, b = socket.socketpair()
+    with a, b:
+        timer = threading.Timer(0.05, b.send, (b"late",))
+        timer.start()
+        try:
+            assert impl.wait_readable(a.fileno(), 5_000_000) is True
+        finally:
+            timer.join()
+        assert a.recv(4) == b"late"

@@ -86,6 +86,13 @@ _LEAD_SLICE_S = 0.1
 # it may never come whole (a window smaller than the message), and the reader,
 # which reads as the bytes come, costs only one thread wake-up more.
 _LEAD_BODY_S = 0.01
+# How long a thread in Connection.lead polls the socket for the next answer,
+# without sleeping, before it sleeps in poll(): microseconds, KVX_TCP_SPIN_US
+# overrides (0 never polls). An answer that comes within it saves the kernel's
+# wake-up of a sleeping thread, the largest single cost of a small READ on a
+# loopback or a fast network; a core is busy only while the thread waits for
+# an answer of its own transfer, at most this long per answer.
+SPIN_US = 100
 # What a waiting thread reads itself (Connection.lead): answers to these requests
 # (no pins, whose copies and revokes stay on the reader), with at most these many
 # data and payload bytes. The reader copies a large answer while the rest of it still
@@ -135,6 +142,7 @@ class Links:
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
+        self.spin_us = _io.spin_us("KVX_TCP_SPIN_US", SPIN_US)
         self._lock = threading.Lock()
         self._conns: set[Connection] = set()  # until their reader ends
         self._closed = False
@@ -393,6 +401,8 @@ class Connection:
         self.lead_turns = 0  # lead() turns ended so far
         self.lead_deadline = 0.0  # when the turn's wait ends (time.monotonic())
         self.answers_led = 0  # answers read by waiting threads (lead)
+        self.spin_us = links.spin_us
+        self.spins_caught = 0  # answers that came while a waiting thread polled (lead)
         self.sock_closed = threading.Event()
         # The reader sleeps here (an epoll set holding the socket), lead() takes the socket out.
         self._parked = select.epoll()
@@ -662,8 +672,12 @@ class Connection:
                     return False
                 had = have = _buffered(fd)
                 if had < lowat:
-                    slice_s = _LEAD_SLICE_S if lowat == 1 else _LEAD_BODY_S
-                    woke = self._lead_poll.poll(max(1, int(min(left_s, slice_s) * 1000)))
+                    if lowat == 1 and self.spin_us and _io.wait_readable(fd, self.spin_us):
+                        woke = True  # came while this thread polled: it did not sleep
+                        self.spins_caught += 1
+                    else:
+                        slice_s = _LEAD_SLICE_S if lowat == 1 else _LEAD_BODY_S
+                        woke = bool(self._lead_poll.poll(max(1, int(min(left_s, slice_s) * 1000))))
                     have = _buffered(fd)
                     if lowat > 1 and have == had:
                         # Nothing came for a while (the message stopped coming), or the poll

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvx._datapath import checksum as _checksum
+from kvx._datapath import io as _io
 from kvx._net import format_address
 from kvx.backends.control import wire as _wire
 from kvx.backends.control.sock import check_header, recv_exact, recv_header, tune
@@ -74,6 +75,13 @@ MAX_HANDSHAKES_PER_ADDRESS = 64
 _WARN_EVERY_S = 10.0
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
+# How long a serving thread polls its connection for the next request, without
+# sleeping, before it sleeps: microseconds, KVX_SERVE_SPIN_US overrides. Off by
+# default: the thread would poll after every request whether another comes or
+# not, a core's time that a busy engine may need; a target that serves small
+# requests back to back gains the kernel's wake-up of a sleeping thread per
+# request (benchmarks/RESULTS.md).
+SERVE_SPIN_US = 0
 _LINGER_BYTES = 1 << 20
 
 _ERROR_CODES: list[tuple[type[KvxError], ErrorCode]] = [
@@ -151,6 +159,7 @@ class Listener:
     ) -> None:
         self.ctx = ctx
         self.handlers = merge_handlers(handlers)
+        self.spin_us = _io.spin_us("KVX_SERVE_SPIN_US", SERVE_SPIN_US)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -454,7 +463,10 @@ class InboundConnection:
 
     def _serve(self) -> None:
         handlers = self.listener.handlers
+        fd, spin = self.sock.fileno(), self.listener.spin_us
         while not self.closing:
+            if spin:
+                _io.wait_readable(fd, spin)  # the next request, if it comes at once, without sleeping
             header = recv_header(self.sock, lambda: not self.closing)
             if header is None:
                 return
