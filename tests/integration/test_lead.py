@@ -28,16 +28,22 @@ from kvx.v1 import agent_pb2
 BLOCK = 4096
 
 
-def _thaw_once_reading(worker, peer, thread):
-    """Let the worker answer once ``thread`` reads the connection (is in lead())."""
+def _thaw_once_reading(worker, conn, thread, wait_s=10.0):
+    """Let the worker answer once ``thread`` reads the connection (is in
+    lead()), or after ``wait_s``: (the thawing thread, a list it fills with
+    whether ``thread`` was reading then)."""
+    seen = []
 
     def thaw():
-        deadline = time.monotonic() + 10
-        while _conn(peer).reading is not thread and time.monotonic() < deadline:
+        deadline = time.monotonic() + wait_s
+        while conn.reading is not thread and time.monotonic() < deadline:
             time.sleep(0.005)
+        seen.append(conn.reading is thread)
         worker.thaw()
 
-    threading.Thread(target=thaw, daemon=True).start()
+    thawer = threading.Thread(target=thaw, daemon=True)
+    thawer.start()
+    return thawer, seen
 
 
 def _peer(make_worker, make_agent, metadata=None, **agent_kwargs):
@@ -70,7 +76,7 @@ def test_the_waiting_thread_reads_its_answer_and_an_unwaited_one_is_read_by_the_
     worker.freeze()  # the answer comes only once this thread is in wait()
     t = peer.read(region.descs(0, BLOCK), remote.descs(BLOCK, BLOCK))
     led = conn.answers_led
-    _thaw_once_reading(worker, peer, threading.current_thread())
+    _thaw_once_reading(worker, conn, threading.current_thread())
     t.wait(10)
     assert conn.answers_led == led + 1
     assert pool[:BLOCK].tobytes() == worker.expected(BLOCK, BLOCK).tobytes()
@@ -84,19 +90,9 @@ def test_the_waiting_thread_reads_its_answer_and_an_unwaited_one_is_read_by_the_
 def _read_frozen(worker, peer, conn, local, remote):
     """READ with the answer held back until this thread reads the connection
     (or 0.5 s); True when it was this thread that read."""
-    me, seen = threading.current_thread(), []
     worker.freeze()
     t = peer.read(local, remote)
-
-    def thaw():
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline and conn.reading is not me:
-            time.sleep(0.005)
-        seen.append(conn.reading is me)
-        worker.thaw()
-
-    thawer = threading.Thread(target=thaw, daemon=True)
-    thawer.start()
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
     t.wait(10)
     thawer.join(10)
     assert t.state is kvx.TransferState.DONE
