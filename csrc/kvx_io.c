@@ -26,7 +26,7 @@
  * within microseconds calls it before it sleeps in poll(), and saves the
  * kernel's wake-up of a sleeping thread.
  *
- * Every function has a pure-Python twin in kvx/_io_py.py; tests run both.
+ * Every function has a pure-Python twin in kvx/_datapath/io_py.py; tests run both.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -233,8 +233,8 @@ static PyObject *kvx_wait_readable(PyObject *self, PyObject *args)
     (void)self;
     if (!PyArg_ParseTuple(args, "ii:wait_readable", &fd, &spin_us))
         return NULL;
-    if (spin_us < 0) {
-        PyErr_SetString(PyExc_ValueError, "spin_us must not be negative");
+    if (spin_us < 0 || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, spin_us < 0 ? "spin_us must not be negative" : "fd must not be negative");
         return NULL;
     }
     int ready = 0;

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import select
-import time
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -76,15 +75,12 @@ def recvv(fd: int, addrs, lens, timeout_ms: int) -> None:
 
 
 def wait_readable(fd: int, spin_us: int) -> bool:
-    """Poll fd without sleeping for at most spin_us microseconds; True once
-    it is readable (bytes, the end of the connection, an error); see
-    csrc/kvx_io.c."""
-    if spin_us < 0:
-        raise ValueError("spin_us must not be negative")
+    """True once fd is readable (bytes, the end of the connection, an error)
+    within spin_us microseconds; see csrc/kvx_io.c. The twin sleeps in one
+    poll() of whole milliseconds instead of polling without sleeping: a loop
+    here would take the GIL back after every poll."""
+    if spin_us < 0 or fd < 0:
+        raise ValueError("spin_us must not be negative" if spin_us < 0 else "fd must not be negative")
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    end = time.perf_counter() + spin_us / 1e6
-    while not poller.poll(0):  # the GIL is released in each poll
-        if time.perf_counter() >= end:
-            return False
-    return True
+    return bool(poller.poll(-(-spin_us // 1000)))

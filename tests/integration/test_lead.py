@@ -472,6 +472,21 @@ def test_a_serving_thread_polls_only_after_a_request_of_an_authenticated_peer(
     idle connection costs the target no CPU, and connections that never
     finish their handshake never make it poll."""
     monkeypatch.setenv("KVX_SERVE_SPIN_US", "10000")
+    # A target in this process, to see its serving thread: the polls catch requests.
+    target = make_agent("target", backend="tcp")
+    theirs = np.random.default_rng(0).integers(0, 256, 20 * BLOCK, dtype=np.uint8)
+    target.register(theirs, remote_access=True)
+    initiator = make_agent(backend="tcp")
+    mine = np.zeros(BLOCK, np.uint8)
+    local = initiator.register(mine)
+    near = initiator.add_peer(target.metadata())
+    for i in range(20):
+        near.read(local.descs(0, BLOCK), near.regions[0].descs(i * BLOCK, BLOCK)).wait(10)
+        assert mine.tobytes() == theirs[i * BLOCK : (i + 1) * BLOCK].tobytes()
+    (conn,) = target._listener._inbound
+    assert conn.spins_caught > 0
+
+    # A target process: its CPU while connections are idle.
     worker, _, pool, region, peer = _peer(make_worker, make_agent)
     remote = peer.regions[0]
     for i in range(50):

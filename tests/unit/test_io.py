@@ -145,8 +145,10 @@ def test_wait_readable_polls_for_at_most_its_time(impl):
         b.close()
         assert impl.wait_readable(a.fileno(), 0) is True  # the end: the next recv says so
         assert a.recv(1) == b""
-        with pytest.raises(ValueError, match="must not be negative"):
+        with pytest.raises(ValueError, match="spin_us must not be negative"):
             impl.wait_readable(a.fileno(), -1)
+        with pytest.raises(ValueError, match="fd must not be negative"):
+            impl.wait_readable(-1, 10)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -402,7 +402,7 @@ class Connection:
         self.lead_deadline = 0.0  # when the turn's wait ends (time.monotonic())
         self.answers_led = 0  # answers read by waiting threads (lead)
         self.spin_us = links.spin_us
-        self.spins_caught = 0  # answers that came while a waiting thread polled (lead)
+        self.spins_caught = 0  # polls in lead() that ended readable (an answer, or the end)
         self.sock_closed = threading.Event()
         # The reader sleeps here (an epoll set holding the socket), lead() takes the socket out.
         self._parked = select.epoll()
@@ -672,7 +672,8 @@ class Connection:
                     return False
                 had = have = _buffered(fd)
                 if had < lowat:
-                    if lowat == 1 and self.spin_us and _io.wait_readable(fd, self.spin_us):
+                    spin_us = min(self.spin_us, int(left_s * 1e6))  # a short wait polls no longer
+                    if lowat == 1 and spin_us > 0 and _io.wait_readable(fd, spin_us):
                         woke = True  # came while this thread polled: it did not sleep
                         self.spins_caught += 1
                     else:

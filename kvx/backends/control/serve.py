@@ -75,14 +75,14 @@ MAX_HANDSHAKES_PER_ADDRESS = 64
 _WARN_EVERY_S = 10.0
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
+_LINGER_BYTES = 1 << 20
 # How long a serving thread polls its connection for the next request, without
 # sleeping, before it sleeps: microseconds, KVX_SERVE_SPIN_US overrides. Off by
 # default: the thread would poll after every request whether another comes or
 # not, a core's time that a busy engine may need; a target that serves small
 # requests back to back gains the kernel's wake-up of a sleeping thread per
-# request (benchmarks/RESULTS.md).
+# request (benchmarks/RESULTS.md, "Round ten").
 SERVE_SPIN_US = 0
-_LINGER_BYTES = 1 << 20
 
 _ERROR_CODES: list[tuple[type[KvxError], ErrorCode]] = [
     (AccessError, ErrorCode.ACCESS),
@@ -332,6 +332,7 @@ class InboundConnection:
         # threads' messages (SHM_REVOKE) wait in the outbox until it is free.
         self.send_lock = threading.Lock()
         self._outbox: list[bytes] = []
+        self.spins_caught = 0  # polls for the next request that ended readable (KVX_SERVE_SPIN_US)
         # Run once the connection has ended (a backend forgets what it set up for it).
         self._close_hooks: list[Callable[[], None]] = []
         self.thread = threading.Thread(target=self._run, name=f"kvx-serve-{address}", daemon=True)
@@ -465,8 +466,8 @@ class InboundConnection:
         handlers = self.listener.handlers
         fd, spin = self.sock.fileno(), self.listener.spin_us
         while not self.closing:
-            if spin:
-                _io.wait_readable(fd, spin)  # the next request, if it comes at once, without sleeping
+            if spin and _io.wait_readable(fd, spin):  # the next request, if it comes at once: no sleep
+                self.spins_caught += 1
             header = recv_header(self.sock, lambda: not self.closing)
             if header is None:
                 return
