@@ -14,6 +14,25 @@ def test_build_broadcasts_scalars():
     assert d.total_bytes == 150
 
 
+@pytest.mark.parametrize(
+    "offset, length", [(0, 0), (4096, 16384), ((1 << 63) - 1, 1), (1 << 63, 1), (5, (1 << 64) - 1)]
+)
+def test_one_descriptor_from_plain_ints_is_the_array_paths(offset, length):
+    """Plain ints take a shorter path (ints of 2**63 and more do not); numpy
+    ints, the array path: the same list either way."""
+    short = Descs.build(9, offset, length)
+    full = Descs.build(np.uint32(9), np.uint64(offset), np.uint64(length))
+    assert short.array.dtype == full.array.dtype == DESC_DTYPE
+    assert short.array.tobytes() == full.array.tobytes()
+    assert short.array.tolist() == [(9, offset, length)]
+
+
+@pytest.mark.parametrize("offset, length", [(-1, 10), (0, -1), (True, 10), (0, 1 << 64)])
+def test_plain_ints_out_of_range_are_refused_as_before(offset, length):
+    with pytest.raises(kvx.ConfigError):
+        Descs.build(1, offset, length)
+
+
 def test_from_blocks_uses_stride_and_base():
     d = Descs.from_blocks(1, [0, 2, 5], 10, block_stride_bytes=16, base_offset_bytes=4)
     assert d.offset.tolist() == [4, 36, 84]
