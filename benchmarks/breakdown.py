@@ -16,7 +16,10 @@ median total.
 ``--untraced`` wraps nothing and prints one JSON line instead: p10, p50 and
 p99 of the same READ, kvx's own latency for before/after comparisons of a
 change on the latency path (``kvx bench --sweep`` alternates each transfer
-with its limit's, which disturbs the caches of both).
+with its limit's, which disturbs the caches of both), and the CPU time per
+READ of each process (all its threads, user and system), which shows what
+a bounded poll before sleeping costs (``KVX_TCP_SPIN_US``,
+``KVX_SERVE_SPIN_US``).
 
 ``--steps`` (shm) times, in this process, each step of the READ's inline
 path called on its own (the copy's C call with and without the lease's
@@ -163,6 +166,13 @@ def time_steps(agent: Any, peer: Any, local: Any, remote: Any, iters: int) -> di
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (/proc, 10 ms ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def target_main(conn: Any, size: int, backend: str, secret: bytes, traced: bool) -> None:
     if traced:
         instrument_target()
@@ -227,6 +237,7 @@ def main() -> int:
             STAMPS.clear()
             bounds = []
             took = []
+            cpu = (time.process_time(), _cpu_s(child.pid))
             for _ in range(0 if args.steps else args.iters):
                 begin = len(STAMPS)
                 start = time.perf_counter()
@@ -235,6 +246,7 @@ def main() -> int:
                 if traced:
                     stamp("wait returned")
                     bounds.append((begin, len(STAMPS)))
+            cpu = (time.process_time() - cpu[0], _cpu_s(child.pid) - cpu[1])
             mine.send("done")
             target = mine.recv()
             initiator = list(STAMPS)
@@ -255,6 +267,9 @@ def main() -> int:
                     "size": args.size,
                     "iters": args.iters,
                     **{f"p{q}_us": round(float(np.percentile(us, q)), 2) for q in (10, 50, 99)},
+                    "initiator_cpu_us": round(cpu[0] / args.iters * 1e6, 1),
+                    "target_cpu_us": round(cpu[1] / args.iters * 1e6, 1),
+                    "spin_us": {k: os.environ.get(k, "") for k in ("KVX_TCP_SPIN_US", "KVX_SERVE_SPIN_US")},
                 }
             )
         )
