@@ -81,13 +81,18 @@ class Descs:
         Scalars broadcast: ``Descs.build(r, offsets, 32768)``.
         """
         rid = _region_id(region)
-        if type(offsets) is int and type(lengths) is int and type(rid) is int:
-            if 0 <= offsets < 1 << 63 and 0 <= lengths < 1 << 63:
-                # One descriptor from plain ints (the latency path, ``region.descs(off, n)``):
-                # a tenth of the cost of the array path below, which gives the same list.
-                one = np.zeros(1, dtype=DESC_DTYPE)
-                one[0] = (rid, offsets, lengths)
-                return cls(one)
+        if (
+            type(offsets) is int
+            and type(lengths) is int
+            and type(rid) is int
+            and 0 <= offsets < 1 << 63
+            and 0 <= lengths < 1 << 63
+        ):
+            # One descriptor from plain ints (the latency path, ``region.descs(off, n)``):
+            # a tenth of the cost of the array path below, which gives the same list.
+            one = np.zeros(1, dtype=DESC_DTYPE)
+            one[0] = (rid, offsets, lengths)
+            return cls(one)
         off = _as_u64(offsets, "offsets")
         length = _as_u64(lengths, "lengths")
         n = max(off.size, length.size, 1 if np.ndim(rid) == 0 else np.size(rid))
