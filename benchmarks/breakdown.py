@@ -258,6 +258,9 @@ def main() -> int:
     if args.steps:
         return 0
     if not traced:
+        from kvx._datapath import io as _io
+        from kvx.backends.control import link, serve
+
         us = np.array(took) * 1e6
         print(
             json.dumps(
@@ -269,7 +272,11 @@ def main() -> int:
                     **{f"p{q}_us": round(float(np.percentile(us, q)), 2) for q in (10, 50, 99)},
                     "initiator_cpu_us": round(cpu[0] / args.iters * 1e6, 1),
                     "target_cpu_us": round(cpu[1] / args.iters * 1e6, 1),
-                    "spin_us": {k: os.environ.get(k, "") for k in ("KVX_TCP_SPIN_US", "KVX_SERVE_SPIN_US")},
+                    "mean_us": round(float(us.mean()), 2),
+                    "spin_us": {  # the polls in effect, as kvx bench reports them
+                        "wait": _io.spin_us("KVX_TCP_SPIN_US", link.SPIN_US),
+                        "serve": _io.spin_us("KVX_SERVE_SPIN_US", serve.SERVE_SPIN_US),
+                    },
                 }
             )
         )
