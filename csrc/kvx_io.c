@@ -10,6 +10,7 @@
  *   sendv(fd, prefix, addrs, lens, timeout_ms) -> None
  *   recvv(fd, addrs, lens, timeout_ms) -> None
  *   wait_readable(fd, spin_us) -> bool
+ *   peek(fd, nbytes) -> bytes
  *
  * addrs and lens are C-contiguous buffers of native uint64 (numpy uint64
  * arrays), of equal length. prefix is a bytes-like object sent before the
@@ -25,6 +26,12 @@
  * reports), False when the time ran out. A thread that expects an answer
  * within microseconds calls it before it sleeps in poll(), and saves the
  * kernel's wake-up of a sleeping thread.
+ *
+ * peek returns up to nbytes (1 to PEEK_MAX) of what the socket holds,
+ * leaving them there (MSG_PEEK, never waiting: BlockingIOError when it holds
+ * nothing, b"" at the end of the connection). Python's own recv on a socket
+ * with a timeout polls before every call; these functions try the call
+ * first and poll only when it would block.
  *
  * Every function has a pure-Python twin in kvx/_datapath/io_py.py; tests run both.
  */
@@ -45,6 +52,9 @@
 #ifndef IOV_MAX
 #define IOV_MAX 1024
 #endif
+
+/* The most peek returns: a message header is 32 bytes. */
+#define PEEK_MAX 4096
 
 enum io_status {
     IO_OK = 0,
@@ -77,8 +87,7 @@ static enum io_status move_all(int fd, struct iovec *iov, size_t iovcnt, int sen
                                int timeout_ms, size_t *moved)
 {
     size_t at = 0;
-    int flags = fcntl(fd, F_GETFL);
-    int blocking = flags >= 0 && !(flags & O_NONBLOCK);
+    int blocking = -1; /* looked up on the first EAGAIN: most calls never wait */
     *moved = 0;
     while (at < iovcnt) {
         if (iov[at].iov_len == 0) {
@@ -97,6 +106,10 @@ static enum io_status move_all(int fd, struct iovec *iov, size_t iovcnt, int sen
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (blocking < 0) {
+                    int flags = fcntl(fd, F_GETFL);
+                    blocking = flags >= 0 && !(flags & O_NONBLOCK);
+                }
                 enum io_status st = wait_ready(fd, blocking, sending ? POLLOUT : POLLIN, timeout_ms);
                 if (st != IO_OK)
                     return st;
@@ -259,6 +272,30 @@ static PyObject *kvx_wait_readable(PyObject *self, PyObject *args)
     return PyBool_FromLong(ready);
 }
 
+static PyObject *kvx_peek(PyObject *self, PyObject *args)
+{
+    int fd, nbytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "ii:peek", &fd, &nbytes))
+        return NULL;
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd must not be negative");
+        return NULL;
+    }
+    if (nbytes < 1 || nbytes > PEEK_MAX) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be 1 to %d", PEEK_MAX);
+        return NULL;
+    }
+    char buf[PEEK_MAX];
+    ssize_t n;
+    do {
+        n = recv(fd, buf, (size_t)nbytes, MSG_PEEK | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0)
+        return PyErr_SetFromErrno(PyExc_OSError); /* EAGAIN: BlockingIOError */
+    return PyBytes_FromStringAndSize(buf, n);
+}
+
 static PyMethodDef kvx_methods[] = {
     {"sendv", kvx_sendv, METH_VARARGS,
      "sendv(fd, prefix, addrs, lens, timeout_ms): send prefix, then each (addr, len)."},
@@ -266,6 +303,8 @@ static PyMethodDef kvx_methods[] = {
      "recvv(fd, addrs, lens, timeout_ms): receive exactly into each (addr, len)."},
     {"wait_readable", kvx_wait_readable, METH_VARARGS,
      "wait_readable(fd, spin_us): poll fd without sleeping for up to spin_us; True once readable."},
+    {"peek", kvx_peek, METH_VARARGS,
+     "peek(fd, nbytes): up to nbytes of what the socket holds, left there; never waits."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -279,7 +318,8 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&kvx_module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0) {
+    if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "PEEK_MAX", PEEK_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,6 @@
 """Selects the implementation of the native byte path: socket scatter-gather
-(sendv, recvv), a bounded busy-poll of a socket (wait_readable), and
+(sendv, recvv), a bounded busy-poll of a socket (wait_readable), a look
+at what a socket holds (peek), and
 cross-memory attach to same-host processes (vm_readv, vm_writev, and
 leased_copy: the shm backend's check of descriptors against a lease,
 resolution and copy in one call; leased_post: the same with the local
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 sendv: Callable[[int, bytes, Any, Any, int], None]
 recvv: Callable[[int, Any, Any, int], None]
 wait_readable: Callable[[int, int], bool]
+peek: Callable[[int, int], bytes]
 vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
 memcpyv: Callable[[Any, Any, Any], None]
@@ -79,6 +81,7 @@ def use(choice: str) -> str:
         sendv, \
         recvv, \
         wait_readable, \
+        peek, \
         vm_readv, \
         vm_writev, \
         memcpyv, \
@@ -88,7 +91,7 @@ def use(choice: str) -> str:
         conn_leased_post, \
         leased_triples
     (io, cma), IMPL = _select(choice)
-    sendv, recvv, wait_readable = io.sendv, io.recvv, io.wait_readable
+    sendv, recvv, wait_readable, peek = io.sendv, io.recvv, io.wait_readable, io.peek
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
     conn_leased_post, leased_triples = cma.conn_leased_post, cma.leased_triples

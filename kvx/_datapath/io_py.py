@@ -10,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import os
 import select
+import socket
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+PEEK_MAX = 4096
 
 
 def _views(addrs, lens, writable: bool) -> list[memoryview]:
@@ -84,3 +86,17 @@ def wait_readable(fd: int, spin_us: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(-(-spin_us // 1000)))
+
+
+def peek(fd: int, nbytes: int) -> bytes:
+    """Up to nbytes of what the socket holds, left there; never waits
+    (BlockingIOError when it holds nothing); see csrc/kvx_io.c."""
+    if fd < 0:
+        raise ValueError("fd must not be negative")
+    if not 1 <= nbytes <= PEEK_MAX:
+        raise ValueError(f"nbytes must be 1 to {PEEK_MAX}")
+    sock = socket.socket(fileno=fd)  # borrowed: detached below, never closed here
+    try:
+        return sock.recv(nbytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    finally:
+        sock.detach()

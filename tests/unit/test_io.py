@@ -2,6 +2,7 @@
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -30,10 +31,11 @@ def test_the_implementation_follows_kvx_native():
     assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
-    assert (_io.sendv, _io.recvv, _io.wait_readable) == (
+    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek) == (
         expected.sendv,
         expected.recvv,
         expected.wait_readable,
+        expected.peek,
     )
 
 
@@ -162,3 +164,45 @@ def test_wait_readable_returns_when_bytes_come_while_it_polls(impl):
         finally:
             timer.join()
         assert a.recv(4) == b"late"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_blocking_socket_times_out_by_its_own_timeout(impl):
+    """On a blocking socket the kernel waits (SO_RCVTIMEO); EAGAIN is the
+    timeout, not a reason to poll for timeout_ms more."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 100_000))
+        assert os.get_blocking(b.fileno())
+        buf = np.zeros(100, np.uint8)
+        a.send(b"x" * 40)  # some progress first: the wait is for the rest
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match="after 40 of 100 bytes"):
+            impl.recvv(b.fileno(), np.array([buf.ctypes.data], np.uint64), np.array([100], np.uint64), 5_000)
+        assert time.perf_counter() - start < 4  # the socket's 0.1 s, not the 5 s given
+        assert bytes(buf[:40]) == b"x" * 40
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("timeout", [None, 5.0])  # a blocking socket; one Python made non-blocking
+def test_peek_leaves_the_bytes_and_never_waits(impl, timeout):
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(timeout)
+        start = time.perf_counter()
+        with pytest.raises(BlockingIOError):
+            impl.peek(a.fileno(), 32)  # nothing there: at once, whatever the socket's mode
+        assert time.perf_counter() - start < 2
+        b.sendall(b"0123456789")
+        assert impl.peek(a.fileno(), 4) == b"0123"
+        assert impl.peek(a.fileno(), 32) == b"0123456789"  # fewer than asked: what is there
+        assert a.recv(32) == b"0123456789"  # still there for the next read
+        assert a.gettimeout() == timeout and os.get_blocking(a.fileno()) == (timeout is None)
+        b.close()
+        assert impl.peek(a.fileno(), 32) == b""  # the end of the connection
+        for nbytes in (0, -1, impl.PEEK_MAX + 1):
+            with pytest.raises(ValueError, match="nbytes must be 1 to"):
+                impl.peek(a.fileno(), nbytes)
+        with pytest.raises(ValueError, match="fd must not be negative"):
+            impl.peek(-1, 32)
+        assert impl.PEEK_MAX >= 32  # a message header fits

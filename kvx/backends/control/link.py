@@ -106,6 +106,9 @@ _LED_ANSWERS = frozenset(
 )
 _LEAD_MAX_DATA = 256 << 10
 _LEAD_MAX_PAYLOAD = 64 << 10
+# sendv/recvv arguments: no (address, length) pairs; one pair of a header's length.
+_NO_PAIRS = array.array("Q")
+_HEADER_LEN = array.array("Q", [_wire.HEADER_SIZE])
 # A pinned transfer is cut into requests only to spread it over several
 # streams; its bytes never pass through a message.
 _NO_BYTE_LIMIT = 1 << 62
@@ -413,6 +416,10 @@ class Connection:
             raise
         self._lead_poll = select.poll()  # only the thread in lead() uses it
         self._lead_poll.register(self.fd, select.POLLIN)
+        # Where a header that was peeked goes when it is taken off the socket (the thread
+        # with the reading turn writes it; nothing reads it).
+        self._header_taken = np.zeros(_wire.HEADER_SIZE, dtype=np.uint8)
+        self._header_at = array.array("Q", [self._header_taken.ctypes.data])
         self.reader = threading.Thread(target=self._read_loop, name=f"kvx-read-{peer}-{index}", daemon=True)
 
     def start(self) -> None:
@@ -484,8 +491,8 @@ class Connection:
                     )
                 elif data_part is not None:
                     _io.sendv(self.fd, prefix, data_part.addrs, data_part.lens, self.io_ms)
-                else:
-                    self.sock.sendall(prefix)
+                else:  # sendmsg at once (the socket's own sendall would poll() first)
+                    _io.sendv(self.fd, prefix, _NO_PAIRS, _NO_PAIRS, self.io_ms)
             finally:
                 self.send_lock.release()
         except BaseException as exc:
@@ -670,22 +677,26 @@ class Connection:
                 left_s = deadline - time.monotonic()
                 if left_s <= 0:
                     return False
-                had = have = _buffered(fd)
-                if had < lowat:
+                if lowat == 1:
+                    # Waiting for the next header: both waits return at once when the socket
+                    # is readable already, so no count of its bytes comes first.
                     spin_us = min(self.spin_us, int(left_s * 1e6))  # a short wait polls no longer
-                    if lowat == 1 and spin_us > 0 and _io.wait_readable(fd, spin_us):
-                        woke = True  # came while this thread polled: it did not sleep
-                        self.spins_caught += 1
-                    else:
-                        slice_s = _LEAD_SLICE_S if lowat == 1 else _LEAD_BODY_S
-                        woke = bool(self._lead_poll.poll(max(1, int(min(left_s, slice_s) * 1000))))
-                    have = _buffered(fd)
-                    if lowat > 1 and have == had:
-                        # Nothing came for a while (the message stopped coming), or the poll
-                        # woke for the end of the connection: the reader takes it from here.
-                        return False
-                    if not woke:
+                    if spin_us > 0 and _io.wait_readable(fd, spin_us):
+                        self.spins_caught += 1  # came while this thread polled: it did not sleep
+                    elif not self._lead_poll.poll(max(1, int(min(left_s, _LEAD_SLICE_S) * 1000))):
                         continue
+                    have = _buffered(fd)
+                else:
+                    had = have = _buffered(fd)
+                    if had < lowat:
+                        woke = bool(self._lead_poll.poll(max(1, int(min(left_s, _LEAD_BODY_S) * 1000))))
+                        have = _buffered(fd)
+                        if have == had:
+                            # Nothing came for a while (the message stopped coming), or the poll
+                            # woke for the end of the connection: the reader takes it from here.
+                            return False
+                        if not woke:
+                            continue
                 if have == 0:  # readable with nothing to read: the peer closed or reset
                     self._read_one()  # raises what the reader would
                     return False
@@ -694,9 +705,10 @@ class Connection:
                     if lowat < _wire.HEADER_SIZE:
                         return False
                     continue
-                msg_type, request_id, payload_len, _, data_len = check_header(
-                    self.sock.recv(_wire.HEADER_SIZE, socket.MSG_PEEK)
-                )
+                header = _io.peek(fd, _wire.HEADER_SIZE)
+                if len(header) < _wire.HEADER_SIZE:
+                    return False  # cannot be (the count said more): the reader sorts it out
+                msg_type, request_id, payload_len, _, data_len = check_header(header)
                 if (
                     msg_type not in _LED_ANSWERS
                     or data_len > _LEAD_MAX_DATA
@@ -723,7 +735,7 @@ class Connection:
                     continue
                 lowat = _set_lowat(self.sock, lowat, 1)
                 try:
-                    self._read_one()  # all of it is buffered: nothing here waits on the peer
+                    self._read_one(header)  # all of it is buffered: nothing here waits on the peer
                 except BaseException as exc:
                     self._reading_failed(exc)
                     if not isinstance(exc, Exception):
@@ -767,11 +779,18 @@ class Connection:
             logger.error("reading from peer %s failed", self.peer, exc_info=exc)
         self.shutdown(error or _translate(exc, self.peer, self.io_s))
 
-    def _read_one(self) -> None:
-        """Read one message and act on it; the caller has the reading turn."""
-        header = recv_header(self.sock, self._idle)
-        if header is None:
-            raise PeerLostError(f"peer {self.peer!r} closed the connection")
+    def _read_one(self, peeked: bytes | None = None) -> None:
+        """Read one message and act on it; the caller has the reading turn.
+        ``peeked``: its header, seen with ``peek`` (and checked) by a caller
+        that knows the whole message is buffered."""
+        if peeked is None:
+            header: bytes | bytearray | None = recv_header(self.sock, self._idle)
+            if header is None:
+                raise PeerLostError(f"peer {self.peer!r} closed the connection")
+        else:
+            header = peeked
+            # The same bytes, taken off the socket: one recvmsg (recv_header would poll first).
+            _io.recvv(self.fd, self._header_at, _HEADER_LEN, self.io_ms)
         msg_type, request_id, payload_len, aux, data_len = check_header(header)
         if msg_type == MsgType.SHM_REVOKE:
             self._revoke(request_id, payload_len, aux, data_len)
