@@ -29,9 +29,11 @@
  *
  * peek returns up to nbytes (1 to PEEK_MAX) of what the socket holds,
  * leaving them there (MSG_PEEK, never waiting: BlockingIOError when it holds
- * nothing, b"" at the end of the connection). Python's own recv on a socket
- * with a timeout polls before every call; these functions try the call
- * first and poll only when it would block.
+ * nothing, b"" at the end of the connection).
+ *
+ * Python's own recv and send on a socket with a timeout poll before every
+ * call; sendv and recvv try the call first and poll only when it would
+ * block, and peek never polls.
  *
  * Every function has a pure-Python twin in kvx/_datapath/io_py.py; tests run both.
  */
@@ -63,6 +65,13 @@ enum io_status {
     IO_TIMEOUT = 3, /* no progress for timeout_ms */
 };
 
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 /* Wait until fd is ready for `events`; IO_TIMEOUT after timeout_ms.
  * On a blocking socket EAGAIN means its SO_RCVTIMEO/SO_SNDTIMEO expired:
  * the kernel already waited, so that is the timeout. */
@@ -71,14 +80,23 @@ static enum io_status wait_ready(int fd, int blocking, short events, int timeout
     if (blocking)
         return IO_TIMEOUT;
     struct pollfd pfd = {.fd = fd, .events = events, .revents = 0};
+    int64_t end = now_ns() + (int64_t)timeout_ms * 1000000;
+    int left_ms = timeout_ms;
     for (;;) {
-        int rc = poll(&pfd, 1, timeout_ms);
+        int rc = poll(&pfd, 1, left_ms);
         if (rc > 0)
             return IO_OK; /* readable, writable, or an error the next call reports */
         if (rc == 0)
             return IO_TIMEOUT;
         if (errno != EINTR)
             return IO_ERRNO;
+        /* A signal: poll again for what is left, so that signals cannot stretch the wait. */
+        if (timeout_ms < 0)
+            continue;
+        int64_t left_ns = end - now_ns();
+        if (left_ns <= 0)
+            return IO_TIMEOUT;
+        left_ms = (int)((left_ns + 999999) / 1000000);
     }
 }
 
@@ -231,13 +249,6 @@ static PyObject *kvx_recvv(PyObject *self, PyObject *args)
     PyBuffer_Release(&addrs);
     PyBuffer_Release(&lens);
     return res;
-}
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 static PyObject *kvx_wait_readable(PyObject *self, PyObject *args)

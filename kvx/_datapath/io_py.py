@@ -8,12 +8,18 @@ not built. Tests run against both.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import select
 import socket
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 PEEK_MAX = 4096
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_recv = _libc.recv
+_recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_recv.restype = ctypes.c_ssize_t
 
 
 def _views(addrs, lens, writable: bool) -> list[memoryview]:
@@ -90,13 +96,19 @@ def wait_readable(fd: int, spin_us: int) -> bool:
 
 def peek(fd: int, nbytes: int) -> bytes:
     """Up to nbytes of what the socket holds, left there; never waits
-    (BlockingIOError when it holds nothing); see csrc/kvx_io.c."""
+    (BlockingIOError when it holds nothing); see csrc/kvx_io.c. Through
+    libc's recv, not a socket object: one made for the fd would own it
+    (an exception at the wrong moment would close it) and would take
+    socket.getdefaulttimeout() into the fd's mode."""
     if fd < 0:
         raise ValueError("fd must not be negative")
     if not 1 <= nbytes <= PEEK_MAX:
         raise ValueError(f"nbytes must be 1 to {PEEK_MAX}")
-    sock = socket.socket(fileno=fd)  # borrowed: detached below, never closed here
-    try:
-        return sock.recv(nbytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    finally:
-        sock.detach()
+    buf = ctypes.create_string_buffer(nbytes)
+    while True:
+        n = _recv(fd, buf, nbytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        if n >= 0:
+            return buf.raw[:n]
+        err = ctypes.get_errno()
+        if err != errno.EINTR:
+            raise OSError(err, os.strerror(err))  # EAGAIN: BlockingIOError

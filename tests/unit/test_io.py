@@ -1,6 +1,7 @@
 """The C data path and its pure-Python twin: same bytes, same errors."""
 
 import os
+import signal
 import socket
 import struct
 import threading
@@ -187,22 +188,57 @@ def test_a_blocking_socket_times_out_by_its_own_timeout(impl):
 @pytest.mark.parametrize("timeout", [None, 5.0])  # a blocking socket; one Python made non-blocking
 def test_peek_leaves_the_bytes_and_never_waits(impl, timeout):
     a, b = socket.socketpair()
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(1.0)  # must neither make peek wait nor leak into the fd's mode
+    try:
+        with a, b:
+            a.settimeout(timeout)
+            start = time.perf_counter()
+            with pytest.raises(BlockingIOError):
+                impl.peek(a.fileno(), 32)  # nothing there: at once, whatever the socket's mode
+            assert time.perf_counter() - start < 0.5
+            b.sendall(b"0123456789")
+            assert impl.peek(a.fileno(), 4) == b"0123"
+            assert impl.peek(a.fileno(), 32) == b"0123456789"  # fewer than asked: what is there
+            assert a.recv(32) == b"0123456789"  # still there for the next read
+            assert a.gettimeout() == timeout and os.get_blocking(a.fileno()) == (timeout is None)
+            b.close()
+            assert impl.peek(a.fileno(), 32) == b""  # the end of the connection
+            os.fstat(a.fileno())  # the fd is still open: peek never owns it
+            for nbytes in (0, -1, impl.PEEK_MAX + 1):
+                with pytest.raises(ValueError, match="nbytes must be 1 to"):
+                    impl.peek(a.fileno(), nbytes)
+            with pytest.raises(ValueError, match="fd must not be negative"):
+                impl.peek(-1, 32)
+            assert impl.PEEK_MAX >= 32  # a message header fits
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_signals_do_not_stretch_a_wait_past_its_timeout(impl):
+    """A wait interrupted by signals polls only for what is left of its
+    timeout: signals every 20 ms against a 300 ms wait for bytes that never
+    come."""
+    a, b = socket.socketpair()
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    # The signals stop after 2 s whatever happens (from another thread: the waiting one is
+    # inside the call), so that a wait they stretch still ends, and fails the bound below.
+    stop = threading.Timer(2.0, signal.setitimer, (signal.ITIMER_REAL, 0))
     with a, b:
-        a.settimeout(timeout)
+        b.settimeout(5)  # non-blocking underneath: the data path waits in poll()
+        buf = np.zeros(100, np.uint8)
+        signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+        stop.start()
         start = time.perf_counter()
-        with pytest.raises(BlockingIOError):
-            impl.peek(a.fileno(), 32)  # nothing there: at once, whatever the socket's mode
-        assert time.perf_counter() - start < 2
-        b.sendall(b"0123456789")
-        assert impl.peek(a.fileno(), 4) == b"0123"
-        assert impl.peek(a.fileno(), 32) == b"0123456789"  # fewer than asked: what is there
-        assert a.recv(32) == b"0123456789"  # still there for the next read
-        assert a.gettimeout() == timeout and os.get_blocking(a.fileno()) == (timeout is None)
-        b.close()
-        assert impl.peek(a.fileno(), 32) == b""  # the end of the connection
-        for nbytes in (0, -1, impl.PEEK_MAX + 1):
-            with pytest.raises(ValueError, match="nbytes must be 1 to"):
-                impl.peek(a.fileno(), nbytes)
-        with pytest.raises(ValueError, match="fd must not be negative"):
-            impl.peek(-1, 32)
-        assert impl.PEEK_MAX >= 32  # a message header fits
+        try:
+            with pytest.raises(TimeoutError, match="no progress"):
+                impl.recvv(
+                    b.fileno(), np.array([buf.ctypes.data], np.uint64), np.array([100], np.uint64), 300
+                )
+            elapsed = time.perf_counter() - start
+        finally:
+            stop.cancel()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert 0.29 <= elapsed < 1.5

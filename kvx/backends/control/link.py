@@ -405,7 +405,9 @@ class Connection:
         self.lead_deadline = 0.0  # when the turn's wait ends (time.monotonic())
         self.answers_led = 0  # answers read by waiting threads (lead)
         self.spin_us = links.spin_us
-        self.spins_caught = 0  # polls in lead() that ended readable (an answer, or the end)
+        # Waits in lead() that ended readable without sleeping: the answer (or the end) came
+        # while the thread polled, or was there already. A test and diagnostic counter.
+        self.spins_caught = 0
         self.sock_closed = threading.Event()
         # The reader sleeps here (an epoll set holding the socket), lead() takes the socket out.
         self._parked = select.epoll()
@@ -682,7 +684,7 @@ class Connection:
                     # is readable already, so no count of its bytes comes first.
                     spin_us = min(self.spin_us, int(left_s * 1e6))  # a short wait polls no longer
                     if spin_us > 0 and _io.wait_readable(fd, spin_us):
-                        self.spins_caught += 1  # came while this thread polled: it did not sleep
+                        self.spins_caught += 1  # readable within the poll: the thread did not sleep
                     elif not self._lead_poll.poll(max(1, int(min(left_s, _LEAD_SLICE_S) * 1000))):
                         continue
                     have = _buffered(fd)
@@ -707,7 +709,7 @@ class Connection:
                     continue
                 header = _io.peek(fd, _wire.HEADER_SIZE)
                 if len(header) < _wire.HEADER_SIZE:
-                    return False  # cannot be (the count said more): the reader sorts it out
+                    return False  # less than counted (urgent data stops a peek): the reader's
                 msg_type, request_id, payload_len, _, data_len = check_header(header)
                 if (
                     msg_type not in _LED_ANSWERS
