@@ -24,7 +24,12 @@ from kvx.descs import Descs
 from kvx.plan.links import Curve
 
 K, M = 1024, 1 << 20
-TOLERANCE = 0.15
+# The worst error allowed. tcp has more: on 2026-11-29 this 2-core VM's tcp READs of
+# exactly 2 and 3 MiB took 10-25% longer than their neighbours (1.875, 2.125, 2.875
+# and 3.125 MiB; the cause is not found), so the curve through those calibration sizes
+# overestimated 2.5 MiB by 11-19% in nine runs (the code of the day and of the day
+# before alike): a step no interpolation knows (docs/plan.md, "Calibrating").
+TOLERANCE = {"tcp": 0.25, "shm": 0.15}
 ROUNDS = 60
 ROUND_BYTES = 16 * M  # per size and round: a few transfers of the large sizes, up to 30 of the small
 
@@ -110,4 +115,4 @@ def test_curve_predicts_held_out_sizes(backend, calibrate, held_out):
     assert sorted(errors) == sorted(held_out)  # every held-out size is checked
     report = ", ".join(f"{n // K} KiB {e:+.1%}" for n, e in errors.items())
     print(f"\n{backend}: predicted vs measured p50 ({time.monotonic() - started:.1f} s): {report}")
-    assert max(abs(e) for e in errors.values()) <= TOLERANCE, report
+    assert max(abs(e) for e in errors.values()) <= TOLERANCE[backend], report
