@@ -409,23 +409,30 @@ def test_a_prefix_hit_on_decode_still_releases_prefill(
 
 def test_abort_on_decode_releases_prefill(cluster: dict[str, Any]) -> None:
     params = prefill_leg(cluster, PROMPTS[2])
-    try:
-        # As many tokens as fit (the tiny model makes 200 in under 50 ms): decode is
-        # still generating when the client goes away.
-        answer = complete(
-            cluster["decode"].url,
-            PROMPTS[2],
-            kv=params,
-            max_tokens=MAX_MODEL_LEN - len(PROMPTS[2]),
-            ignore_eos=True,
-            timeout_s=0.05,
-        )
-    except httpx.TimeoutException:
-        pass  # the client went away mid-request: decode aborts it
-    else:
-        pytest.fail(
-            f"decode answered within 50 ms, nothing to abort: {answer.status_code} {answer.text[:500]}"
-        )
+    url = cluster["decode"].url
+    body = _with_model(
+        url,
+        {
+            "model": "m",
+            "prompt": PROMPTS[2],
+            # As many tokens as fit, streamed: the client goes away at the first of them,
+            # while decode still has hundreds to make, and decode aborts the request. (A
+            # deadline on a whole answer raced the engine: one run made them all in time.)
+            "max_tokens": MAX_MODEL_LEN - len(PROMPTS[2]),
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "kv_transfer_params": params,
+        },
+    )
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                assert line != "data: [DONE]", "decode finished before the client went away: nothing to abort"
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                assert choices[0].get("finish_reason") is None, f"decode finished at once: {line[:300]}"
+                break  # the first tokens: leave, closing the connection
     wait_until(lambda: prefill_blocks_in_use(cluster) == 0, LEASE_S + 10, "prefill freed the blocks")
     # Decode is healthy afterwards.
     assert complete(cluster["decode"].url, PROMPTS[0]).status_code == 200
