@@ -11,6 +11,8 @@
  *   recvv(fd, addrs, lens, timeout_ms) -> None
  *   wait_readable(fd, spin_us) -> bool
  *   peek(fd, nbytes) -> bytes
+ *   serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms)
+ *       -> None, or the descriptor payload
  *
  * addrs and lens are C-contiguous buffers of native uint64 (numpy uint64
  * arrays), of equal length. prefix is a bytes-like object sent before the
@@ -30,6 +32,20 @@
  * peek returns up to nbytes (1 to PEEK_MAX) of what the socket holds,
  * leaving them there (MSG_PEEK, never waiting: BlockingIOError when it holds
  * nothing, b"" at the end of the connection).
+ *
+ * serve_read answers a small READ_REQ whose 32-byte header the caller has
+ * read: it receives the payload_len bytes of descriptors (24 bytes each:
+ * uint32 region, 4 bytes of padding, uint64 offset, uint64 length; at most
+ * SERVE_MAX_DESCS), then pins the region table (`table`, a
+ * kvx.memory.RegionTable: pin_table() gives (token, bases and sizes uint64,
+ * flags uint8, devices int32, indexed by region id); release(token) after,
+ * whatever happens), checks each descriptor (the region's flags carry
+ * every bit of `need`, it is host memory (device < 0), the range lies
+ * inside it) and the total against max_bytes, and sends `header` (the
+ * READ_RESP frame, its last 8 bytes set here to the total, little-endian)
+ * and the ranges in one sendmsg. When a check fails it sends nothing and
+ * returns the payload, for the caller to find and answer the error. No pin
+ * is held while the descriptors are awaited.
  *
  * Python's own recv and send on a socket with a timeout poll before every
  * call; sendv and recvv try the call first and poll only when it would
@@ -57,6 +73,11 @@
 
 /* The most peek returns: a message header is 32 bytes. */
 #define PEEK_MAX 4096
+
+/* serve_read: a frame header's size, a descriptor's, the most descriptors. */
+#define HEADER_BYTES 32
+#define DESC_BYTES 24
+#define SERVE_MAX_DESCS 64
 
 enum io_status {
     IO_OK = 0,
@@ -307,6 +328,184 @@ static PyObject *kvx_peek(PyObject *self, PyObject *args)
     return PyBytes_FromStringAndSize(buf, n);
 }
 
+struct wire_desc {
+    uint32_t region;
+    uint32_t pad;
+    uint64_t offset;
+    uint64_t length;
+};
+
+/* serve_read's checks: the iovecs of the ranges and their total, or -1 when
+ * a descriptor or the total is refused. */
+static int serve_resolve(const struct wire_desc *d, size_t nd, const uint64_t *bases, const uint64_t *sizes,
+                         const uint8_t *flags, const int32_t *devices, size_t top, unsigned int need,
+                         uint64_t max_bytes, struct iovec *iov, uint64_t *total)
+{
+    uint64_t t = 0;
+    for (size_t i = 0; i < nd; i++) {
+        uint32_t r = d[i].region;
+        if (r >= top || (flags[r] & need) != need || devices[r] >= 0)
+            return -1;
+        uint64_t base = bases[r], size = sizes[r], off = d[i].offset, n = d[i].length;
+        if (off > size || n > size - off || base > UINT64_MAX - off || n > UINT64_MAX - (base + off) ||
+            n > max_bytes - t)
+            return -1;
+        iov[i].iov_base = (void *)(uintptr_t)(base + off);
+        iov[i].iov_len = (size_t)n;
+        t += n;
+    }
+    *total = t;
+    return 0;
+}
+
+static PyObject *s_pin_table, *s_release; /* RegionTable's methods, interned */
+
+/* Fill `b` from a C-contiguous buffer of `itemsize`-byte items; 0 or -1. */
+static int table_buffer(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (b->len != itemsize * count) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_ValueError,
+                        "serve_read: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) "
+                        "of one length");
+        return -1;
+    }
+    return 0;
+}
+
+/* serve_read's work under the pin: the table's arrays taken from `pinned`
+ * (pin_table's tuple), the descriptors resolved, the answer sent.
+ * 1: refused, nothing sent; 0: sent; -1: a Python error set. */
+static int serve_pinned(int fd, const Py_buffer *header, const struct wire_desc *descs, size_t nd, PyObject *pinned,
+                        unsigned int need, uint64_t max_bytes, int timeout_ms)
+{
+    if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) != 5) {
+        PyErr_SetString(PyExc_ValueError, "serve_read: pin_table() must give a 5-tuple");
+        return -1;
+    }
+    Py_buffer fb, bb, sb, db;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(pinned, 3), &fb, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t top = fb.len;
+    int rc = -1;
+    if (table_buffer(PyTuple_GET_ITEM(pinned, 1), &bb, 8, top) < 0)
+        goto no_bases;
+    if (table_buffer(PyTuple_GET_ITEM(pinned, 2), &sb, 8, top) < 0)
+        goto no_sizes;
+    if (table_buffer(PyTuple_GET_ITEM(pinned, 4), &db, 4, top) < 0)
+        goto no_devices;
+    struct iovec iov[SERVE_MAX_DESCS + 1];
+    uint64_t total = 0;
+    if (serve_resolve(descs, nd, bb.buf, sb.buf, fb.buf, db.buf, (size_t)top, need, max_bytes, iov + 1, &total)) {
+        rc = 1;
+        goto done;
+    }
+    unsigned char frame[HEADER_BYTES];
+    memcpy(frame, header->buf, HEADER_BYTES);
+    for (int i = 0; i < 8; i++)
+        frame[HEADER_BYTES - 8 + i] = (unsigned char)(total >> (8 * i));
+    iov[0].iov_base = frame;
+    iov[0].iov_len = HEADER_BYTES;
+    size_t moved = 0;
+    enum io_status st;
+    int saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = move_all(fd, iov, nd + 1, 1, timeout_ms, &moved);
+    saved_errno = errno;
+    Py_END_ALLOW_THREADS
+    if (st != IO_OK)
+        raise_status(st, saved_errno, moved, HEADER_BYTES + (size_t)total);
+    else
+        rc = 0;
+done:
+    PyBuffer_Release(&db);
+no_devices:
+    PyBuffer_Release(&sb);
+no_sizes:
+    PyBuffer_Release(&bb);
+no_bases:
+    PyBuffer_Release(&fb);
+    return rc;
+}
+
+static PyObject *kvx_serve_read(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    unsigned int need;
+    unsigned long long max_bytes;
+    Py_ssize_t payload_len;
+    Py_buffer header;
+    PyObject *table;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*nOIKi:serve_read", &fd, &header, &payload_len, &table, &need, &max_bytes,
+                          &timeout_ms))
+        return NULL;
+    PyObject *result = NULL;
+    if (header.len != HEADER_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "serve_read: the header must be 32 bytes");
+        goto done;
+    }
+    if (payload_len <= 0 || payload_len > SERVE_MAX_DESCS * DESC_BYTES || payload_len % DESC_BYTES) {
+        PyErr_Format(PyExc_ValueError, "serve_read: 1 to %d whole descriptors of %d bytes", SERVE_MAX_DESCS,
+                     DESC_BYTES);
+        goto done;
+    }
+    /* The descriptors first, with nothing pinned: a peer that sends them
+     * slowly holds up no deregister. */
+    struct wire_desc descs[SERVE_MAX_DESCS];
+    struct iovec piov = {.iov_base = descs, .iov_len = (size_t)payload_len};
+    size_t moved = 0;
+    enum io_status st;
+    int saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = move_all(fd, &piov, 1, 0, timeout_ms, &moved);
+    saved_errno = errno;
+    Py_END_ALLOW_THREADS
+    if (st != IO_OK) {
+        raise_status(st, saved_errno, moved, (size_t)payload_len);
+        goto done;
+    }
+    PyObject *pinned = PyObject_CallMethodNoArgs(table, s_pin_table);
+    if (pinned == NULL)
+        goto done;
+    if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) < 1) {
+        /* Nothing to release: not a pin. */
+        PyErr_SetString(PyExc_ValueError, "serve_read: pin_table() must give a 5-tuple");
+        Py_DECREF(pinned);
+        goto done;
+    }
+    int rc = serve_pinned(fd, &header, descs, (size_t)payload_len / DESC_BYTES, pinned, need,
+                          (uint64_t)max_bytes, timeout_ms);
+    /* The pin goes back whatever happened; the first error wins. */
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *r = PyObject_CallMethodOneArg(table, s_release, PyTuple_GET_ITEM(pinned, 0));
+    Py_DECREF(pinned);
+    if (r == NULL) {
+        if (et != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(et, ev, etb);
+        }
+        goto done;
+    }
+    Py_DECREF(r);
+    if (et != NULL) {
+        PyErr_Restore(et, ev, etb);
+        goto done;
+    }
+    if (rc == 1)
+        result = PyBytes_FromStringAndSize((const char *)descs, payload_len);
+    else if (rc == 0) {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    PyBuffer_Release(&header);
+    return result;
+}
+
 static PyMethodDef kvx_methods[] = {
     {"sendv", kvx_sendv, METH_VARARGS,
      "sendv(fd, prefix, addrs, lens, timeout_ms): send prefix, then each (addr, len)."},
@@ -316,6 +515,9 @@ static PyMethodDef kvx_methods[] = {
      "wait_readable(fd, spin_us): poll fd without sleeping for up to spin_us; True once readable."},
     {"peek", kvx_peek, METH_VARARGS,
      "peek(fd, nbytes): up to nbytes of what the socket holds, left there; never waits."},
+    {"serve_read", kvx_serve_read, METH_VARARGS,
+     "serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms): "
+     "answer a small READ_REQ; None once sent, else its descriptor payload, nothing sent."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -326,11 +528,16 @@ static struct PyModuleDef kvx_module = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
+    if (s_pin_table == NULL && (s_pin_table = PyUnicode_InternFromString("pin_table")) == NULL)
+        return NULL;
+    if (s_release == NULL && (s_release = PyUnicode_InternFromString("release")) == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&kvx_module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0 ||
-        PyModule_AddIntConstant(m, "PEEK_MAX", PEEK_MAX) < 0) {
+        PyModule_AddIntConstant(m, "PEEK_MAX", PEEK_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "SERVE_MAX_DESCS", SERVE_MAX_DESCS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,9 +12,13 @@ import errno
 import os
 import select
 import socket
+import struct
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 PEEK_MAX = 4096
+SERVE_MAX_DESCS = 64
+_DESC = struct.Struct("<IIQQ")  # region, padding, offset, length
+_U64_MAX = (1 << 64) - 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _recv = _libc.recv
@@ -112,3 +116,49 @@ def peek(fd: int, nbytes: int) -> bytes:
         err = ctypes.get_errno()
         if err != errno.EINTR:
             raise OSError(err, os.strerror(err))  # EAGAIN: BlockingIOError
+
+
+def serve_read(
+    fd: int, header, payload_len: int, table, need: int, max_bytes: int, timeout_ms: int
+) -> bytes | None:
+    """Answer a small READ_REQ: receive its descriptors, pin ``table``, check
+    them, send the header (its data length set) and the ranges, release the
+    pin; None once sent, else the payload, nothing sent; see csrc/kvx_io.c."""
+    if len(header) != 32:
+        raise ValueError("serve_read: the header must be 32 bytes")
+    if not 0 < payload_len <= SERVE_MAX_DESCS * _DESC.size or payload_len % _DESC.size:
+        raise ValueError(f"serve_read: 1 to {SERVE_MAX_DESCS} whole descriptors of {_DESC.size} bytes")
+    payload = bytearray(payload_len)
+    _move_all(fd, [memoryview(payload)], False, timeout_ms)  # nothing pinned while it comes
+    pinned = table.pin_table()
+    try:
+        _, bases, sizes, flags, devices = pinned
+        flags = memoryview(flags).cast("B")
+        top = len(flags)
+        base_of = memoryview(bases).cast("B").cast("Q")
+        size_of = memoryview(sizes).cast("B").cast("Q")
+        device_of = memoryview(devices).cast("B").cast("i")
+        if len(base_of) != top or len(size_of) != top or len(device_of) != top:
+            raise ValueError(
+                "serve_read: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) "
+                "of one length"
+            )
+        views, total = [], 0
+        for region, _, offset, length in _DESC.iter_unpack(payload):
+            if region >= top or flags[region] & need != need or device_of[region] >= 0:
+                return bytes(payload)
+            base, size = base_of[region], size_of[region]
+            if offset > size or length > size - offset or base + offset + length > _U64_MAX:
+                return bytes(payload)
+            if length > max_bytes - total:
+                return bytes(payload)
+            total += length
+            if length:
+                views.append(
+                    memoryview((ctypes.c_char * length).from_address(base + offset)).cast("B").toreadonly()
+                )
+        frame = bytes(header[:24]) + total.to_bytes(8, "little")
+        _move_all(fd, [memoryview(frame), *views], True, timeout_ms)
+        return None
+    finally:
+        table.release(pinned[0])

@@ -1,5 +1,6 @@
 """The C data path and its pure-Python twin: same bytes, same errors."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import pytest
 
 from kvx._datapath import io as _io
 from kvx._datapath import io_py as _io_py
+from kvx.backends.tcp.serve import SMALL_READ_DESCS
 from kvx.errors import ConfigError
 
 try:
@@ -32,11 +34,12 @@ def test_the_implementation_follows_kvx_native():
     assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
-    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek) == (
+    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek, _io.serve_read) == (
         expected.sendv,
         expected.recvv,
         expected.wait_readable,
         expected.peek,
+        expected.serve_read,
     )
 
 
@@ -242,3 +245,175 @@ def test_signals_do_not_stretch_a_wait_past_its_timeout(impl):
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         assert 0.29 <= elapsed < 1.5
+
+
+# serve_read: a region table with kvx.memory.RegionTable's pin_table and release.
+_READ_OK = 1 | 2  # VALID | REMOTE_READ
+
+
+class _Table:
+    """Three regions over one buffer: 0 readable host memory, 1 registered
+    without remote read, 2 readable but on a CUDA device; then a hole. Counts
+    its pins, and records how many it held when each came."""
+
+    def __init__(self) -> None:
+        self.buf = np.arange(3 * 4096, dtype=np.uint64).view(np.uint8).copy()
+        base = self.buf.ctypes.data
+        self.tables = (
+            np.array([base, base + 4096, base + 8192, 0], dtype=np.uint64),
+            np.array([4096, 4096, 4096, 0], dtype=np.uint64),
+            np.array([_READ_OK, 1, _READ_OK, 0], dtype=np.uint8),
+            np.array([-1, -1, 0, -1], dtype=np.int32),
+        )
+        self.pinned: set[int] = set()
+        self.pins = 0
+
+    def pin_table(self):
+        self.pins += 1
+        self.pinned.add(self.pins)
+        return (self.pins, *self.tables)
+
+    def release(self, token):
+        self.pinned.remove(token)
+
+
+def _payload(descs) -> bytes:
+    return b"".join(struct.pack("<IIQQ", r, 0, o, n) for r, o, n in descs)
+
+
+def _serve(impl, table, descs, max_bytes=1 << 20):
+    """Send descs' payload from one end of a socket pair and serve it at the
+    other: (the payload, what serve_read returned, the bytes it sent)."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        payload = _payload(descs)
+        a.sendall(payload)
+        got = impl.serve_read(
+            b.fileno(), b"H" * 24 + b"\xff" * 8, len(payload), table, _READ_OK, max_bytes, 5000
+        )
+        a.setblocking(False)
+        sent = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := a.recv(1 << 20):
+                sent += chunk
+        assert (table.pins, table.pinned) == (1, set()), "one pin, released"
+        return payload, got, sent
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_sends_the_header_with_its_length_then_the_ranges(impl):
+    table = _Table()
+    descs = [(0, 100, 28), (0, 0, 0), (0, 4000, 96), (0, 7, 1)]
+    _, got, sent = _serve(impl, table, descs)
+    assert got is None
+    want = b"".join(bytes(table.buf[o : o + n]) for _, o, n in descs)
+    assert sent == b"H" * 24 + struct.pack("<Q", len(want)) + want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        (1, 0, 8),  # no remote read
+        (2, 0, 8),  # CUDA memory: the staged path's
+        (3, 0, 0),  # a hole in the table
+        (4, 0, 8),  # past the table
+        (0, 4090, 7),  # one byte past the end
+        (0, 4097, 0),  # an offset past the end
+        (0, 2**64 - 1, 2),  # offset + length wraps
+        (0, 8, 2**64 - 4),  # length wraps the address
+    ],
+)
+def test_serve_read_refuses_without_sending_a_byte(impl, bad):
+    """Any descriptor refused: nothing goes out, and the payload comes back
+    for the caller's checks to answer with the reason."""
+    payload, got, sent = _serve(impl, _Table(), [(0, 0, 16), bad])
+    assert got == payload
+    assert sent == b""
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_refuses_a_total_over_max_bytes(impl):
+    _, got, sent = _serve(impl, _Table(), [(0, 0, 4096)], max_bytes=4096)
+    assert got is None and len(sent) == 32 + 4096
+    payload, got, sent = _serve(impl, _Table(), [(0, 0, 4096), (0, 0, 1)], max_bytes=4096)
+    assert (got, sent) == (payload, b"")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("payload_len", [0, 23, 25, 65 * 24, -24])
+def test_serve_read_takes_1_to_64_whole_descriptors(impl, payload_len):
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(ValueError, match="whole descriptors"):
+        impl.serve_read(b.fileno(), b"H" * 32, payload_len, _Table(), _READ_OK, 1 << 20, 100)
+    assert impl.SERVE_MAX_DESCS == 64 >= SMALL_READ_DESCS
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_checks_its_buffers_and_releases_the_pin(impl):
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValueError, match="header must be 32 bytes"):
+            impl.serve_read(b.fileno(), b"H" * 31, 24, _Table(), _READ_OK, 1 << 20, 100)
+        for column, wrong in ((1, np.zeros(3, np.uint64)), (3, np.zeros(4, np.int64))):
+            table = _Table()
+            table.tables = tuple(wrong if i == column else t for i, t in enumerate(table.tables))
+            a.sendall(_payload([(0, 0, 8)]))
+            with pytest.raises(ValueError, match="one length"):
+                impl.serve_read(b.fileno(), b"H" * 32, 24, table, _READ_OK, 1 << 20, 100)
+            assert (table.pins, table.pinned) == (1, set())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_pins_nothing_while_the_descriptors_come(impl):
+    """A peer that sends its descriptors slowly must not hold deregister
+    back: the table is pinned only once they are all in."""
+    table = _Table()
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        payload = _payload([(0, 0, 64), (0, 64, 64)])
+        a.sendall(payload[:30])
+        seen = []
+        timer = threading.Timer(0.3, lambda: (seen.append(set(table.pinned)), a.sendall(payload[30:])))
+        timer.start()
+        assert impl.serve_read(b.fileno(), b"H" * 32, len(payload), table, _READ_OK, 1 << 20, 5000) is None
+        timer.join()
+        assert seen == [set()] and (table.pins, table.pinned) == (1, set())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_is_bounded_in_time_and_sees_the_end(impl):
+    """Descriptors that never come: TimeoutError after timeout_ms, not a
+    hang; a peer that leaves halfway: ConnectionResetError. Nothing pinned."""
+    table = _Table()
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        a.sendall(b"x" * 30)  # one descriptor and a quarter of the next
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            impl.serve_read(b.fileno(), b"H" * 32, 48, table, _READ_OK, 1 << 20, 200)
+        assert 0.15 < time.monotonic() - start < 3
+    a, b = socket.socketpair()
+    with b:
+        b.settimeout(5)
+        a.sendall(b"x" * 30)
+        a.close()
+        with pytest.raises(ConnectionResetError):
+            impl.serve_read(b.fileno(), b"H" * 32, 48, table, _READ_OK, 1 << 20, 5000)
+    assert table.pins == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_releases_the_pin_when_the_send_fails(impl):
+    table = _Table()
+    a, b = socket.socketpair()
+    with b:
+        b.settimeout(5)
+        a.sendall(_payload([(0, 0, 4096)]))
+        a.close()
+        with pytest.raises(OSError):  # EPIPE, or a reset
+            impl.serve_read(b.fileno(), b"H" * 32, 24, table, _READ_OK, 1 << 20, 5000)
+    assert (table.pins, table.pinned) == (1, set())

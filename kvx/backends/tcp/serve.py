@@ -8,22 +8,53 @@ data of a refused WRITE is drained); one that breaks the framing ends it.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvx._datapath import gpu
 from kvx._datapath import io as _io
 from kvx._datapath import staging as _staging
 from kvx.backends.control import wire as _wire
-from kvx.backends.control.serve import Fatal, InboundConnection
+from kvx.backends.control.serve import DESC_SIZE, Fatal, InboundConnection
 from kvx.backends.control.sock import drain, recv_exact
 from kvx.backends.control.wire import MsgType
-from kvx.descs import total_bytes
+from kvx.descs import DESC_DTYPE, total_bytes
 from kvx.errors import AccessError, ConfigError, LimitError, PeerLostError, ProtocolError
-from kvx.memory import REMOTE_READ, REMOTE_WRITE
+from kvx.memory import REMOTE_READ, REMOTE_WRITE, VALID
+
+
+# A READ of at most this many descriptors is answered in one native call.
+SMALL_READ_DESCS = 64
 
 
 def on_read(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     if aux or data_len:
         raise Fatal(ProtocolError("READ_REQ carries no data"), request_id)
-    descs = conn.recv_descs(request_id, payload_len)
+    limits = conn.ctx.limits
+    if 0 < payload_len <= min(SMALL_READ_DESCS, limits.max_descs_per_message) * DESC_SIZE and not (
+        payload_len % DESC_SIZE
+    ):
+        # The common small READ of host memory: received, checked and answered
+        # in one call, which pins the table once the descriptors are in. A
+        # refused one comes back untouched, for the checks below to name what
+        # is wrong.
+        payload = _io.serve_read(
+            conn.sock.fileno(),
+            _wire.pack(MsgType.READ_RESP, request_id),
+            payload_len,
+            conn.ctx.regions,
+            REMOTE_READ | VALID,
+            limits.max_message_bytes,
+            conn.ctx.io_ms,
+        )
+        if payload is None:
+            return
+        descs = np.frombuffer(payload, dtype=DESC_DTYPE)
+    else:
+        descs = conn.recv_descs(request_id, payload_len)
+    _answer_read(conn, request_id, descs)
+
+
+def _answer_read(conn: InboundConnection, request_id: int, descs: np.ndarray) -> None:
     table = conn.ctx.regions
     try:
         addrs, lens, total, token = table.resolve(descs, REMOTE_READ, "remote read")
