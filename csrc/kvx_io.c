@@ -13,6 +13,7 @@
  *   peek(fd, nbytes) -> bytes
  *   serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms)
  *       -> None, or the descriptor payload
+ *   recv_answer(fd, expect, addrs, lens, timeout_ms) -> bool
  *
  * addrs and lens are C-contiguous buffers of native uint64 (numpy uint64
  * arrays), of equal length. prefix is a bytes-like object sent before the
@@ -47,6 +48,12 @@
  * returns the payload, for the caller to find and answer the error. No pin
  * is held while the descriptors are awaited.
  *
+ * recv_answer takes an expected answer off the socket in one recvmsg: when
+ * the socket holds the 32-byte header `expect` byte for byte, then at least
+ * the sum of lens more bytes, it receives the header (discarded) and those
+ * bytes into the ranges and returns True; otherwise it takes nothing and
+ * returns False (the caller's general path reads what is there).
+ *
  * Python's own recv and send on a socket with a timeout poll before every
  * call; sendv and recvv try the call first and poll only when it would
  * block, and peek never polls.
@@ -63,6 +70,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -506,6 +514,75 @@ done:
     return result;
 }
 
+static PyObject *kvx_recv_answer(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    Py_buffer expect, addrs, lens;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*y*i:recv_answer", &fd, &expect, &addrs, &lens, &timeout_ms))
+        return NULL;
+    PyObject *result = NULL;
+    struct iovec *iov = NULL;
+    size_t count = 0;
+    if (expect.len != HEADER_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "recv_answer: the expected header must be 32 bytes");
+        goto done;
+    }
+    if (get_pairs(&addrs, &lens, &count) < 0)
+        goto done;
+    const uint64_t *a = addrs.buf, *l = lens.buf;
+    uint64_t total = HEADER_BYTES;
+    for (size_t i = 0; i < count; i++) {
+        if (l[i] > (uint64_t)INT_MAX - total) { /* more than FIONREAD can count: not ours to take */
+            result = Py_False;
+            Py_INCREF(result);
+            goto done;
+        }
+        total += l[i];
+    }
+    iov = PyMem_RawMalloc((count + 1) * sizeof(struct iovec));
+    if (iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char scratch[HEADER_BYTES];
+    iov[0].iov_base = scratch;
+    iov[0].iov_len = HEADER_BYTES;
+    for (size_t i = 0; i < count; i++) {
+        iov[1 + i].iov_base = (void *)(uintptr_t)a[i];
+        iov[1 + i].iov_len = (size_t)l[i];
+    }
+    int took = 0, saved_errno = 0;
+    size_t moved = 0;
+    enum io_status st = IO_OK;
+    Py_BEGIN_ALLOW_THREADS
+    int avail = 0;
+    ssize_t n;
+    if (ioctl(fd, FIONREAD, &avail) == 0 && (uint64_t)avail >= total) {
+        do {
+            n = recv(fd, scratch, HEADER_BYTES, MSG_PEEK | MSG_DONTWAIT);
+        } while (n < 0 && errno == EINTR);
+        if (n == HEADER_BYTES && memcmp(scratch, expect.buf, HEADER_BYTES) == 0) {
+            took = 1; /* all of it is buffered: this recvmsg does not wait on the peer */
+            st = move_all(fd, iov, count + 1, 0, timeout_ms, &moved);
+            saved_errno = errno;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (st != IO_OK) {
+        raise_status(st, saved_errno, moved, (size_t)total);
+        goto done;
+    }
+    result = took ? Py_True : Py_False;
+    Py_INCREF(result);
+done:
+    PyMem_RawFree(iov);
+    PyBuffer_Release(&expect);
+    PyBuffer_Release(&addrs);
+    PyBuffer_Release(&lens);
+    return result;
+}
+
 static PyMethodDef kvx_methods[] = {
     {"sendv", kvx_sendv, METH_VARARGS,
      "sendv(fd, prefix, addrs, lens, timeout_ms): send prefix, then each (addr, len)."},
@@ -518,6 +595,9 @@ static PyMethodDef kvx_methods[] = {
     {"serve_read", kvx_serve_read, METH_VARARGS,
      "serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms): "
      "answer a small READ_REQ; None once sent, else its descriptor payload, nothing sent."},
+    {"recv_answer", kvx_recv_answer, METH_VARARGS,
+     "recv_answer(fd, expect, addrs, lens, timeout_ms): take the answer whose header is expect "
+     "and whose data fills the ranges, once all of it is buffered; False, nothing taken, otherwise."},
     {NULL, NULL, 0, NULL},
 };
 

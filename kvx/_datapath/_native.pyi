@@ -24,3 +24,6 @@ def serve_read(
     timeout_ms: int,
     /,
 ) -> bytes | None: ...
+def recv_answer(
+    fd: int, expect: ReadableBuffer, addrs: ReadableBuffer, lens: ReadableBuffer, timeout_ms: int, /
+) -> bool: ...

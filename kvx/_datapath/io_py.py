@@ -7,12 +7,15 @@ not built. Tests run against both.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
+import fcntl
 import os
 import select
 import socket
 import struct
+import termios
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 PEEK_MAX = 4096
@@ -162,3 +165,29 @@ def serve_read(
         return None
     finally:
         table.release(pinned[0])
+
+
+def recv_answer(fd: int, expect, addrs, lens, timeout_ms: int) -> bool:
+    """Take the answer whose header is ``expect`` and whose data fills the
+    ranges, once all of it is buffered; False, nothing taken, otherwise; see
+    csrc/kvx_io.c."""
+    if len(expect) != 32:
+        raise ValueError("recv_answer: the expected header must be 32 bytes")
+    _check_pairs(addrs, lens)
+    total = 32 + sum(memoryview(lens).cast("B").cast("Q"))
+    if total > 2**31 - 1:
+        return False
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return False
+    if count[0] < total:
+        return False
+    try:
+        if peek(fd, 32) != bytes(expect):
+            return False
+    except OSError:
+        return False
+    _move_all(fd, [memoryview(bytearray(32)), *_views(addrs, lens, True)], False, timeout_ms)
+    return True

@@ -99,6 +99,59 @@ def _read_frozen(worker, peer, conn, local, remote):
     return seen[0]
 
 
+def test_a_lone_read_answer_is_taken_in_one_call_and_anything_else_the_long_way(
+    make_worker, make_agent, monkeypatch
+):
+    """The answer to a READ alone in flight lands through recv_answer (one
+    call); a refused READ's ERROR, and two READs in flight, go through the
+    general path, with the same outcome."""
+    from kvx._datapath import io as _io
+
+    worker, _, pool, region, peer = _peer(make_worker, make_agent)
+    remote, conn = peer.regions[0], _conn(peer)
+    calls = []
+    real = _io.recv_answer
+
+    def counted(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(_io, "recv_answer", counted)
+    for i in range(3):
+        assert _read_frozen(
+            worker, peer, conn, region.descs(i * BLOCK, BLOCK), remote.descs(i * BLOCK, BLOCK)
+        )
+    assert calls == [True] * 3
+    assert pool[: 3 * BLOCK].tobytes() == worker.expected(0, 3 * BLOCK).tobytes()
+
+    pool[:] = 0
+    calls.clear()
+    worker.freeze()
+    t = peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK))
+    t2 = peer.read(region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK))
+    _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    t.wait(10)
+    assert True not in calls  # two in flight: not the one-call path
+    t2.wait(10)  # alone now: it may be
+    assert pool[: 2 * BLOCK].tobytes() == worker.expected(0, 2 * BLOCK).tobytes()
+
+    # The target refuses a range past the end of its region (this side is
+    # told the region is larger than it is): an ERROR, not the expected header.
+    sizes, flags, devices = peer._table
+    monkeypatch.setattr(peer, "_table", (sizes * 2, flags, devices))
+    calls.clear()
+    worker.freeze()
+    t = peer.read(region.descs(0, BLOCK), remote.descs(int(sizes[remote.id]), BLOCK))
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    with pytest.raises(kvx.AccessError, match="remote read"):
+        t.wait(10)
+    thawer.join(10)
+    assert seen == [True] and calls and True not in calls
+    calls.clear()
+    assert _read_frozen(worker, peer, conn, region.descs(0, BLOCK), remote.descs(0, BLOCK))  # still up
+    assert calls == [True]
+
+
 def test_large_answers_and_answers_larger_than_the_window_are_the_readers(
     make_worker, make_agent, monkeypatch
 ):

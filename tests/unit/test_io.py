@@ -34,12 +34,13 @@ def test_the_implementation_follows_kvx_native():
     assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
-    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek, _io.serve_read) == (
+    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek, _io.serve_read, _io.recv_answer) == (
         expected.sendv,
         expected.recvv,
         expected.wait_readable,
         expected.peek,
         expected.serve_read,
+        expected.recv_answer,
     )
 
 
@@ -249,6 +250,7 @@ def test_signals_do_not_stretch_a_wait_past_its_timeout(impl):
 
 # serve_read: a region table with kvx.memory.RegionTable's pin_table and release.
 _READ_OK = 1 | 2  # VALID | REMOTE_READ
+_NO_PAIRS = np.zeros(0, np.uint64)
 
 
 class _Table:
@@ -417,3 +419,67 @@ def test_serve_read_releases_the_pin_when_the_send_fails(impl):
         with pytest.raises(OSError):  # EPIPE, or a reset
             impl.serve_read(b.fileno(), b"H" * 32, 24, table, _READ_OK, 1 << 20, 5000)
     assert (table.pins, table.pinned) == (1, set())
+
+
+def _answer_pair(impl, sent: bytes, expect: bytes, nbytes: int):
+    """Put ``sent`` in a socket and ask recv_answer for ``expect`` and
+    ``nbytes`` of data in two ranges: (its result, the ranges, what is left)."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        a.sendall(sent)
+        time.sleep(0.01)
+        buf = np.zeros(nbytes + 16, dtype=np.uint8)
+        cut = nbytes // 3
+        addrs = np.array([buf.ctypes.data + cut + 8, buf.ctypes.data], dtype=np.uint64)  # out of order
+        lens = np.array([nbytes - cut, cut], dtype=np.uint64)
+        took = impl.recv_answer(b.fileno(), expect, addrs, lens, 5000)
+        got = bytes(buf[:cut]) + bytes(buf[cut + 8 : nbytes + 8])
+        b.setblocking(False)
+        left = b""
+        with contextlib.suppress(BlockingIOError):
+            left = b.recv(1 << 20)
+        return took, got, left
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recv_answer_takes_the_expected_answer_and_nothing_more(impl):
+    header = struct.pack("<4sHHQIIQ", b"KVXF", 5, 2, 7, 0, 0, 1000)
+    data = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    took, got, left = _answer_pair(impl, header + data + b"next", header, 1000)
+    assert took is True
+    cut = 1000 // 3
+    assert got == data[1000 - cut :] + data[: 1000 - cut]  # the ranges in their order
+    assert left == b"next"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("at", [0, 4, 6, 8, 16, 20, 24, 31])  # each field of the header
+def test_recv_answer_takes_nothing_unless_the_header_is_the_expected_one(impl, at):
+    header = struct.pack("<4sHHQIIQ", b"KVXF", 5, 2, 7, 0, 0, 100)
+    other = bytearray(header)
+    other[at] ^= 1
+    sent = bytes(other) + b"d" * 200
+    took, got, left = _answer_pair(impl, sent, header, 100)
+    assert (took, left) == (False, sent)
+    assert got == b"\0" * 100
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recv_answer_takes_nothing_before_all_of_it_is_there(impl):
+    header = struct.pack("<4sHHQIIQ", b"KVXF", 5, 2, 7, 0, 0, 100)
+    for sent in (header[:20], header, header + b"d" * 99):
+        took, _, left = _answer_pair(impl, sent, header, 100)
+        assert (took, left) == (False, sent)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recv_answer_checks_its_arguments_and_sees_a_closed_socket(impl):
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValueError, match="32 bytes"):
+            impl.recv_answer(b.fileno(), b"x" * 31, _NO_PAIRS, _NO_PAIRS, 100)
+        with pytest.raises(ValueError, match="equal length"):
+            impl.recv_answer(b.fileno(), b"x" * 32, np.zeros(2, np.uint64), np.zeros(1, np.uint64), 100)
+        a.close()
+        assert impl.recv_answer(b.fileno(), b"x" * 32, _NO_PAIRS, _NO_PAIRS, 100) is False

@@ -671,6 +671,10 @@ class Connection:
                     if not self._may_lead(transfer):
                         return False
                     stalled = bool(self.pending) and time.monotonic() - self.last_progress >= self.io_s
+                    # One READ in flight: its answer is known to the byte but for its data.
+                    sole = next(iter(self.pending.items())) if len(self.pending) == 1 else None
+                    if sole is not None and sole[1].op != MsgType.READ_REQ:
+                        sole = None
                 if stalled:
                     if _buffered(fd):
                         return False  # bytes came, slowly: the reader judges them by io_s
@@ -687,6 +691,19 @@ class Connection:
                         self.spins_caught += 1  # readable within the poll: the thread did not sleep
                     elif not self._lead_poll.poll(max(1, int(min(left_s, _LEAD_SLICE_S) * 1000))):
                         continue
+                    if sole is not None:
+                        try:
+                            took = self._take_answer(*sole)
+                        except BaseException as exc:
+                            self._reading_failed(exc)
+                            if not isinstance(exc, Exception):
+                                raise
+                            return True
+                        if took:
+                            self.answers_led += 1
+                            continue
+                        if self.error is not None:
+                            return False  # shut down meanwhile
                     have = _buffered(fd)
                 else:
                     had = have = _buffered(fd)
@@ -830,6 +847,44 @@ class Connection:
         if msg_type == MsgType.SHM_PIN_OK and part.keep is None:
             # Unpinned only now: finishing the transfer first takes the send off its critical path.
             self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
+
+    def _take_answer(self, request_id: int, part: Part) -> bool:
+        """The answer to READ ``part`` in one call (``recv_answer``), when the
+        socket holds exactly the expected header and all of the data: True
+        once its bytes landed and the part is released; False, with nothing
+        read, when something else is there (an error, another message, not
+        all of it yet), for ``_read_one`` to take. The caller has the reading
+        turn; an exception means the connection failed, the part with it."""
+        expect = _wire.pack(MsgType.READ_RESP, request_id, data_len=part.nbytes)
+        with self.lock:
+            if self.error is not None or self.pending.get(request_id) is not part:
+                return False
+            self.receiving = part  # shutdown() leaves it to this thread meanwhile
+        try:
+            took = _io.recv_answer(self.fd, expect, part.addrs, part.lens, self.io_ms)
+        except BaseException as exc:
+            failure = _translate(exc, self.peer, self.io_s)
+            try:
+                with self.lock:
+                    self.pending.pop(request_id, None)
+                    self.receiving = None
+            finally:
+                self._release(part, _again(failure))
+            if not isinstance(exc, Exception):
+                raise
+            raise failure from exc
+        with self.lock:
+            self.receiving = None
+            error = self.error
+            if took or error is not None:  # done, or shut down meanwhile: the part was left here
+                self.pending.pop(request_id, None)
+            if took:
+                self.last_progress = time.monotonic()
+        if took:
+            self._release(part, None)
+        elif error is not None:
+            self._release(part, _again(error))
+        return took
 
     def _idle(self) -> bool:
         """While waiting for a response: True if the wait is not (yet) a stall.

@@ -21,7 +21,6 @@ from kvx.descs import DESC_DTYPE, total_bytes
 from kvx.errors import AccessError, ConfigError, LimitError, PeerLostError, ProtocolError
 from kvx.memory import REMOTE_READ, REMOTE_WRITE, VALID
 
-
 # A READ of at most this many descriptors is answered in one native call.
 SMALL_READ_DESCS = 64
 
