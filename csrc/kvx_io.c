@@ -1,17 +1,22 @@
 /*
  * kvx._datapath._native: scatter-gather socket I/O for the tcp backend.
  *
- * Byte work only. Python decides which memory may be touched (the agent
- * validates every descriptor against its registered regions before calling
- * here); this file moves bytes between a socket and lists of (address,
- * length) pairs with sendmsg/recvmsg, batched by the kernel's iovec limit,
- * with the GIL released for the whole loop.
+ * Byte work, with one exception. For sendv and recvv Python decides which
+ * memory may be touched (the agent validates every descriptor against its
+ * registered regions before calling here); they move bytes between a socket
+ * and lists of (address, length) pairs with sendmsg/recvmsg, batched by the
+ * kernel's iovec limit, with the GIL released for the whole loop. The
+ * exception: serve_read and serve_write check a peer's descriptors against
+ * the region table themselves (below), as kvx.memory.RegionTable.resolve
+ * does, and refuse what it would refuse.
  *
  *   sendv(fd, prefix, addrs, lens, timeout_ms) -> None
  *   recvv(fd, addrs, lens, timeout_ms) -> None
  *   wait_readable(fd, spin_us) -> bool
  *   peek(fd, nbytes) -> bytes
  *   serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms)
+ *       -> None, or the descriptor payload
+ *   serve_write(fd, header, payload_len, data_len, table, need, timeout_ms)
  *       -> None, or the descriptor payload
  *   recv_answer(fd, expect, addrs, lens, timeout_ms) -> bool
  *
@@ -41,18 +46,29 @@
  * kvx.memory.RegionTable: pin_table() gives (token, bases and sizes uint64,
  * flags uint8, devices int32, indexed by region id); release(token) after,
  * whatever happens), checks each descriptor (the region's flags carry
- * every bit of `need`, it is host memory (device < 0), the range lies
- * inside it) and the total against max_bytes, and sends `header` (the
+ * VALID and every bit of `need`, it is host memory (device < 0), the range
+ * lies inside it) and the total against max_bytes, and sends `header` (the
  * READ_RESP frame, its last 8 bytes set here to the total, little-endian)
- * and the ranges in one sendmsg. When a check fails it sends nothing and
- * returns the payload, for the caller to find and answer the error. No pin
- * is held while the descriptors are awaited.
+ * and the ranges with sendmsg (one call, unless the socket's buffer fills).
+ * When a check fails it sends nothing and returns the payload, for the
+ * caller to find and answer the error. No pin is held while the
+ * descriptors are awaited; it is while the answer goes out.
+ *
+ * serve_write is its twin for a small WRITE_REQ without a notification: the
+ * descriptors received, the table pinned, each descriptor checked (as
+ * above, with `need` the write flags) and their total against data_len,
+ * the connection checked for a reset by the initiator (which gave up on the
+ * WRITE: its data must not land late; ConnectionResetError), the data
+ * received into the ranges, the pin released, then `header` (the
+ * WRITE_RESP) sent. Refused: the payload comes back, the data left unread
+ * on the socket.
  *
  * recv_answer takes an expected answer off the socket in one recvmsg: when
  * the socket holds the 32-byte header `expect` byte for byte, then at least
  * the sum of lens more bytes, it receives the header (discarded) and those
  * bytes into the ranges and returns True; otherwise it takes nothing and
- * returns False (the caller's general path reads what is there).
+ * returns False (the caller's general path reads what is there). It
+ * never waits for bytes to come.
  *
  * Python's own recv and send on a socket with a timeout poll before every
  * call; sendv and recvv try the call first and poll only when it would
@@ -336,6 +352,12 @@ static PyObject *kvx_peek(PyObject *self, PyObject *args)
     return PyBytes_FromStringAndSize(buf, n);
 }
 
+/* The wire is little-endian; descriptors and the header's length are read
+ * and written in host order. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvx's wire format is little-endian; this host is not"
+#endif
+
 struct wire_desc {
     uint32_t region;
     uint32_t pad;
@@ -383,11 +405,14 @@ static int table_buffer(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssi
     return 0;
 }
 
-/* serve_read's work under the pin: the table's arrays taken from `pinned`
- * (pin_table's tuple), the descriptors resolved, the answer sent.
- * 1: refused, nothing sent; 0: sent; -1: a Python error set. */
-static int serve_pinned(int fd, const Py_buffer *header, const struct wire_desc *descs, size_t nd, PyObject *pinned,
-                        unsigned int need, uint64_t max_bytes, int timeout_ms)
+/* serve_read's and serve_write's work under the pin: the table's arrays
+ * taken from `pinned` (pin_table's tuple), the descriptors resolved (their
+ * total at most `limit`; for a write, exactly `limit`, the data announced),
+ * then for a read the header and the ranges sent, for a write the data
+ * received into the ranges. 1: refused, nothing moved; 0: done; -1: a
+ * Python error set. */
+static int serve_pinned(int writing, int fd, const Py_buffer *header, const struct wire_desc *descs, size_t nd,
+                        PyObject *pinned, unsigned int need, uint64_t limit, int timeout_ms)
 {
     if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) != 5) {
         PyErr_SetString(PyExc_ValueError, "serve_read: pin_table() must give a 5-tuple");
@@ -406,25 +431,42 @@ static int serve_pinned(int fd, const Py_buffer *header, const struct wire_desc 
         goto no_devices;
     struct iovec iov[SERVE_MAX_DESCS + 1];
     uint64_t total = 0;
-    if (serve_resolve(descs, nd, bb.buf, sb.buf, fb.buf, db.buf, (size_t)top, need, max_bytes, iov + 1, &total)) {
+    if (serve_resolve(descs, nd, bb.buf, sb.buf, fb.buf, db.buf, (size_t)top, need, limit, iov + 1, &total) ||
+        (writing && total != limit)) {
         rc = 1;
         goto done;
     }
-    unsigned char frame[HEADER_BYTES];
-    memcpy(frame, header->buf, HEADER_BYTES);
-    for (int i = 0; i < 8; i++)
-        frame[HEADER_BYTES - 8 + i] = (unsigned char)(total >> (8 * i));
-    iov[0].iov_base = frame;
-    iov[0].iov_len = HEADER_BYTES;
     size_t moved = 0;
     enum io_status st;
     int saved_errno = 0;
-    Py_BEGIN_ALLOW_THREADS
-    st = move_all(fd, iov, nd + 1, 1, timeout_ms, &moved);
-    saved_errno = errno;
-    Py_END_ALLOW_THREADS
+    if (writing) {
+        /* The initiator reset the connection: it gave up on this WRITE, which
+         * must not land late, over newer data (InboundConnection.abandoned). */
+        int err = 0;
+        socklen_t errlen = sizeof(err);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &errlen) != 0 || err != 0) {
+            PyErr_SetString(PyExc_ConnectionResetError,
+                            "the initiator reset the connection; its buffered WRITE is dropped");
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        st = move_all(fd, iov + 1, nd, 0, timeout_ms, &moved);
+        saved_errno = errno;
+        Py_END_ALLOW_THREADS
+    } else {
+        unsigned char frame[HEADER_BYTES];
+        memcpy(frame, header->buf, HEADER_BYTES);
+        for (int i = 0; i < 8; i++)
+            frame[HEADER_BYTES - 8 + i] = (unsigned char)(total >> (8 * i));
+        iov[0].iov_base = frame;
+        iov[0].iov_len = HEADER_BYTES;
+        Py_BEGIN_ALLOW_THREADS
+        st = move_all(fd, iov, nd + 1, 1, timeout_ms, &moved);
+        saved_errno = errno;
+        Py_END_ALLOW_THREADS
+    }
     if (st != IO_OK)
-        raise_status(st, saved_errno, moved, HEADER_BYTES + (size_t)total);
+        raise_status(st, saved_errno, moved, (writing ? 0 : HEADER_BYTES) + (size_t)total);
     else
         rc = 0;
 done:
@@ -438,30 +480,23 @@ no_bases:
     return rc;
 }
 
-static PyObject *kvx_serve_read(PyObject *self, PyObject *args)
+/* serve_read and serve_write: the descriptors received with nothing pinned
+ * (a peer that sends them slowly holds up no deregister), the table pinned,
+ * the work done, the pin released whatever happened; for a write, then the
+ * header (the WRITE_RESP) sent. */
+static PyObject *serve_request(int writing, int fd, Py_buffer *header, Py_ssize_t payload_len, PyObject *table,
+                               unsigned int need, unsigned long long limit, int timeout_ms)
 {
-    int fd, timeout_ms;
-    unsigned int need;
-    unsigned long long max_bytes;
-    Py_ssize_t payload_len;
-    Py_buffer header;
-    PyObject *table;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iy*nOIKi:serve_read", &fd, &header, &payload_len, &table, &need, &max_bytes,
-                          &timeout_ms))
+    const char *name = writing ? "serve_write" : "serve_read";
+    if (header->len != HEADER_BYTES) {
+        PyErr_Format(PyExc_ValueError, "%s: the header must be 32 bytes", name);
         return NULL;
-    PyObject *result = NULL;
-    if (header.len != HEADER_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "serve_read: the header must be 32 bytes");
-        goto done;
     }
     if (payload_len <= 0 || payload_len > SERVE_MAX_DESCS * DESC_BYTES || payload_len % DESC_BYTES) {
-        PyErr_Format(PyExc_ValueError, "serve_read: 1 to %d whole descriptors of %d bytes", SERVE_MAX_DESCS,
+        PyErr_Format(PyExc_ValueError, "%s: 1 to %d whole descriptors of %d bytes", name, SERVE_MAX_DESCS,
                      DESC_BYTES);
-        goto done;
+        return NULL;
     }
-    /* The descriptors first, with nothing pinned: a peer that sends them
-     * slowly holds up no deregister. */
     struct wire_desc descs[SERVE_MAX_DESCS];
     struct iovec piov = {.iov_base = descs, .iov_len = (size_t)payload_len};
     size_t moved = 0;
@@ -471,21 +506,28 @@ static PyObject *kvx_serve_read(PyObject *self, PyObject *args)
     st = move_all(fd, &piov, 1, 0, timeout_ms, &moved);
     saved_errno = errno;
     Py_END_ALLOW_THREADS
-    if (st != IO_OK) {
-        raise_status(st, saved_errno, moved, (size_t)payload_len);
-        goto done;
-    }
+    if (st != IO_OK)
+        return raise_status(st, saved_errno, moved, (size_t)payload_len);
     PyObject *pinned = PyObject_CallMethodNoArgs(table, s_pin_table);
     if (pinned == NULL)
-        goto done;
-    if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) < 1) {
-        /* Nothing to release: not a pin. */
-        PyErr_SetString(PyExc_ValueError, "serve_read: pin_table() must give a 5-tuple");
+        return NULL;
+    if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) != 5) {
+        /* Not the pin expected: give back what looks like its token, then refuse. */
+        PyObject *token = PySequence_Check(pinned) ? PySequence_GetItem(pinned, 0) : NULL;
+        PyErr_Clear();
+        if (token != NULL) {
+            PyObject *r = PyObject_CallMethodOneArg(table, s_release, token);
+            Py_XDECREF(r);
+            Py_DECREF(token);
+            PyErr_Clear();
+        }
+        PyErr_Format(PyExc_ValueError, "%s: pin_table() must give a 5-tuple", name);
         Py_DECREF(pinned);
-        goto done;
+        return NULL;
     }
-    int rc = serve_pinned(fd, &header, descs, (size_t)payload_len / DESC_BYTES, pinned, need,
-                          (uint64_t)max_bytes, timeout_ms);
+    /* VALID (bit 0) always: pin_table's contract reads only regions that carry it. */
+    int rc = serve_pinned(writing, fd, header, descs, (size_t)payload_len / DESC_BYTES, pinned, need | 1u,
+                          (uint64_t)limit, timeout_ms);
     /* The pin goes back whatever happened; the first error wins. */
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
@@ -496,20 +538,69 @@ static PyObject *kvx_serve_read(PyObject *self, PyObject *args)
             PyErr_Clear();
             PyErr_Restore(et, ev, etb);
         }
-        goto done;
+        return NULL;
     }
     Py_DECREF(r);
     if (et != NULL) {
         PyErr_Restore(et, ev, etb);
-        goto done;
+        return NULL;
     }
     if (rc == 1)
-        result = PyBytes_FromStringAndSize((const char *)descs, payload_len);
-    else if (rc == 0) {
-        result = Py_None;
-        Py_INCREF(result);
+        return PyBytes_FromStringAndSize((const char *)descs, payload_len);
+    if (writing) {
+        struct iovec hiov = {.iov_base = header->buf, .iov_len = HEADER_BYTES};
+        Py_BEGIN_ALLOW_THREADS
+        st = move_all(fd, &hiov, 1, 1, timeout_ms, &moved);
+        saved_errno = errno;
+        Py_END_ALLOW_THREADS
+        if (st != IO_OK)
+            return raise_status(st, saved_errno, moved, HEADER_BYTES);
     }
-done:
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvx_serve_read(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    unsigned int need;
+    long long max_bytes;
+    Py_ssize_t payload_len;
+    Py_buffer header;
+    PyObject *table;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*nOILi:serve_read", &fd, &header, &payload_len, &table, &need, &max_bytes,
+                          &timeout_ms))
+        return NULL;
+    if (max_bytes < 0) {
+        PyBuffer_Release(&header);
+        PyErr_SetString(PyExc_ValueError, "serve_read: max_bytes must not be negative");
+        return NULL;
+    }
+    PyObject *result =
+        serve_request(0, fd, &header, payload_len, table, need, (unsigned long long)max_bytes, timeout_ms);
+    PyBuffer_Release(&header);
+    return result;
+}
+
+static PyObject *kvx_serve_write(PyObject *self, PyObject *args)
+{
+    int fd, timeout_ms;
+    unsigned int need;
+    long long data_len;
+    Py_ssize_t payload_len;
+    Py_buffer header;
+    PyObject *table;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*nLOIi:serve_write", &fd, &header, &payload_len, &data_len, &table, &need,
+                          &timeout_ms))
+        return NULL;
+    if (data_len < 0) {
+        PyBuffer_Release(&header);
+        PyErr_SetString(PyExc_ValueError, "serve_write: data_len must not be negative");
+        return NULL;
+    }
+    PyObject *result =
+        serve_request(1, fd, &header, payload_len, table, need, (unsigned long long)data_len, timeout_ms);
     PyBuffer_Release(&header);
     return result;
 }
@@ -524,6 +615,10 @@ static PyObject *kvx_recv_answer(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     struct iovec *iov = NULL;
     size_t count = 0;
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd must not be negative");
+        goto done;
+    }
     if (expect.len != HEADER_BYTES) {
         PyErr_SetString(PyExc_ValueError, "recv_answer: the expected header must be 32 bytes");
         goto done;
@@ -595,6 +690,10 @@ static PyMethodDef kvx_methods[] = {
     {"serve_read", kvx_serve_read, METH_VARARGS,
      "serve_read(fd, header, payload_len, table, need, max_bytes, timeout_ms): "
      "answer a small READ_REQ; None once sent, else its descriptor payload, nothing sent."},
+    {"serve_write", kvx_serve_write, METH_VARARGS,
+     "serve_write(fd, header, payload_len, data_len, table, need, timeout_ms): "
+     "take a small WRITE_REQ's data and answer header; None once done, else its descriptor payload, "
+     "nothing more read."},
     {"recv_answer", kvx_recv_answer, METH_VARARGS,
      "recv_answer(fd, expect, addrs, lens, timeout_ms): take the answer whose header is expect "
      "and whose data fills the ranges, once all of it is buffered; False, nothing taken, otherwise."},

@@ -24,6 +24,16 @@ def serve_read(
     timeout_ms: int,
     /,
 ) -> bytes | None: ...
+def serve_write(
+    fd: int,
+    header: ReadableBuffer,
+    payload_len: int,
+    data_len: int,
+    table: Any,
+    need: int,
+    timeout_ms: int,
+    /,
+) -> bytes | None: ...
 def recv_answer(
     fd: int, expect: ReadableBuffer, addrs: ReadableBuffer, lens: ReadableBuffer, timeout_ms: int, /
 ) -> bool: ...

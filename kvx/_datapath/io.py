@@ -1,7 +1,7 @@
 """Selects the implementation of the native byte path: socket scatter-gather
 (sendv, recvv), a bounded busy-poll of a socket (wait_readable), a look
-at what a socket holds (peek), the tcp target's answer to a small READ in
-one call (serve_read), the initiator's receipt of an expected answer in one
+at what a socket holds (peek), the tcp target's answer to a small READ or
+WRITE in one call (serve_read, serve_write), the initiator's receipt of an expected answer in one
 call (recv_answer), and
 cross-memory attach to same-host processes (vm_readv, vm_writev, and
 leased_copy: the shm backend's check of descriptors against a lease,
@@ -39,6 +39,7 @@ recvv: Callable[[int, Any, Any, int], None]
 wait_readable: Callable[[int, int], bool]
 peek: Callable[[int, int], bytes]
 serve_read: Callable[[int, bytes, int, Any, int, int, int], bytes | None]
+serve_write: Callable[[int, bytes, int, int, Any, int, int], bytes | None]
 recv_answer: Callable[[int, bytes, Any, Any, int], bool]
 vm_readv: Callable[[int, Any, Any, Any, Any], None]
 vm_writev: Callable[[int, Any, Any, Any, Any], None]
@@ -87,6 +88,7 @@ def use(choice: str) -> str:
         wait_readable, \
         peek, \
         serve_read, \
+        serve_write, \
         recv_answer, \
         vm_readv, \
         vm_writev, \
@@ -98,7 +100,7 @@ def use(choice: str) -> str:
         leased_triples
     (io, cma), IMPL = _select(choice)
     sendv, recvv, wait_readable, peek = io.sendv, io.recvv, io.wait_readable, io.peek
-    serve_read, recv_answer = io.serve_read, io.recv_answer
+    serve_read, serve_write, recv_answer = io.serve_read, io.serve_write, io.recv_answer
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
     conn_leased_post, leased_triples = cma.conn_leased_post, cma.leased_triples

@@ -8,6 +8,8 @@ not built. Tests run against both.
 from __future__ import annotations
 
 import array
+import collections.abc
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -27,6 +29,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _recv = _libc.recv
 _recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _recv.restype = ctypes.c_ssize_t
+_getsockopt = _libc.getsockopt
+_getsockopt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+_getsockopt.restype = ctypes.c_int
+
+
+def _socket_error(fd: int) -> bool:
+    """The socket has a pending error (SO_ERROR, which reading clears), or
+    cannot say; through libc, as peek."""
+    err, size = ctypes.c_int(0), ctypes.c_uint32(ctypes.sizeof(ctypes.c_int))
+    return _getsockopt(
+        fd, socket.SOL_SOCKET, socket.SO_ERROR, ctypes.byref(err), ctypes.byref(size)
+    ) != 0 or bool(err.value)
 
 
 def _views(addrs, lens, writable: bool) -> list[memoryview]:
@@ -127,23 +141,48 @@ def serve_read(
     """Answer a small READ_REQ: receive its descriptors, pin ``table``, check
     them, send the header (its data length set) and the ranges, release the
     pin; None once sent, else the payload, nothing sent; see csrc/kvx_io.c."""
+    return _serve_request(False, fd, header, payload_len, table, need, max_bytes, timeout_ms)
+
+
+def serve_write(
+    fd: int, header, payload_len: int, data_len: int, table, need: int, timeout_ms: int
+) -> bytes | None:
+    """Take a small WRITE_REQ: receive its descriptors, pin ``table``, check
+    them (their total is data_len), receive the data into the ranges,
+    release the pin, send the header; None once done, else the payload,
+    nothing more read; see csrc/kvx_io.c."""
+    return _serve_request(True, fd, header, payload_len, table, need, data_len, timeout_ms)
+
+
+def _serve_request(
+    writing: bool, fd: int, header, payload_len: int, table, need: int, limit: int, timeout_ms: int
+) -> bytes | None:
+    name = "serve_write" if writing else "serve_read"
+    if limit < 0:
+        raise ValueError(f"{name}: {'data_len' if writing else 'max_bytes'} must not be negative")
+    need |= 1  # VALID always: pin_table's contract reads only regions that carry it
     if len(header) != 32:
-        raise ValueError("serve_read: the header must be 32 bytes")
+        raise ValueError(f"{name}: the header must be 32 bytes")
     if not 0 < payload_len <= SERVE_MAX_DESCS * _DESC.size or payload_len % _DESC.size:
-        raise ValueError(f"serve_read: 1 to {SERVE_MAX_DESCS} whole descriptors of {_DESC.size} bytes")
+        raise ValueError(f"{name}: 1 to {SERVE_MAX_DESCS} whole descriptors of {_DESC.size} bytes")
     payload = bytearray(payload_len)
     _move_all(fd, [memoryview(payload)], False, timeout_ms)  # nothing pinned while it comes
     pinned = table.pin_table()
     try:
+        if type(pinned) is not tuple or len(pinned) != 5:
+            raise ValueError(f"{name}: pin_table() must give a 5-tuple")
         _, bases, sizes, flags, devices = pinned
         flags = memoryview(flags).cast("B")
         top = len(flags)
-        base_of = memoryview(bases).cast("B").cast("Q")
-        size_of = memoryview(sizes).cast("B").cast("Q")
-        device_of = memoryview(devices).cast("B").cast("i")
+        try:
+            base_of = memoryview(bases).cast("B").cast("Q")
+            size_of = memoryview(sizes).cast("B").cast("Q")
+            device_of = memoryview(devices).cast("B").cast("i")
+        except TypeError:  # a length that is not a whole number of items
+            base_of = size_of = device_of = memoryview(b"")
         if len(base_of) != top or len(size_of) != top or len(device_of) != top:
             raise ValueError(
-                "serve_read: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) "
+                f"{name}: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) "
                 "of one length"
             )
         views, total = [], 0
@@ -153,24 +192,40 @@ def serve_read(
             base, size = base_of[region], size_of[region]
             if offset > size or length > size - offset or base + offset + length > _U64_MAX:
                 return bytes(payload)
-            if length > max_bytes - total:
+            if length > limit - total:
                 return bytes(payload)
             total += length
             if length:
-                views.append(
-                    memoryview((ctypes.c_char * length).from_address(base + offset)).cast("B").toreadonly()
+                view = memoryview((ctypes.c_char * length).from_address(base + offset)).cast("B")
+                views.append(view if writing else view.toreadonly())
+        if writing:
+            if total != limit:
+                return bytes(payload)
+            if _socket_error(fd):
+                raise ConnectionResetError(
+                    "the initiator reset the connection; its buffered WRITE is dropped"
                 )
-        frame = bytes(header[:24]) + total.to_bytes(8, "little")
-        _move_all(fd, [memoryview(frame), *views], True, timeout_ms)
-        return None
+            _move_all(fd, views, False, timeout_ms)
+        else:
+            frame = bytes(header[:24]) + total.to_bytes(8, "little")
+            _move_all(fd, [memoryview(frame), *views], True, timeout_ms)
     finally:
-        table.release(pinned[0])
+        if type(pinned) is tuple and len(pinned) == 5:
+            table.release(pinned[0])
+        elif isinstance(pinned, collections.abc.Sequence) and len(pinned):
+            with contextlib.suppress(Exception):  # not the pin expected: give back what looks like its token
+                table.release(pinned[0])
+    if writing:
+        _move_all(fd, [memoryview(header).cast("B")], True, timeout_ms)
+    return None
 
 
 def recv_answer(fd: int, expect, addrs, lens, timeout_ms: int) -> bool:
     """Take the answer whose header is ``expect`` and whose data fills the
     ranges, once all of it is buffered; False, nothing taken, otherwise; see
     csrc/kvx_io.c."""
+    if fd < 0:
+        raise ValueError("fd must not be negative")
     if len(expect) != 32:
         raise ValueError("recv_answer: the expected header must be 32 bytes")
     _check_pairs(addrs, lens)

@@ -559,7 +559,8 @@ def test_connections_that_never_authenticate_cannot_lock_peers_out(make_worker, 
             sock.close()
 
 
-def test_a_write_that_timed_out_does_not_land_later(make_worker, make_agent):
+@pytest.mark.parametrize("notify", [b"late", None])  # None: the target's one-call path (serve_write)
+def test_a_write_that_timed_out_does_not_land_later(make_worker, make_agent, notify):
     """Found by the chaos soak: a WRITE that failed with TimeoutError (the
     target was stopped) landed once the target ran again, over whatever was
     written there since, because its bytes waited in the target's socket.
@@ -572,7 +573,7 @@ def test_a_write_that_timed_out_does_not_land_later(make_worker, make_agent):
     before = worker.call("peek", 0, 4 * BLOCK)
     worker.freeze()
     try:
-        transfer = peer.write(region.descs(0, 4 * BLOCK), peer.regions[0].descs(0, 4 * BLOCK), notify=b"late")
+        transfer = peer.write(region.descs(0, 4 * BLOCK), peer.regions[0].descs(0, 4 * BLOCK), notify=notify)
         with pytest.raises(kvx.TimeoutError):
             transfer.wait(20)
     finally:

@@ -87,6 +87,35 @@ def test_the_waiting_thread_reads_its_answer_and_an_unwaited_one_is_read_by_the_
     assert pool[BLOCK : 2 * BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
 
 
+def test_a_transfer_of_two_requests_takes_its_first_answer_the_general_way(
+    make_worker, make_agent, monkeypatch
+):
+    """One transfer cut into two READs on one connection: with two in flight
+    the waiting thread reads the first answer the general way; only the
+    last, alone by then, may go through recv_answer."""
+    from kvx._datapath import io as _io
+
+    worker = make_worker(limits={"max_message_bytes": BLOCK})
+    agent = make_agent(backend="tcp")
+    pool = np.zeros(1 << 20, np.uint8)
+    region = agent.register(pool)
+    peer = agent.add_peer(worker.metadata)
+    conn = _conn(peer)
+    calls = []
+    real = _io.recv_answer
+    monkeypatch.setattr(_io, "recv_answer", lambda *args: calls.append(real(*args)) or calls[-1])
+    worker.freeze()
+    t = peer.read(region.descs(0, 2 * BLOCK), peer.regions[0].descs(0, 2 * BLOCK))
+    assert len(conn.pending) == 2
+    led = conn.answers_led
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread())
+    t.wait(10)
+    thawer.join(10)
+    assert seen == [True] and conn.answers_led == led + 2
+    assert len(calls) <= 1
+    assert pool[: 2 * BLOCK].tobytes() == worker.expected(0, 2 * BLOCK).tobytes()
+
+
 def _read_frozen(worker, peer, conn, local, remote):
     """READ with the answer held back until this thread reads the connection
     (or 0.5 s); True when it was this thread that read."""
@@ -99,12 +128,12 @@ def _read_frozen(worker, peer, conn, local, remote):
     return seen[0]
 
 
-def test_a_lone_read_answer_is_taken_in_one_call_and_anything_else_the_long_way(
+def test_a_lone_answer_is_taken_in_one_call_and_anything_else_the_long_way(
     make_worker, make_agent, monkeypatch
 ):
-    """The answer to a READ alone in flight lands through recv_answer (one
-    call); a refused READ's ERROR, and two READs in flight, go through the
-    general path, with the same outcome."""
+    """The answer to a READ (or WRITE) alone in flight lands through
+    recv_answer (one call); a refused READ's ERROR goes through the general
+    path, and the connection lives on."""
     from kvx._datapath import io as _io
 
     worker, _, pool, region, peer = _peer(make_worker, make_agent)
@@ -121,19 +150,8 @@ def test_a_lone_read_answer_is_taken_in_one_call_and_anything_else_the_long_way(
         assert _read_frozen(
             worker, peer, conn, region.descs(i * BLOCK, BLOCK), remote.descs(i * BLOCK, BLOCK)
         )
-    assert calls == [True] * 3
+    assert calls.count(True) == 3  # a wake-up before all of an answer came adds a False
     assert pool[: 3 * BLOCK].tobytes() == worker.expected(0, 3 * BLOCK).tobytes()
-
-    pool[:] = 0
-    calls.clear()
-    worker.freeze()
-    t = peer.read(region.descs(0, BLOCK), remote.descs(0, BLOCK))
-    t2 = peer.read(region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK))
-    _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
-    t.wait(10)
-    assert True not in calls  # two in flight: not the one-call path
-    t2.wait(10)  # alone now: it may be
-    assert pool[: 2 * BLOCK].tobytes() == worker.expected(0, 2 * BLOCK).tobytes()
 
     # The target refuses a range past the end of its region (this side is
     # told the region is larger than it is): an ERROR, not the expected header.
@@ -149,7 +167,19 @@ def test_a_lone_read_answer_is_taken_in_one_call_and_anything_else_the_long_way(
     assert seen == [True] and calls and True not in calls
     calls.clear()
     assert _read_frozen(worker, peer, conn, region.descs(0, BLOCK), remote.descs(0, BLOCK))  # still up
-    assert calls == [True]
+    assert calls.count(True) == 1
+
+    # A lone WRITE's answer (its header alone) too.
+    monkeypatch.setattr(peer, "_table", (sizes, flags, devices))
+    calls.clear()
+    pool[:BLOCK] = 0x5A
+    worker.freeze()
+    t = peer.write(region.descs(0, BLOCK), remote.descs(2 * BLOCK, BLOCK))
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    t.wait(10)
+    thawer.join(10)
+    assert seen == [True] and calls.count(True) == 1
+    assert worker.call("peek", 2 * BLOCK, BLOCK) == b"\x5a" * BLOCK
 
 
 def test_large_answers_and_answers_larger_than_the_window_are_the_readers(
@@ -570,3 +600,42 @@ def test_an_agent_refuses_a_poll_time_out_of_range(make_agent, monkeypatch, vari
             make_agent(backend="tcp")
     monkeypatch.setenv(variable, "0")
     make_agent(backend="tcp").close()
+
+
+def test_the_target_serves_small_requests_in_one_call(make_agent, monkeypatch):
+    """A READ or WRITE of a few descriptors is served by serve_read /
+    serve_write (one call each), a refused one by the checks that name the
+    reason. The target runs in this process, so that its calls are seen."""
+    from kvx._datapath import io as _io
+
+    seen = []
+    for name in ("serve_read", "serve_write"):
+        real = getattr(_io, name)
+        monkeypatch.setattr(
+            _io, name, lambda *args, real=real, name=name: seen.append((name, real(*args))) or seen[-1][1]
+        )
+    target = make_agent("target", backend="tcp")
+    theirs = np.arange(1 << 16, dtype=np.uint8)
+    remote_region = target.register(theirs)
+    agent = make_agent(backend="tcp")
+    ours = np.zeros(1 << 16, np.uint8)
+    region = agent.register(ours)
+    peer = agent.add_peer(target.metadata())
+    remote = peer.regions[0]
+    peer.read(
+        Descs.from_blocks(region.id, [0, 2, 5], 4096), Descs.from_blocks(remote.id, [1, 3, 4], 4096)
+    ).wait(10)
+    assert ours[:4096].tobytes() == theirs[4096:8192].tobytes()
+    ours[:] = 0x77
+    peer.write(region.descs(0, 100), remote.descs(1000, 100)).wait(10)
+    assert (theirs[1000:1100] == 0x77).all()
+    deadline = time.monotonic() + 5  # the target's call returns after it answered
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert seen == [("serve_read", None), ("serve_write", None)]
+    # Refused at the target (this side is told the region is larger): the payload goes back to the checks.
+    sizes, flags, devices = peer._table
+    monkeypatch.setattr(peer, "_table", (sizes * 2, flags, devices))
+    with pytest.raises(kvx.AccessError, match="remote read"):
+        peer.read(region.descs(0, 64), remote.descs(remote_region.size_bytes, 64)).wait(10)
+    assert seen[-1][0] == "serve_read" and isinstance(seen[-1][1], bytes)

@@ -13,7 +13,7 @@ import pytest
 
 from kvx._datapath import io as _io
 from kvx._datapath import io_py as _io_py
-from kvx.backends.tcp.serve import SMALL_READ_DESCS
+from kvx.backends.tcp.serve import SMALL_REQUEST_DESCS
 from kvx.errors import ConfigError
 
 try:
@@ -34,14 +34,8 @@ def test_the_implementation_follows_kvx_native():
     assert ("native" if want_native else "python") == _io.IMPL
     expected = _native if want_native else _io_py
     assert expected is not None, "KVX_NATIVE=1 but kvx._datapath._native is not built"
-    assert (_io.sendv, _io.recvv, _io.wait_readable, _io.peek, _io.serve_read, _io.recv_answer) == (
-        expected.sendv,
-        expected.recvv,
-        expected.wait_readable,
-        expected.peek,
-        expected.serve_read,
-        expected.recv_answer,
-    )
+    names = ("sendv", "recvv", "wait_readable", "peek", "serve_read", "serve_write", "recv_answer")
+    assert [getattr(_io, name) for name in names] == [getattr(expected, name) for name in names]
 
 
 def test_kvx_native_takes_only_0_1_or_nothing():
@@ -254,9 +248,9 @@ _NO_PAIRS = np.zeros(0, np.uint64)
 
 
 class _Table:
-    """Three regions over one buffer: 0 readable host memory, 1 registered
-    without remote read, 2 readable but on a CUDA device; then a hole. Counts
-    its pins, and records how many it held when each came."""
+    """Three regions over one buffer: 0 host memory open to remote reads and
+    writes, 1 registered without remote access, 2 open too but on a CUDA
+    device; then a hole. Counts its pins and knows which are held."""
 
     def __init__(self) -> None:
         self.buf = np.arange(3 * 4096, dtype=np.uint64).view(np.uint8).copy()
@@ -264,7 +258,7 @@ class _Table:
         self.tables = (
             np.array([base, base + 4096, base + 8192, 0], dtype=np.uint64),
             np.array([4096, 4096, 4096, 0], dtype=np.uint64),
-            np.array([_READ_OK, 1, _READ_OK, 0], dtype=np.uint8),
+            np.array([_READ_OK | 4, 1, _READ_OK | 4, 0], dtype=np.uint8),
             np.array([-1, -1, 0, -1], dtype=np.int32),
         )
         self.pinned: set[int] = set()
@@ -349,7 +343,7 @@ def test_serve_read_takes_1_to_64_whole_descriptors(impl, payload_len):
     a, b = socket.socketpair()
     with a, b, pytest.raises(ValueError, match="whole descriptors"):
         impl.serve_read(b.fileno(), b"H" * 32, payload_len, _Table(), _READ_OK, 1 << 20, 100)
-    assert impl.SERVE_MAX_DESCS == 64 >= SMALL_READ_DESCS
+    assert impl.SERVE_MAX_DESCS == 64 >= SMALL_REQUEST_DESCS
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -483,3 +477,172 @@ def test_recv_answer_checks_its_arguments_and_sees_a_closed_socket(impl):
             impl.recv_answer(b.fileno(), b"x" * 32, np.zeros(2, np.uint64), np.zeros(1, np.uint64), 100)
         a.close()
         assert impl.recv_answer(b.fileno(), b"x" * 32, _NO_PAIRS, _NO_PAIRS, 100) is False
+
+
+_WRITE_OK = 1 | 4  # VALID | REMOTE_WRITE
+
+
+def _write(impl, table, descs, data: bytes, data_len=None, reset=False, timeout_ms=5000):
+    """Send a WRITE's descriptors and data (after a reset, with the
+    connection reset by the sender) and serve it: (the payload, what
+    serve_write returned or raised, what it sent back, what it left unread)."""
+    if reset:  # a reset is tcp's
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            a = socket.create_connection(server.getsockname())
+            b, _ = server.accept()
+    else:
+        a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        payload = _payload(descs)
+        a.sendall(payload + data)
+        time.sleep(0.05)  # all of it in b's buffer before the reset
+        if reset:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            a.close()
+        try:
+            got = impl.serve_write(
+                b.fileno(),
+                b"W" * 32,
+                len(payload),
+                len(data) if data_len is None else data_len,
+                table,
+                _WRITE_OK,
+                timeout_ms,
+            )
+        except OSError as exc:
+            got = exc
+        assert (table.pins, table.pinned) == (1, set()), "one pin, released"
+        if reset:
+            return payload, got, b"", b""
+        b.setblocking(False)
+        a.setblocking(False)
+        sent = left = b""
+        with contextlib.suppress(BlockingIOError):
+            sent = a.recv(1 << 20)
+        with contextlib.suppress(BlockingIOError):
+            left = b.recv(1 << 20)
+        return payload, got, sent, left
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_write_lands_the_data_then_answers(impl):
+    table = _Table()
+    descs = [(0, 100, 28), (0, 0, 0), (0, 4000, 96)]
+    data = bytes(range(124))
+    _, got, sent, left = _write(impl, table, descs, data + b"next", data_len=len(data))
+    assert got is None and sent == b"W" * 32 and left == b"next"
+    assert bytes(table.buf[100:128]) + bytes(table.buf[4000:4096]) == data
+    assert (
+        table.buf[128:4000].tobytes()
+        == np.arange(3 * 4096, dtype=np.uint64).view(np.uint8)[128:4000].tobytes()
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        (1, 0, 8),  # no remote write
+        (2, 0, 8),  # CUDA memory
+        (3, 0, 0),  # a hole
+        (4, 0, 8),  # past the table
+        (0, 4090, 7),  # past the end of the region
+        (0, 2**64 - 1, 2),  # wraps
+    ],
+)
+def test_serve_write_refuses_without_reading_the_data(impl, bad):
+    table = _Table()
+    before = table.buf.copy()
+    data = b"\xee" * (16 + bad[2] % 1000)
+    payload, got, sent, left = _write(impl, table, [(0, 0, 16), bad], data, data_len=16 + bad[2] % 1000)
+    assert (got, sent, left) == (payload, b"", data)
+    assert (table.buf == before).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("announced", [15, 17])
+def test_serve_write_refuses_data_other_than_its_descriptors_cover(impl, announced):
+    table = _Table()
+    before = table.buf.copy()
+    payload, got, sent, left = _write(impl, table, [(0, 0, 16)], b"\xee" * announced)
+    assert (got, sent, left) == (payload, b"", b"\xee" * announced)
+    assert (table.buf == before).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_write_drops_a_write_the_initiator_reset(impl):
+    """A reset connection: the initiator gave up on the WRITE, whose bytes
+    must not land late, over newer data."""
+    table = _Table()
+    before = table.buf.copy()
+    _, got, _, _ = _write(impl, table, [(0, 0, 64)], b"\xee" * 64, reset=True)
+    assert isinstance(got, ConnectionResetError)
+    assert (table.buf == before).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_write_is_bounded_in_time(impl):
+    """Data that stops coming: TimeoutError after timeout_ms, the pin released."""
+    table = _Table()
+    _, got, _, _ = _write(impl, table, [(0, 0, 64)], b"\xee" * 10, data_len=64, timeout_ms=200)
+    assert isinstance(got, TimeoutError)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_write_checks_its_arguments(impl):
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValueError, match="header must be 32 bytes"):
+            impl.serve_write(b.fileno(), b"W" * 31, 24, 8, _Table(), _WRITE_OK, 100)
+        with pytest.raises(ValueError, match="whole descriptors"):
+            impl.serve_write(b.fileno(), b"W" * 32, 25, 8, _Table(), _WRITE_OK, 100)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_recv_answer_takes_a_header_alone(impl):
+    """A WRITE's answer: the header, no data."""
+    header = struct.pack("<4sHHQIIQ", b"KVXF", 5, 4, 9, 0, 0, 0)
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        a.sendall(header + b"more")
+        time.sleep(0.01)
+        assert impl.recv_answer(b.fileno(), header, _NO_PAIRS, _NO_PAIRS, 1000) is True
+        assert b.recv(100) == b"more"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_read_demands_valid_whatever_need_says(impl):
+    """A region whose flags lack VALID (being removed) is never served, even
+    by a caller that forgot VALID in need."""
+    table = _Table()
+    table.tables[2][0] = 2 | 4  # remote read and write, not VALID
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        payload = _payload([(0, 0, 8)])
+        a.sendall(payload)
+        assert impl.serve_read(b.fileno(), b"H" * 32, 24, table, 2, 1 << 20, 1000) == payload
+        a.sendall(payload + b"d" * 8)
+        assert impl.serve_write(b.fileno(), b"W" * 32, 24, 8, table, 4, 1000) == payload
+    assert table.pinned == set()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_refuses_negative_limits_and_a_pin_that_is_not_one(impl):
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ValueError, match="must not be negative"):
+            impl.serve_read(b.fileno(), b"H" * 32, 24, _Table(), _READ_OK, -1, 100)
+        with pytest.raises(ValueError, match="must not be negative"):
+            impl.serve_write(b.fileno(), b"W" * 32, 24, -1, _Table(), _WRITE_OK, 100)
+        table = _Table()
+        pin_table = table.pin_table
+        table.pin_table = lambda: list(pin_table())
+        a.sendall(_payload([(0, 0, 8)]))
+        with pytest.raises(ValueError, match="5-tuple"):
+            impl.serve_read(b.fileno(), b"H" * 32, 24, table, _READ_OK, 1 << 20, 100)
+        assert (table.pins, table.pinned) == (1, set())  # given back all the same
+        with pytest.raises(ValueError, match="fd must not be negative"):
+            impl.recv_answer(-1, b"x" * 32, _NO_PAIRS, _NO_PAIRS, 100)

@@ -105,6 +105,8 @@ _LED_ANSWERS = frozenset(
     {MsgType.READ_RESP, MsgType.WRITE_RESP, MsgType.NOTIFY_ACK, MsgType.VERIFY_OK, MsgType.ERROR}
 )
 _LEAD_MAX_DATA = 256 << 10
+# A lone request whose answer the waiting thread takes in one call (Connection._take_answer).
+_ONE_CALL_ANSWERS = frozenset({MsgType.READ_REQ, MsgType.WRITE_REQ})
 _LEAD_MAX_PAYLOAD = 64 << 10
 # sendv/recvv arguments: no (address, length) pairs; one pair of a header's length.
 _NO_PAIRS = array.array("Q")
@@ -671,9 +673,9 @@ class Connection:
                     if not self._may_lead(transfer):
                         return False
                     stalled = bool(self.pending) and time.monotonic() - self.last_progress >= self.io_s
-                    # One READ in flight: its answer is known to the byte but for its data.
+                    # One READ or WRITE in flight: its answer is known to the byte but for its data.
                     sole = next(iter(self.pending.items())) if len(self.pending) == 1 else None
-                    if sole is not None and sole[1].op != MsgType.READ_REQ:
+                    if sole is not None and sole[1].op not in _ONE_CALL_ANSWERS:
                         sole = None
                 if stalled:
                     if _buffered(fd):
@@ -849,41 +851,47 @@ class Connection:
             self.send_oneway(_wire.pack(MsgType.SHM_UNPIN, request_id))
 
     def _take_answer(self, request_id: int, part: Part) -> bool:
-        """The answer to READ ``part`` in one call (``recv_answer``), when the
+        """The answer to READ or WRITE ``part`` in one call (``recv_answer``), when the
         socket holds exactly the expected header and all of the data: True
         once its bytes landed and the part is released; False, with nothing
         read, when something else is there (an error, another message, not
         all of it yet), for ``_read_one`` to take. The caller has the reading
         turn; an exception means the connection failed, the part with it."""
-        expect = _wire.pack(MsgType.READ_RESP, request_id, data_len=part.nbytes)
-        with self.lock:
-            if self.error is not None or self.pending.get(request_id) is not part:
-                return False
-            self.receiving = part  # shutdown() leaves it to this thread meanwhile
+        if part.op == MsgType.READ_REQ:
+            expect, addrs, lens = (
+                _wire.pack(MsgType.READ_RESP, request_id, data_len=part.nbytes),
+                part.addrs,
+                part.lens,
+            )
+        else:  # a WRITE's answer is its header alone (part.addrs is what it sent)
+            expect, addrs, lens = _wire.pack(MsgType.WRITE_RESP, request_id), _NO_PAIRS, _NO_PAIRS
+        marked = took = False
+        failure: KvxError | None = None
         try:
-            took = _io.recv_answer(self.fd, expect, part.addrs, part.lens, self.io_ms)
+            with self.lock:
+                if self.error is not None or self.pending.get(request_id) is not part:
+                    return False
+                marked = True
+                self.receiving = part  # shutdown() leaves it to this thread meanwhile
+            took = _io.recv_answer(self.fd, expect, addrs, lens, self.io_ms)
         except BaseException as exc:
             failure = _translate(exc, self.peer, self.io_s)
-            try:
-                with self.lock:
-                    self.pending.pop(request_id, None)
-                    self.receiving = None
-            finally:
-                self._release(part, _again(failure))
             if not isinstance(exc, Exception):
-                raise
+                raise  # an interrupt of the waiting thread: the caller ends the connection
             raise failure from exc
-        with self.lock:
-            self.receiving = None
-            error = self.error
-            if took or error is not None:  # done, or shut down meanwhile: the part was left here
-                self.pending.pop(request_id, None)
-            if took:
-                self.last_progress = time.monotonic()
-        if took:
-            self._release(part, None)
-        elif error is not None:
-            self._release(part, _again(error))
+        finally:
+            # Whatever happened, an interrupt included, the part leaves this thread settled.
+            if marked:
+                with self.lock:
+                    self.receiving = None
+                    error = failure or self.error
+                    settled = took or error is not None  # done, failed, or shut down meanwhile
+                    if settled:
+                        self.pending.pop(request_id, None)
+                    if took:
+                        self.last_progress = time.monotonic()
+                if settled:
+                    self._release(part, None if took or error is None else _again(error))
         return took
 
     def _idle(self) -> bool:

@@ -21,17 +21,21 @@ from kvx.descs import DESC_DTYPE, total_bytes
 from kvx.errors import AccessError, ConfigError, LimitError, PeerLostError, ProtocolError
 from kvx.memory import REMOTE_READ, REMOTE_WRITE, VALID
 
-# A READ of at most this many descriptors is answered in one native call.
-SMALL_READ_DESCS = 64
+# A READ or WRITE of at most this many descriptors is served in one native call.
+SMALL_REQUEST_DESCS = 64
+
+
+def _small(payload_len: int, max_descs: int) -> bool:
+    """A descriptor payload the one-call path takes: whole descriptors, at
+    least one, at most SMALL_REQUEST_DESCS and the agent's own limit."""
+    return 0 < payload_len <= min(SMALL_REQUEST_DESCS, max_descs) * DESC_SIZE and not payload_len % DESC_SIZE
 
 
 def on_read(conn: InboundConnection, request_id: int, payload_len: int, aux: int, data_len: int) -> None:
     if aux or data_len:
         raise Fatal(ProtocolError("READ_REQ carries no data"), request_id)
     limits = conn.ctx.limits
-    if 0 < payload_len <= min(SMALL_READ_DESCS, limits.max_descs_per_message) * DESC_SIZE and not (
-        payload_len % DESC_SIZE
-    ):
+    if _small(payload_len, limits.max_descs_per_message):
         # The common small READ of host memory: received, checked and answered
         # in one call, which pins the table once the descriptors are in. A
         # refused one comes back untouched, for the checks below to name what
@@ -90,7 +94,22 @@ def on_write(conn: InboundConnection, request_id: int, payload_len: int, aux: in
             LimitError(f"notification of {notify_len} bytes; at most {limits.max_notify_bytes}"), request_id
         )
     conn.check_size(request_id, data_len)
-    descs = conn.recv_descs(request_id, payload_len - notify_len)
+    if not notify_len and _small(payload_len, limits.max_descs_per_message):
+        # The common small WRITE to host memory in one call, as a READ (on_read).
+        payload = _io.serve_write(
+            conn.sock.fileno(),
+            _wire.pack(MsgType.WRITE_RESP, request_id),
+            payload_len,
+            data_len,
+            conn.ctx.regions,
+            REMOTE_WRITE | VALID,
+            conn.ctx.io_ms,
+        )
+        if payload is None:
+            return
+        descs = np.frombuffer(payload, dtype=DESC_DTYPE)
+    else:
+        descs = conn.recv_descs(request_id, payload_len - notify_len)
     notify = bytes(recv_exact(conn.sock, notify_len)) if notify_len else None
     total = total_bytes(descs)
     if total != data_len:
