@@ -1,8 +1,8 @@
 """Selects the implementation of the native byte path: socket scatter-gather
 (sendv, recvv), a bounded busy-poll of a socket (wait_readable), a look
-at what a socket holds (peek), the tcp target's answer to a small READ or
-WRITE in one call (serve_read, serve_write), the initiator's receipt of an expected answer in one
-call (recv_answer), and
+at what a socket holds (peek), the tcp target's service of a small READ or
+WRITE in one call (serve_read, serve_write), the initiator's receipt of an
+expected answer in one call (recv_answer), and
 cross-memory attach to same-host processes (vm_readv, vm_writev, and
 leased_copy: the shm backend's check of descriptors against a lease,
 resolution and copy in one call; leased_post: the same with the local
