@@ -391,15 +391,15 @@ static int serve_resolve(const struct wire_desc *d, size_t nd, const uint64_t *b
 static PyObject *s_pin_table, *s_release; /* RegionTable's methods, interned */
 
 /* Fill `b` from a C-contiguous buffer of `itemsize`-byte items; 0 or -1. */
-static int table_buffer(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count)
+static int table_buffer(const char *name, PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t count)
 {
     if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     if (b->len != itemsize * count) {
         PyBuffer_Release(b);
-        PyErr_SetString(PyExc_ValueError,
-                        "serve_read: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) "
-                        "of one length");
+        PyErr_Format(PyExc_ValueError,
+                     "%s: pin_table() must give (token, bases u64, sizes u64, flags u8, devices i32) of one length",
+                     name);
         return -1;
     }
     return 0;
@@ -414,20 +414,18 @@ static int table_buffer(PyObject *obj, Py_buffer *b, Py_ssize_t itemsize, Py_ssi
 static int serve_pinned(int writing, int fd, const Py_buffer *header, const struct wire_desc *descs, size_t nd,
                         PyObject *pinned, unsigned int need, uint64_t limit, int timeout_ms)
 {
-    if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) != 5) {
-        PyErr_SetString(PyExc_ValueError, "serve_read: pin_table() must give a 5-tuple");
-        return -1;
-    }
+    /* `pinned` is a 5-tuple: serve_request checked. */
+    const char *name = writing ? "serve_write" : "serve_read";
     Py_buffer fb, bb, sb, db;
     if (PyObject_GetBuffer(PyTuple_GET_ITEM(pinned, 3), &fb, PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     Py_ssize_t top = fb.len;
     int rc = -1;
-    if (table_buffer(PyTuple_GET_ITEM(pinned, 1), &bb, 8, top) < 0)
+    if (table_buffer(name, PyTuple_GET_ITEM(pinned, 1), &bb, 8, top) < 0)
         goto no_bases;
-    if (table_buffer(PyTuple_GET_ITEM(pinned, 2), &sb, 8, top) < 0)
+    if (table_buffer(name, PyTuple_GET_ITEM(pinned, 2), &sb, 8, top) < 0)
         goto no_sizes;
-    if (table_buffer(PyTuple_GET_ITEM(pinned, 4), &db, 4, top) < 0)
+    if (table_buffer(name, PyTuple_GET_ITEM(pinned, 4), &db, 4, top) < 0)
         goto no_devices;
     struct iovec iov[SERVE_MAX_DESCS + 1];
     uint64_t total = 0;

@@ -8,7 +8,6 @@ not built. Tests run against both.
 from __future__ import annotations
 
 import array
-import collections.abc
 import contextlib
 import ctypes
 import errno
@@ -169,7 +168,7 @@ def _serve_request(
     _move_all(fd, [memoryview(payload)], False, timeout_ms)  # nothing pinned while it comes
     pinned = table.pin_table()
     try:
-        if type(pinned) is not tuple or len(pinned) != 5:
+        if not isinstance(pinned, tuple) or len(pinned) != 5:
             raise ValueError(f"{name}: pin_table() must give a 5-tuple")
         _, bases, sizes, flags, devices = pinned
         flags = memoryview(flags).cast("B")
@@ -210,9 +209,9 @@ def _serve_request(
             frame = bytes(header[:24]) + total.to_bytes(8, "little")
             _move_all(fd, [memoryview(frame), *views], True, timeout_ms)
     finally:
-        if type(pinned) is tuple and len(pinned) == 5:
+        if isinstance(pinned, tuple) and len(pinned) == 5:
             table.release(pinned[0])
-        elif isinstance(pinned, collections.abc.Sequence) and len(pinned):
+        elif not isinstance(pinned, dict) and hasattr(type(pinned), "__getitem__"):
             with contextlib.suppress(Exception):  # not the pin expected: give back what looks like its token
                 table.release(pinned[0])
     if writing:

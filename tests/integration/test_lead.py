@@ -116,12 +116,12 @@ def test_a_transfer_of_two_requests_takes_its_first_answer_the_general_way(
     assert pool[: 2 * BLOCK].tobytes() == worker.expected(0, 2 * BLOCK).tobytes()
 
 
-def _read_frozen(worker, peer, conn, local, remote):
+def _read_frozen(worker, peer, conn, local, remote, wait_s=0.5):
     """READ with the answer held back until this thread reads the connection
-    (or 0.5 s); True when it was this thread that read."""
+    (or ``wait_s``); True when it was this thread that read."""
     worker.freeze()
     t = peer.read(local, remote)
-    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=wait_s)
     t.wait(10)
     thawer.join(10)
     assert t.state is kvx.TransferState.DONE
@@ -160,13 +160,15 @@ def test_a_lone_answer_is_taken_in_one_call_and_anything_else_the_long_way(
     calls.clear()
     worker.freeze()
     t = peer.read(region.descs(0, BLOCK), remote.descs(int(sizes[remote.id]), BLOCK))
-    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread())
     with pytest.raises(kvx.AccessError, match="remote read"):
         t.wait(10)
     thawer.join(10)
     assert seen == [True] and calls and True not in calls
     calls.clear()
-    assert _read_frozen(worker, peer, conn, region.descs(0, BLOCK), remote.descs(0, BLOCK))  # still up
+    assert _read_frozen(
+        worker, peer, conn, region.descs(0, BLOCK), remote.descs(0, BLOCK), wait_s=10
+    )  # still up
     assert calls.count(True) == 1
 
     # A lone WRITE's answer (its header alone) too.
@@ -175,7 +177,7 @@ def test_a_lone_answer_is_taken_in_one_call_and_anything_else_the_long_way(
     pool[:BLOCK] = 0x5A
     worker.freeze()
     t = peer.write(region.descs(0, BLOCK), remote.descs(2 * BLOCK, BLOCK))
-    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread(), wait_s=0.5)
+    thawer, seen = _thaw_once_reading(worker, conn, threading.current_thread())
     t.wait(10)
     thawer.join(10)
     assert seen == [True] and calls.count(True) == 1
@@ -639,3 +641,11 @@ def test_the_target_serves_small_requests_in_one_call(make_agent, monkeypatch):
     with pytest.raises(kvx.AccessError, match="remote read"):
         peer.read(region.descs(0, 64), remote.descs(remote_region.size_bytes, 64)).wait(10)
     assert seen[-1][0] == "serve_read" and isinstance(seen[-1][1], bytes)
+    # A WRITE to memory peers may only read (this side is told it is writable): refused at the target.
+    readonly = target.register(b"r" * 4096)
+    peer = agent.add_peer(target.metadata())  # the same epoch: the live peer, with the new region
+    sizes, flags, devices = peer._table
+    monkeypatch.setattr(peer, "_table", (sizes, flags | 4, devices))  # REMOTE_WRITE everywhere
+    with pytest.raises(kvx.AccessError, match="remote write"):
+        peer.write(region.descs(0, 64), Descs.build(readonly.id, 0, 64)).wait(10)
+    assert seen[-1][0] == "serve_write" and isinstance(seen[-1][1], bytes)

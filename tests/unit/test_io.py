@@ -248,18 +248,19 @@ _NO_PAIRS = np.zeros(0, np.uint64)
 
 
 class _Table:
-    """Three regions over one buffer: 0 host memory open to remote reads and
+    """Regions over one buffer: 0 host memory open to remote reads and
     writes, 1 registered without remote access, 2 open too but on a CUDA
-    device; then a hole. Counts its pins and knows which are held."""
+    device, 3 a hole, 4 open to remote reads only. Counts its pins and knows
+    which are held."""
 
     def __init__(self) -> None:
-        self.buf = np.arange(3 * 4096, dtype=np.uint64).view(np.uint8).copy()
+        self.buf = np.arange(4 * 4096, dtype=np.uint64).view(np.uint8).copy()
         base = self.buf.ctypes.data
         self.tables = (
-            np.array([base, base + 4096, base + 8192, 0], dtype=np.uint64),
-            np.array([4096, 4096, 4096, 0], dtype=np.uint64),
-            np.array([_READ_OK | 4, 1, _READ_OK | 4, 0], dtype=np.uint8),
-            np.array([-1, -1, 0, -1], dtype=np.int32),
+            np.array([base, base + 4096, base + 8192, 0, base + 12288], dtype=np.uint64),
+            np.array([4096, 4096, 4096, 0, 4096], dtype=np.uint64),
+            np.array([_READ_OK | 4, 1, _READ_OK | 4, 0, _READ_OK], dtype=np.uint8),
+            np.array([-1, -1, 0, -1, -1], dtype=np.int32),
         )
         self.pinned: set[int] = set()
         self.pins = 0
@@ -314,11 +315,11 @@ def test_serve_read_sends_the_header_with_its_length_then_the_ranges(impl):
         (1, 0, 8),  # no remote read
         (2, 0, 8),  # CUDA memory: the staged path's
         (3, 0, 0),  # a hole in the table
-        (4, 0, 8),  # past the table
+        (5, 0, 8),  # past the table
         (0, 4090, 7),  # one byte past the end
         (0, 4097, 0),  # an offset past the end
-        (0, 2**64 - 1, 2),  # offset + length wraps
-        (0, 8, 2**64 - 4),  # length wraps the address
+        (0, 2**64 - 1, 2),  # an offset far past the end
+        (0, 8, 2**64 - 4),  # a length far past the end
     ],
 )
 def test_serve_read_refuses_without_sending_a_byte(impl, bad):
@@ -544,11 +545,12 @@ def test_serve_write_lands_the_data_then_answers(impl):
     "bad",
     [
         (1, 0, 8),  # no remote write
+        (4, 0, 8),  # remote reads only
         (2, 0, 8),  # CUDA memory
         (3, 0, 0),  # a hole
-        (4, 0, 8),  # past the table
+        (5, 0, 8),  # past the table
         (0, 4090, 7),  # past the end of the region
-        (0, 2**64 - 1, 2),  # wraps
+        (0, 2**64 - 1, 2),  # an offset far past the end
     ],
 )
 def test_serve_write_refuses_without_reading_the_data(impl, bad):
@@ -646,3 +648,22 @@ def test_serve_refuses_negative_limits_and_a_pin_that_is_not_one(impl):
         assert (table.pins, table.pinned) == (1, set())  # given back all the same
         with pytest.raises(ValueError, match="fd must not be negative"):
             impl.recv_answer(-1, b"x" * 32, _NO_PAIRS, _NO_PAIRS, 100)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_serve_refuses_ranges_whose_addresses_wrap(impl):
+    """A region at the top of the address space (no real table has one):
+    a range inside it whose end address wraps is refused, not sent."""
+    table = _Table()
+    table.tables[0][0], table.tables[1][0] = 2**64 - 10, 100
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        for descs in ([(0, 0, 20)], [(0, 9, 2)]):
+            payload = _payload(descs)
+            a.sendall(payload)
+            assert (
+                impl.serve_read(b.fileno(), b"H" * 32, len(payload), table, _READ_OK, 1 << 20, 1000)
+                == payload
+            )
+    assert table.pinned == set()

@@ -882,16 +882,18 @@ class Connection:
         finally:
             # Whatever happened, an interrupt included, the part leaves this thread settled.
             if marked:
-                with self.lock:
-                    self.receiving = None
-                    error = failure or self.error
-                    settled = took or error is not None  # done, failed, or shut down meanwhile
+                error = failure or self.error
+                settled = took or error is not None  # done, failed, or shut down meanwhile
+                try:
+                    with self.lock:
+                        self.receiving = None
+                        if settled:
+                            self.pending.pop(request_id, None)
+                        if took:
+                            self.last_progress = time.monotonic()
+                finally:
                     if settled:
-                        self.pending.pop(request_id, None)
-                    if took:
-                        self.last_progress = time.monotonic()
-                if settled:
-                    self._release(part, None if took or error is None else _again(error))
+                        self._release(part, None if took or error is None else _again(error))
         return took
 
     def _idle(self) -> bool:
