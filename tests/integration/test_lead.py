@@ -93,17 +93,13 @@ def test_a_transfer_of_two_requests_takes_its_first_answer_the_general_way(
     """One transfer cut into two READs on one connection: with two in flight
     the waiting thread reads the first answer the general way; only the
     last, alone by then, may go through recv_answer."""
-    from kvx._datapath import io as _io
-
     worker = make_worker(limits={"max_message_bytes": BLOCK})
     agent = make_agent(backend="tcp")
     pool = np.zeros(1 << 20, np.uint8)
     region = agent.register(pool)
     peer = agent.add_peer(worker.metadata)
     conn = _conn(peer)
-    calls = []
-    real = _io.recv_answer
-    monkeypatch.setattr(_io, "recv_answer", lambda *args: calls.append(real(*args)) or calls[-1])
+    calls = _record_answers(monkeypatch)
     worker.freeze()
     t = peer.read(region.descs(0, 2 * BLOCK), peer.regions[0].descs(0, 2 * BLOCK))
     assert len(conn.pending) == 2
@@ -114,6 +110,21 @@ def test_a_transfer_of_two_requests_takes_its_first_answer_the_general_way(
     assert seen == [True] and conn.answers_led == led + 2
     assert len(calls) <= 1
     assert pool[: 2 * BLOCK].tobytes() == worker.expected(0, 2 * BLOCK).tobytes()
+
+
+def _record_answers(monkeypatch) -> list:
+    """What each call of the data path's recv_answer returned, from now on."""
+    from kvx._datapath import io as _io
+
+    results: list = []
+    real = _io.recv_answer
+
+    def recorded(*args):
+        results.append(real(*args))
+        return results[-1]
+
+    monkeypatch.setattr(_io, "recv_answer", recorded)
+    return results
 
 
 def _read_frozen(worker, peer, conn, local, remote, wait_s=0.5):
@@ -134,18 +145,9 @@ def test_a_lone_answer_is_taken_in_one_call_and_anything_else_the_long_way(
     """The answer to a READ (or WRITE) alone in flight lands through
     recv_answer (one call); a refused READ's ERROR goes through the general
     path, and the connection lives on."""
-    from kvx._datapath import io as _io
-
     worker, _, pool, region, peer = _peer(make_worker, make_agent)
     remote, conn = peer.regions[0], _conn(peer)
-    calls = []
-    real = _io.recv_answer
-
-    def counted(*args):
-        calls.append(real(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(_io, "recv_answer", counted)
+    calls = _record_answers(monkeypatch)
     for i in range(3):
         assert _read_frozen(
             worker, peer, conn, region.descs(i * BLOCK, BLOCK), remote.descs(i * BLOCK, BLOCK)
