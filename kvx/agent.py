@@ -61,7 +61,7 @@ from kvx.memory import (
 )
 from kvx.metadata.client import MetadataOptions
 from kvx.metadata.directory import Directory
-from kvx.transfer import Notification, Op, Transfer
+from kvx.transfer import READ, WRITE, Notification, Op, Transfer
 from kvx.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -642,7 +642,7 @@ class Peer:
         """Copy ``remote`` (the peer's memory) into ``local``; one-sided.
         ``verify`` (default: the agent's setting) checks every descriptor's
         bytes end to end before the transfer is done (``Agent``)."""
-        return self._post(Op.READ, local, remote, notify, verify)
+        return self._post(READ, local, remote, notify, verify)
 
     def write(
         self,
@@ -654,7 +654,7 @@ class Peer:
     ) -> Transfer:
         """Copy ``local`` into ``remote`` (the peer's memory); one-sided.
         ``verify`` as for ``read``."""
-        return self._post(Op.WRITE, local, remote, notify, verify)
+        return self._post(WRITE, local, remote, notify, verify)
 
     def notify(self, data: bytes) -> Transfer:
         """Send a notification with no data."""
@@ -707,7 +707,7 @@ class Peer:
         if not len(local_a) or not len(remote_a):
             raise ConfigError("empty descriptor list; use peer.notify() to send only a notification")
         remote_device, remote_ipc = self._check_remote(
-            remote_a, REMOTE_READ if op is Op.READ else REMOTE_WRITE, op
+            remote_a, REMOTE_READ if op is READ else REMOTE_WRITE, op
         )
         self._check_alive()
         merges = self._channel.merges_ranges
@@ -715,8 +715,8 @@ class Peer:
             local_a = Descs(local_a).coalesce().array
         addrs, lens, total, token = self.agent._regions.resolve(
             local_a,
-            LOCAL_WRITE if op is Op.READ else 0,
-            "local destination" if op is Op.READ else "local source",
+            LOCAL_WRITE if op is READ else 0,
+            "local destination" if op is READ else "local source",
         )
         try:
             remote_total = total_bytes(remote_a)
@@ -786,10 +786,10 @@ class Peer:
         pin = regions.pin_table()
         try:
             got = self._inline(  # type: ignore[misc]
-                op is Op.WRITE,
+                op is WRITE,
                 local_a,
-                pin[1:],
-                LOCAL_WRITE | VALID if op is Op.READ else VALID,
+                pin,
+                LOCAL_WRITE | VALID if op is READ else VALID,
                 remote_a,
                 agent.limits.max_transfer_bytes,
             )

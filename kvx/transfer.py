@@ -27,6 +27,14 @@ class Op(enum.Enum):
     WRITE = "write"
 
 
+# The members as module names, for the paths every transfer takes: on Python
+# 3.11, reading a member through its class (``Op.READ``) goes through
+# EnumType.__getattr__'s slow attribute lookup, about 90 ns each, and a small
+# transfer read half a dozen of them.
+PENDING, DONE, FAILED = TransferState.PENDING, TransferState.DONE, TransferState.FAILED
+READ, WRITE = Op.READ, Op.WRITE
+
+
 @dataclasses.dataclass(frozen=True)
 class Notification:
     """A message a peer attached to a transfer, delivered after its data landed."""
@@ -46,6 +54,8 @@ class Leader(Protocol):
 # The locks of every transfer born finished (Transfer.finished): wait() never
 # takes them, add_done_callback only for the moment of its check.
 _NEVER_HELD = threading.Lock()
+_new = object.__new__
+_monotonic = time.monotonic
 
 
 class Transfer:
@@ -83,7 +93,7 @@ class Transfer:
         self.bytes = nbytes
         self.posted_at = time.monotonic()
         self.completed_at: float | None = None
-        self._state = TransferState.PENDING
+        self._state = PENDING
         self._error: BaseException | None = None
         self._parts_left = parts
         self._lock = threading.Lock()
@@ -109,10 +119,13 @@ class Transfer:
         """A transfer already done (or failed with ``error``) when it is
         returned: the one the caller's thread copied at once. No parts, no
         cleanup; ``wait`` returns (or raises) at once."""
-        t = cls.__new__(cls)
-        t.op, t.peer, t.bytes, t.posted_at = op, peer, nbytes, posted_at
-        t.completed_at = time.monotonic()
-        t._state = TransferState.DONE if error is None else TransferState.FAILED
+        t = _new(cls)
+        t.op = op
+        t.peer = peer
+        t.bytes = nbytes
+        t.posted_at = posted_at
+        t.completed_at = _monotonic()
+        t._state = DONE if error is None else FAILED
         t._error = error
         t._parts_left = 0
         t._lock = t._done = _NEVER_HELD  # the transfer is not pending: held only for a moment
@@ -129,7 +142,7 @@ class Transfer:
         return self._error
 
     def done(self) -> bool:
-        return self._state is not TransferState.PENDING
+        return self._state is not PENDING
 
     @property
     def duration_s(self) -> float | None:
@@ -145,7 +158,7 @@ class Transfer:
 
         Where the backend allows it, the waiting thread reads the answers
         itself rather than sleeping until a kvx thread hands them over."""
-        if self._state is TransferState.PENDING:
+        if self._state is PENDING:
             limit = self._default_timeout_s if timeout_s is None else timeout_s
             left = limit
             leader = self._leader
@@ -171,7 +184,7 @@ class Transfer:
         posting thread, a thread in ``wait`` when a connection broke). It
         must not block."""
         with self._lock:
-            if self._state is TransferState.PENDING:
+            if self._state is PENDING:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
@@ -179,7 +192,7 @@ class Transfer:
         fn(self)
 
     def __await__(self) -> Generator[Any, None, None]:
-        if self._state is TransferState.PENDING:
+        if self._state is PENDING:
             loop = asyncio.get_running_loop()
             future = loop.create_future()
 
@@ -205,7 +218,7 @@ class Transfer:
         """The transfer finishes after ``parts`` calls of ``part_finished``.
         ``then(transfer)``, when given, runs once they all succeeded and must
         post exactly one more part (the trailing notification)."""
-        assert self._state is TransferState.PENDING and parts > 0
+        assert self._state is PENDING and parts > 0
         self._parts_left = parts
         self._on_parts_done = then
 
@@ -220,11 +233,7 @@ class Transfer:
         (posting it raised first); False when parts are under way, which
         finish it themselves."""
         with self._lock:
-            if (
-                self._parts_left
-                or self._on_parts_done is not None
-                or self._state is not TransferState.PENDING
-            ):
+            if self._parts_left or self._on_parts_done is not None or self._state is not PENDING:
                 return False
             self._error = error
         self._finish()
@@ -251,10 +260,10 @@ class Transfer:
 
     def _finish(self) -> None:
         with self._lock:
-            if self._state is not TransferState.PENDING:
+            if self._state is not PENDING:
                 return
             self.completed_at = time.monotonic()
-            self._state = TransferState.FAILED if self._error is not None else TransferState.DONE
+            self._state = FAILED if self._error is not None else DONE
             callbacks, self._callbacks = self._callbacks or (), None
             cleanup, self._cleanup = self._cleanup, None
             self._leader = None

@@ -86,8 +86,10 @@ class Channel(abc.ABC):
     merges_ranges = False
     # Set by a channel that can move a small transfer at once, on the posting
     # thread, through what the peer already leased (shm's ``copy_inline`` for
-    # host memory, cuda_ipc's between GPUs); None sends every transfer
-    # through ``post``.
+    # host memory, cuda_ipc's between GPUs), called as
+    # ``copy_inline(writing, local, pin, need, remote, max_bytes)`` with
+    # ``pin`` the agent's ``RegionTable.pin_table()``; None sends every
+    # transfer through ``post``.
     copy_inline: Callable[..., Any] | None = None
     # True when ``copy_inline`` takes transfers to a peer that has GPU regions
     # (cuda_ipc: it sorts out which leases it can copy through itself).

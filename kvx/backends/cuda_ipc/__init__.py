@@ -219,7 +219,7 @@ class CudaIpcChannel(Channel):
         self,
         writing: bool,
         local: np.ndarray,
-        table: tuple[Any, ...],
+        pin: tuple[Any, ...],
         need: int,
         remote: np.ndarray,
         max_bytes: int,
@@ -227,14 +227,15 @@ class CudaIpcChannel(Channel):
         """A whole small GPU-to-GPU transfer through a lease, on this thread:
         a C call (leased_triples; a second one when the argument buffer must
         grow) checks the local descriptors against this agent's pinned region
-        ``table`` (bases, sizes, flags, devices: GPU memory on one device,
-        with ``need``) and the remote ones against the lease, and writes the
-        copy kernel's arguments; then one launch, and a wait for it. The
-        bytes moved; the error of a copy that failed; None when nothing was
-        done (host memory, a remote list over more than one region, a region
-        not leased yet, KVX_CUDA_COPY=memcpy, anything refused): the caller
-        then takes the full path, which names any error."""
-        bases, sizes, flags, devices = table
+        table (``pin``, as ``RegionTable.pin_table`` gives it: GPU memory on
+        one device, with ``need``) and the remote ones against the lease, and
+        writes the copy kernel's arguments; then one launch, and a wait for
+        it. The bytes moved; the error of a copy that failed; None when
+        nothing was done (host memory, a remote list over more than one
+        region, a region not leased yet, KVX_CUDA_COPY=memcpy, anything
+        refused): the caller then takes the full path, which names any
+        error."""
+        _, bases, sizes, flags, devices = pin
         if not self._inline_kernel or not len(local) or not len(remote):
             return None
         first = int(local["region"][0])

@@ -40,7 +40,7 @@ from kvx.backends.tcp import TcpChannel
 from kvx.descs import Descs
 from kvx.errors import AccessError, KvxError, ProtocolError, TransferError
 from kvx.memory import DEVICE, REMOTE_READ, REMOTE_WRITE, SMALL_LIST
-from kvx.transfer import Op, Transfer
+from kvx.transfer import WRITE, Op, Transfer
 from kvx.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class ShmChannel(Channel):
             rids = sorted(set(remote["region"].tolist()))
         else:
             rids = region_ids(remote).tolist()
-        writing = op is Op.WRITE
+        writing = op is WRITE
         conn = link.conns[0]
         pinned = conn.lease(rids, writing)  # counts a use: a revoke waits for unlease
         if pinned is None:
@@ -272,7 +272,7 @@ class ShmChannel(Channel):
         self,
         writing: bool,
         local: np.ndarray,
-        table: tuple[Any, ...],
+        pin: tuple[Any, ...],
         need: int,
         remote: np.ndarray,
         max_bytes: int,
@@ -280,22 +280,23 @@ class ShmChannel(Channel):
         """A whole small host transfer in one C call (conn_leased_post): the
         regions of the remote descriptors leased (a use counted, so a revoke
         waits), the local descriptors resolved against this agent's pinned
-        region ``table`` (bases, sizes, flags, devices; each region's flags
-        carry ``need`` and no DEVICE), the remote ones checked against the
-        lease, the bytes moved, the lease given back. The bytes moved; the
-        error of a copy that failed; None when nothing was done (a region not
-        leased yet, a descriptor refused, totals that differ or exceed
-        ``max_bytes`` or INLINE_COPY_BYTES): the caller then takes the full
-        path, which names any error."""
+        region table (``pin``, as ``RegionTable.pin_table`` gives it: token,
+        bases, sizes, flags, devices; each region's flags carry ``need`` and
+        no DEVICE), the remote ones checked against the lease, the bytes
+        moved, the lease given back. The bytes moved; the error of a copy
+        that failed; None when nothing was done (a region not leased yet, a
+        descriptor refused, totals that differ or exceed ``max_bytes`` or
+        INLINE_COPY_BYTES): the caller then takes the full path, which names
+        any error."""
         try:
             got = _io.conn_leased_post(
                 self._link.conns[0],
                 self.pid,
                 writing,
                 local,
-                table[0],
-                table[1],
-                table[2],
+                pin[1],
+                pin[2],
+                pin[3],
                 need,
                 need | DEVICE,
                 remote,

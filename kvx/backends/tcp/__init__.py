@@ -19,7 +19,7 @@ from kvx.backends.control.link import Link, Part
 from kvx.backends.control.serve import Handler
 from kvx.backends.control.wire import MsgType
 from kvx.backends.tcp import serve
-from kvx.transfer import Op, Transfer
+from kvx.transfer import READ, WRITE, Op, Transfer
 from kvx.v1 import agent_pb2
 
 
@@ -63,13 +63,13 @@ class TcpChannel(Channel):
     ) -> None:
         link = self._link
         parts = link.split(local_addrs, local_lens, total, remote, link.max_message_bytes)
-        attach_notify = notify is not None and len(parts) == 1 and op is Op.WRITE
+        attach_notify = notify is not None and len(parts) == 1 and op is WRITE
         transfer.expect_parts(len(parts), None if attach_notify else link.notify_after(notify))
         for wire, addrs, lens, nbytes in parts:
             conn = link.conn()
             request_id = next(conn.ids)
             payload = wire.tobytes()
-            if op is Op.READ:
+            if op is READ:
                 prefix = _wire.pack(MsgType.READ_REQ, request_id, payload_len=len(payload)) + payload
                 conn.submit(
                     Part(transfer, MsgType.READ_REQ, addrs, lens, nbytes, local_device), prefix, request_id
