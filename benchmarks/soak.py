@@ -64,6 +64,29 @@ from soak_net import (
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_SCRIPT = Path(__file__).with_name("soak_agent.py")
 FAULT_KINDS = ("kill", "stop", "loss", "bandwidth", "metadata", "etcd")
+# The etcd lease behind each agent's 4 s lease. Once the service that tracked
+# a lease restarts, or etcd restarts (it resets every lease's time left), a
+# killed agent's record lasts until this runs out, and its next incarnation
+# waits for its name that long (docs/metadata.md). The default, 60 s, is
+# longer than the soak's restarts are apart (about 13 s each for the service
+# and etcd): killed agents could not start again.
+ETCD_BACKSTOP_S = 8
+
+
+# An agent event's times (time.monotonic() in the agent, which shares the
+# clock): the op's begin, post and end, and a plain event's own.
+EVENT_TIMES = ("t", "tb", "tp", "te")
+
+
+def relative_times(ev: dict, started: float) -> dict[str, float]:
+    """The event's times, in seconds from the soak's start (events.jsonl).
+    Only numbers: a field that is not a time (a traceback, a missing post) is
+    left out rather than ending the thread that reads the agent's events."""
+    return {
+        k: round(v - started, 3)
+        for k, v in ev.items()
+        if k in EVENT_TIMES and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class AgentProc:
@@ -167,6 +190,7 @@ class Soak:
                 sys.executable, "-m", "kvx", "metadata",
                 "--listen", f"{HUB_IP}:{METADATA_PORT}",
                 "--store", f"etcd://127.0.0.1:{ETCD_CLIENT}",
+                "--etcd-lease-backstop-s", str(ETCD_BACKSTOP_S),
                 "--admin-listen", "off",
             ],
             self.workdir / "metadata.log",
@@ -193,11 +217,7 @@ class Soak:
             if ev.get("k") not in ("b", "e", "landed") or ev.get("ok") is False:
                 # What went wrong, with times from the start, for --keep-logs.
                 with self.events_lock, open(self.workdir / "events.jsonl", "a") as log:
-                    rel = {
-                        k: round(v - self.started, 3)
-                        for k, v in ev.items()
-                        if k in ("t", "tb", "tp", "te") and v
-                    }
+                    rel = relative_times(ev, self.started)
                     log.write(
                         json.dumps(dict(ev, agent=proc.index, incarnation=proc.incarnation, rel=rel)) + "\n"
                     )

@@ -184,7 +184,7 @@ class SoakAgent:
                     cls=type(exc).__name__,
                     msg=str(exc)[:300],
                     kvx_error=False,
-                    tb=traceback.format_exc()[-2000:],
+                    trace=traceback.format_exc()[-2000:],
                 )
             else:
                 if nbytes is not None:
@@ -290,7 +290,10 @@ class SoakAgent:
             self.emit("landed", peer=note.peer, **counts)
         except Exception as exc:
             self.emit(
-                "crash", where="notification", msg=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc()
+                "crash",
+                where="notification",
+                msg=f"{type(exc).__name__}: {exc}",
+                trace=traceback.format_exc(),
             )
 
     def quiesce(self, threads: list[threading.Thread]) -> None:
@@ -316,7 +319,7 @@ def main() -> int:
     try:
         soak = SoakAgent(cfg, emit)
     except Exception as exc:
-        emit("crash", where="start", msg=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+        emit("crash", where="start", msg=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
         return 1
     from kvx._datapath import io as _io
 
@@ -344,7 +347,7 @@ def _guard(soak: SoakAgent, op: str) -> None:
     try:
         soak.run_traffic(op)
     except Exception as exc:
-        soak.emit("crash", where=op, msg=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+        soak.emit("crash", where=op, msg=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class Ledger:
             self.errors[f"not a kvx error: {ev['cls']}"] += 1
             if len(self.foreign) < 20:
                 self.foreign.append(
-                    {k: ev.get(k) for k in ("op", "peer", "cls", "msg", "tb")} | {"agent": agent}
+                    {k: ev.get(k) for k in ("op", "peer", "cls", "msg", "trace")} | {"agent": agent}
                 )
         else:
             self.errors[ev["cls"]] += 1

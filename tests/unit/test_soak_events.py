@@ -1,0 +1,50 @@
+"""The chaos soak's bookkeeping of agent events (benchmarks/soak.py,
+soak_ledger.py): an operation that fails with an error that is not a kvx
+error carries its traceback in ``trace`` and its begin time in ``tb``, and
+both reach the report; a field that is not a time never ends the thread that
+reads an agent's events (it did: a traceback in ``tb`` stopped it, and every
+later event of that agent was lost)."""
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import soak  # noqa: E402
+from soak_ledger import Ledger  # noqa: E402
+
+CFG = {
+    "timeouts": {"connect_s": 3.0, "io_s": 3.0, "transfer_s": 10.0, "close_s": 3.0},
+    "metadata_timeout_s": 3.0,
+}
+
+
+def test_a_foreign_error_is_counted_with_its_trace_and_times():
+    ledger = Ledger(argparse.Namespace(margin_s=10.0), CFG)
+    proc = SimpleNamespace(index=1, incarnation=2)
+    ledger.on_event(proc, {"k": "b", "i": 7, "t": 100.0})
+    end = {"k": "e", "i": 7, "op": "read", "peer": "soak-a0", "tb": 100.0, "tp": 100.5, "te": 101.0}
+    end |= {
+        "ok": False,
+        "cls": "ValueError",
+        "msg": "boom",
+        "kvx_error": False,
+        "trace": "Traceback (most...",
+    }
+    ledger.on_event(proc, end)
+    assert ledger.errors == {"not a kvx error: ValueError": 1}
+    assert ledger.foreign == [
+        {"op": "read", "peer": "soak-a0", "cls": "ValueError", "msg": "boom", "trace": "Traceback (most...",
+         "agent": "soak-a1"}
+    ]  # fmt: skip
+    assert ledger.outstanding == {} and ledger.longest_wait["wall_s"] == 0.5
+
+
+def test_relative_times_keep_only_numbers():
+    crash = {"k": "crash", "where": "start", "msg": "x", "trace": "Traceback", "tb": "not a time", "t": 12.5}
+    assert soak.relative_times(crash, 10.0) == {"t": 2.5}
+    ended = {"k": "e", "tb": 11.0, "tp": None, "te": 13.25, "ok": False}
+    assert soak.relative_times(ended, 10.0) == {"tb": 1.0, "te": 3.25}
