@@ -19,6 +19,11 @@
  *                    need, mask, descs, granted, max_bytes)
  *       -> as leased_post, through the leases of connection `conn`, taken and
  *          given back in the call; None when a region is not leased
+ *   post_check(local_descs, bases, sizes, flags, need, mask, descs, peer_sizes,
+ *              peer_flags, peer_need, max_bytes)
+ *       -> (addrs, lens, total) of a small transfer's local side, its remote
+ *          side checked against the peer's published table; None when
+ *          anything is refused (no copy: the tcp backend's post)
  *
  * The four arguments are C-contiguous uint64 buffers; the local and remote
  * lists may be cut differently but must cover the same number of bytes.
@@ -432,6 +437,86 @@ static Py_ssize_t table_resolve(const struct kvx_desc *d, size_t ndescs, const u
     }
     *total = lt;
     return -1;
+}
+
+/* array.array, the type of post_check's results (set at import). */
+static PyObject *array_type;
+
+/* post_check: what a small transfer over a socket checks before it is posted
+ * (kvx.agent Peer._post_small), in one pass. The local descriptors are
+ * resolved against this process's region table as table_resolve does (each
+ * region's flags masked by `mask` equal `need`; each range inside its region;
+ * no overflow) into (addrs, lens), two array.array("Q"); the remote ones are
+ * checked against the peer's published table as descs_bad does (its flags
+ * carry `peer_need`, each range inside its size); the totals are equal, above
+ * 0 and at most max_bytes. Returns (addrs, lens, total), or None when
+ * anything is refused: the caller's full path checks again and names what is
+ * wrong. Malformed buffers raise ValueError. */
+static PyObject *kvx_post_check(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer ld, bb, sb, fb, db, zb, rb;
+    unsigned int need, mask, peer_need;
+    unsigned long long max_bytes;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*IIy*y*y*IK:post_check", &ld, &bb, &sb, &fb, &need, &mask, &db, &zb, &rb,
+                          &peer_need, &max_bytes))
+        return NULL;
+    PyObject *result = NULL;
+    uint64_t small[2 * 64];
+    uint64_t *work = small;
+    size_t nlocal = (size_t)ld.len / sizeof(struct kvx_desc), ndescs = (size_t)db.len / sizeof(struct kvx_desc);
+    if (ld.len % (Py_ssize_t)sizeof(struct kvx_desc) || bb.len != fb.len * 8 || sb.len != bb.len ||
+        db.len % (Py_ssize_t)sizeof(struct kvx_desc) || zb.len != rb.len * 8) {
+        PyErr_SetString(PyExc_ValueError, "post_check: malformed descriptor or table buffers");
+        goto out;
+    }
+    if (nlocal > 64) {
+        work = PyMem_Malloc(2 * nlocal * sizeof(uint64_t));
+        if (work == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
+    uint64_t lt = 0, rt = 0;
+    int ok = table_resolve(ld.buf, nlocal, bb.buf, sb.buf, fb.buf, (size_t)fb.len, need, mask, work, work + nlocal,
+                           &lt) < 0;
+    const struct kvx_desc *d = db.buf;
+    const uint8_t *pf = rb.buf;
+    const uint64_t *pz = zb.buf;
+    for (size_t i = 0; ok && i < ndescs; i++) {
+        uint32_t r = d[i].region;
+        if (r >= (size_t)rb.len || (pf[r] & peer_need) != peer_need || d[i].offset > pz[r] ||
+            d[i].length > pz[r] - d[i].offset || d[i].length > UINT64_MAX - rt)
+            ok = 0;
+        else
+            rt += d[i].length;
+    }
+    if (!ok || lt != rt || lt == 0 || lt > (uint64_t)max_bytes) {
+        result = Py_NewRef(Py_None);
+        goto out;
+    }
+    PyObject *addrs = PyObject_CallFunction(array_type, "sy#", "Q", (const char *)work,
+                                            (Py_ssize_t)(nlocal * sizeof(uint64_t)));
+    PyObject *lens = addrs == NULL ? NULL
+                                   : PyObject_CallFunction(array_type, "sy#", "Q", (const char *)(work + nlocal),
+                                                           (Py_ssize_t)(nlocal * sizeof(uint64_t)));
+    if (addrs != NULL && lens != NULL)
+        result = Py_BuildValue("(NNK)", addrs, lens, (unsigned long long)lt);
+    else {
+        Py_XDECREF(addrs);
+        Py_XDECREF(lens);
+    }
+out:
+    if (work != small)
+        PyMem_Free(work);
+    PyBuffer_Release(&ld);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&zb);
+    PyBuffer_Release(&rb);
+    return result;
 }
 
 /* The local and remote lists of leased_post and leased_triples, resolved:
@@ -1052,6 +1137,9 @@ static PyMethodDef methods[] = {
     {"conn_leased_post", kvx_conn_leased_post, METH_VARARGS,
      "conn_leased_post(conn, pid, writing, local_descs, bases, sizes, flags, need, mask, descs, granted, max_bytes) "
      "-> None (not leased), bytes moved or (side, index)"},
+    {"post_check", kvx_post_check, METH_VARARGS,
+     "post_check(local_descs, bases, sizes, flags, need, mask, descs, peer_sizes, peer_flags, peer_need, "
+     "max_bytes) -> (addrs, lens, total) or None"},
     {"leased_triples", kvx_leased_triples, METH_VARARGS,
      "leased_triples(writing, local_descs, bases, sizes, flags, devices, device, need, mask, descs, regions, "
      "lease, granted, max_bytes, piece, out, out_words) -> triples written or (side, index)"},
@@ -1067,5 +1155,14 @@ PyMODINIT_FUNC PyInit__cma(void)
 {
     if (intern_names() < 0)
         return NULL;
+    if (array_type == NULL) {
+        PyObject *array = PyImport_ImportModule("array");
+        if (array == NULL)
+            return NULL;
+        array_type = PyObject_GetAttrString(array, "array");
+        Py_DECREF(array);
+        if (array_type == NULL)
+            return NULL;
+    }
     return PyModule_Create(&module);
 }

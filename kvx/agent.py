@@ -24,13 +24,14 @@ import numpy as np
 
 from kvx import backends
 from kvx._datapath import checksum as _checksum
+from kvx._datapath import io as _io
 from kvx._net import is_loopback, parse_address
 from kvx.backends.base import Backend, BackendContext, Channel, boot_id
 from kvx.backends.control import Links, Listener
 from kvx.backends.control.wire import PROTOCOL_VERSION
 from kvx.backends.select import Selector
 from kvx.config import Limits, Timeouts, check_backend, check_name
-from kvx.descs import Descs, total_bytes
+from kvx.descs import DESC_DTYPE, Descs, total_bytes
 from kvx.errors import (
     AccessError,
     ClosedError,
@@ -65,6 +66,13 @@ from kvx.transfer import READ, WRITE, Notification, Op, Transfer
 from kvx.v1 import agent_pb2
 
 logger = logging.getLogger(__name__)
+
+# A transfer of at most this many descriptors on each side (whatever their
+# lengths) takes the latency path of a channel that sends requests
+# (Peer._post_small): one C call checks both lists. 64 is also what a tcp
+# target serves in one call (kvx.backends.tcp.serve.SMALL_REQUEST_DESCS).
+SMALL_POST_DESCS = 64
+_U64_MAX = (1 << 64) - 1
 
 _MEMORY_KINDS = {
     MemoryKind.HOST: agent_pb2.MEMORY_KIND_HOST,
@@ -575,6 +583,8 @@ class Peer:
         self._slots = threading.Condition(threading.Lock())  # guards _inflight
         # The channel's copy on the posting thread (shm through leases), or None.
         self._inline = channel.copy_inline
+        # The channel takes small transfers checked in one call (tcp: _post_small).
+        self._small = channel.small_posts
         self._inflight = 0
 
     def _set_regions(self, md: agent_pb2.AgentMetadata) -> None:
@@ -700,6 +710,16 @@ class Peer:
             transfer = self._post_inline(op, local.array, remote.array)
             if transfer is not None:
                 return transfer
+        elif (
+            self._small
+            and notify is None
+            and verify is None
+            and type(local) is Descs
+            and type(remote) is Descs
+        ):
+            transfer = self._post_small(op, local.array, remote.array)
+            if transfer is not None:
+                return transfer
         if notify is not None:
             notify = self._check_notify(notify)
         local_a = local.array if type(local) is Descs else Descs(local).array
@@ -800,6 +820,67 @@ class Peer:
         if type(got) is int:
             return Transfer.finished(op, self.name, got, posted_at, None)
         return Transfer.finished(op, self.name, total_bytes(local_a), posted_at, got)
+
+    def _post_small(self, op: Op, local_a: np.ndarray, remote_a: np.ndarray) -> Transfer | None:
+        """The latency path of a host transfer of at most SMALL_POST_DESCS
+        descriptors a side on a channel that sends requests (tcp): one C call
+        (``post_check``) resolves the local descriptors against this agent's
+        region table, pinned from here until the transfer finishes as
+        ``_post`` pins it, and checks the remote ones against the peer's
+        published regions and both totals; then the request goes out as
+        ``_post`` sends it, but with the lists as given (not coalesced: one
+        request either way, at most the target's descriptors per message).
+        None, with nothing pinned, when it does not apply or refuses
+        something: ``_post`` then takes the full path, which checks again and
+        names the error."""
+        agent = self.agent
+        sizes, flags, devices = self._table
+        if (
+            agent._closed
+            or self._closed_error is not None
+            or self._channel.error is not None
+            or agent.verify
+            or devices is not None  # the peer has GPU regions: the full path sorts them out
+            or len(local_a) > SMALL_POST_DESCS
+            or len(remote_a) > SMALL_POST_DESCS
+            or len(remote_a) > self._channel.link.max_descs  # one request, as the full path would send
+            or local_a.dtype is not DESC_DTYPE
+            or remote_a.dtype is not DESC_DTYPE
+            or not local_a.flags.c_contiguous
+            or not remote_a.flags.c_contiguous
+        ):
+            return None
+        reading = op is READ
+        need = LOCAL_WRITE | VALID if reading else VALID
+        regions = agent._regions
+        pin = regions.pin_table()
+        try:
+            got = _io.post_check(
+                local_a,
+                pin[1],
+                pin[2],
+                pin[3],
+                need,
+                need | DEVICE,  # host memory only
+                remote_a,
+                sizes,
+                flags,
+                (REMOTE_READ if reading else REMOTE_WRITE) | VALID,
+                min(agent.limits.max_transfer_bytes, _U64_MAX),
+            )
+            transfer = None if got is None else self._start(op, got[2], 0, pin[0])
+        except BaseException:
+            regions.release(pin[0])
+            raise
+        if transfer is None or got is None:
+            regions.release(pin[0])
+            return None
+        try:
+            self._channel.post(transfer, op, got[0], got[1], got[2], remote_a, None, -1, -1, False)
+        except BaseException as exc:
+            transfer.fail_unposted(exc)  # releases its slot and its hold on the regions
+            raise
+        return transfer
 
     def _check_verify(self, remote: np.ndarray, local_device: int, remote_device: int) -> None:
         if local_device >= 0 or remote_device >= 0:

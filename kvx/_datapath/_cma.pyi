@@ -1,5 +1,6 @@
 """Types of the C extension built from csrc/kvx_cma.c; the twin is cma_py.py."""
 
+import array
 from typing import Any
 
 from _typeshed import ReadableBuffer
@@ -84,3 +85,17 @@ def leased_triples(
     out_words: int,
     /,
 ) -> int | tuple[int, int]: ...
+def post_check(
+    local_descs: ReadableBuffer,
+    bases: ReadableBuffer,
+    sizes: ReadableBuffer,
+    flags: ReadableBuffer,
+    need: int,
+    mask: int,
+    descs: ReadableBuffer,
+    peer_sizes: ReadableBuffer,
+    peer_flags: ReadableBuffer,
+    peer_need: int,
+    max_bytes: int,
+    /,
+) -> tuple[array.array[int], array.array[int], int] | None: ...

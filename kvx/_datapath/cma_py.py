@@ -193,6 +193,56 @@ def _resolve_local(ld, b, z, f, need: int, mask: int) -> tuple[list[list[int]], 
     return local, total
 
 
+def post_check(
+    local_descs,
+    bases,
+    sizes,
+    flags,
+    need: int,
+    mask: int,
+    descs,
+    peer_sizes,
+    peer_flags,
+    peer_need: int,
+    max_bytes: int,
+) -> tuple[array.array, array.array, int] | None:
+    """The twin of the C post_check (csrc/kvx_cma.c): the local descriptors
+    resolved against the region table (``_resolve_local``), the remote ones
+    checked against the peer's published table (``peer_flags`` carry
+    ``peer_need``, each range inside ``peer_sizes``), the totals equal, above
+    0 and at most ``max_bytes``: (addrs, lens, total), or None when anything
+    is refused."""
+    ld = memoryview(local_descs).cast("B")
+    b, z, f = (memoryview(x).cast("B") for x in (bases, sizes, flags))
+    d, pz, pf = (memoryview(x).cast("B") for x in (descs, peer_sizes, peer_flags))
+    if (
+        ld.nbytes % 24
+        or b.nbytes != f.nbytes * 8
+        or z.nbytes != b.nbytes
+        or d.nbytes % 24
+        or pz.nbytes != pf.nbytes * 8
+    ):
+        raise ValueError("post_check: malformed descriptor or table buffers")
+    got = _resolve_local(ld, b, z, f, need, mask)
+    if isinstance(got, int):
+        return None
+    local, total = got
+    size_of = pz.cast("Q")
+    fields = d.cast("Q").tolist()
+    remote_total = 0
+    for i in range(d.nbytes // 24):
+        region, offset, length = fields[3 * i] & 0xFFFFFFFF, fields[3 * i + 1], fields[3 * i + 2]
+        if region >= len(pf) or pf[region] & peer_need != peer_need:
+            return None
+        size = size_of[region]
+        if offset > size or length > size - offset:
+            return None
+        remote_total += length
+    if total != remote_total or total == 0 or total > max_bytes:
+        return None
+    return array.array("Q", [a for a, _ in local]), array.array("Q", [n for _, n in local]), total
+
+
 def _resolve_remote(d, ids: list[int], w, granted: int, writing: bool) -> tuple[list[list[int]], int] | int:
     """The remote descriptors against the lease: ([address, length] per
     descriptor, total), or the index of the first one refused."""

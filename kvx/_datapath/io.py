@@ -10,7 +10,8 @@ descriptors resolved against this agent's regions in that call too;
 conn_leased_post: leased_post with the connection's lease taken and given
 back in that call too; leased_triples: leased_post's checks for a copy the
 GPU makes, which writes the copy's triples for the kernel instead of moving
-bytes).
+bytes), and the checks of a small transfer before it is posted over a
+socket in one call (post_check).
 
 KVX_NATIVE=1 requires the C extension, KVX_NATIVE=0 selects the pure-Python
 twin, and unset means the C extension when it was built, else the twin (with
@@ -53,6 +54,7 @@ conn_leased_post: Callable[
     [Any, int, bool, Any, Any, Any, Any, int, int, Any, int, int], int | tuple[int, int] | None
 ]
 leased_triples: Callable[..., int | tuple[int, int]]
+post_check: Callable[[Any, Any, Any, Any, int, int, Any, Any, Any, int, int], tuple[Any, Any, int] | None]
 
 
 def _select(choice: str) -> tuple[tuple[ModuleType, ModuleType], str]:
@@ -97,13 +99,15 @@ def use(choice: str) -> str:
         leased_copy, \
         leased_post, \
         conn_leased_post, \
-        leased_triples
+        leased_triples, \
+        post_check
     (io, cma), IMPL = _select(choice)
     sendv, recvv, wait_readable, peek = io.sendv, io.recvv, io.wait_readable, io.peek
     serve_read, serve_write, recv_answer = io.serve_read, io.serve_write, io.recv_answer
     vm_readv, vm_writev, memcpyv = cma.vm_readv, cma.vm_writev, cma.memcpyv
     descs_bad, leased_copy, leased_post = cma.descs_bad, cma.leased_copy, cma.leased_post
     conn_leased_post, leased_triples = cma.conn_leased_post, cma.leased_triples
+    post_check = cma.post_check
     return IMPL
 
 

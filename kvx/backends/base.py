@@ -82,7 +82,8 @@ class Channel(abc.ABC):
     """A connected peer, over one backend, built on the peer's control link."""
 
     # True when ``post`` merges adjacent ranges itself (shm does, in C): the
-    # agent then skips coalescing the descriptor lists before posting.
+    # agent then skips coalescing the descriptor lists before posting (as it
+    # does for a small transfer on a ``small_posts`` channel).
     merges_ranges = False
     # Set by a channel that can move a small transfer at once, on the posting
     # thread, through what the peer already leased (shm's ``copy_inline`` for
@@ -91,6 +92,10 @@ class Channel(abc.ABC):
     # ``pin`` the agent's ``RegionTable.pin_table()``; None sends every
     # transfer through ``post``.
     copy_inline: Callable[..., Any] | None = None
+    # True when ``post`` takes small host transfers whose descriptors the agent
+    # checked and resolved in one call (``Peer._post_small``, ``post_check``):
+    # a channel that sends each transfer as requests on the link (tcp).
+    small_posts = False
     # True when ``copy_inline`` takes transfers to a peer that has GPU regions
     # (cuda_ipc: it sorts out which leases it can copy through itself).
     inline_gpu = False

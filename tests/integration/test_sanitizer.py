@@ -84,6 +84,7 @@ def test_native_data_path_under_asan(tmp_path):
             str(ROOT / "tests/unit/test_cma.py"),
             str(ROOT / "tests/unit/test_leased_triples.py"),
             str(ROOT / "tests/unit/test_conn_leased_post.py"),
+            str(ROOT / "tests/unit/test_post_check.py"),
             str(ROOT / "tests/integration/test_transfer.py"),
         ],
         env=env,

@@ -45,6 +45,8 @@ class TcpChannel(Channel):
     """READ and WRITE requests over the link; other backends use it for the
     memory they do not move themselves."""
 
+    small_posts = True
+
     def __init__(self, link: Link) -> None:
         super().__init__(link)
 
