@@ -827,12 +827,13 @@ class Peer:
         (``post_check``) resolves the local descriptors against this agent's
         region table, pinned from here until the transfer finishes as
         ``_post`` pins it, and checks the remote ones against the peer's
-        published regions and both totals; then the request goes out as
-        ``_post`` sends it, but with the lists as given (not coalesced: one
-        request either way, at most the target's descriptors per message).
-        None, with nothing pinned, when it does not apply or refuses
-        something: ``_post`` then takes the full path, which checks again and
-        names the error."""
+        published regions and both totals; then the transfer goes out as
+        ``_post`` sends it, with the lists as given rather than coalesced
+        (no more remote descriptors than the target takes in one request, so
+        it is cut into as many requests as ``_post`` would cut it). None, with
+        nothing pinned, when it does not apply or refuses something:
+        ``_post`` then takes the full path, which checks again and names the
+        error."""
         agent = self.agent
         sizes, flags, devices = self._table
         if (

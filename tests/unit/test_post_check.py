@@ -166,7 +166,9 @@ def test_native_and_twin_agree_on_random_lists():
 
     def value(high):
         """Mostly small, one time in four a value at an edge (sizes, 2**64)."""
-        return edges[int(rng.integers(0, len(edges)))] if rng.integers(0, 4) == 0 else int(rng.integers(0, high))
+        return (
+            edges[int(rng.integers(0, len(edges)))] if rng.integers(0, 4) == 0 else int(rng.integers(0, high))
+        )
 
     tables = [_table(flags=(NEED, VALID)), _table(bases=(U64_MAX - SIZE, 0), sizes=(SIZE, U64_MAX))]
     peers = [_peer(), _peer(sizes=(U64_MAX, SIZE))]
