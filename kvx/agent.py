@@ -700,24 +700,14 @@ class Peer:
 
     def _post(self, op: Op, local: Any, remote: Any, notify: bytes | None, verify: bool | None) -> Transfer:
         # The hot path: a few microseconds of Python for a short list.
-        if (
-            self._inline is not None
-            and notify is None
-            and verify is None
-            and type(local) is Descs
-            and type(remote) is Descs
-        ):
-            transfer = self._post_inline(op, local.array, remote.array)
-            if transfer is not None:
-                return transfer
-        elif (
-            self._small
-            and notify is None
-            and verify is None
-            and type(local) is Descs
-            and type(remote) is Descs
-        ):
-            transfer = self._post_small(op, local.array, remote.array)
+        if notify is None and verify is None and type(local) is Descs and type(remote) is Descs:
+            # A channel's latency path: a copy on this thread (shm), or one call's checks (tcp).
+            if self._inline is not None:
+                transfer = self._post_inline(op, local.array, remote.array)
+            elif self._small:
+                transfer = self._post_small(op, local.array, remote.array)
+            else:
+                transfer = None
             if transfer is not None:
                 return transfer
         if notify is not None:
