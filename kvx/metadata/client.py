@@ -103,10 +103,19 @@ READER_STAYED_S = 10.0
 READER_MOVE_SPREAD_S = 2.0
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
+# With it, "1" when the service does not renew that lease itself (NameHeldError.untracked).
+_LEASE_UNTRACKED_KEY = "kvx-lease-untracked"
 # Bounds on how long to wait before asking again for a name another lease holds:
 # the service's own max lease ttl is 300 s.
 _HELD_RETRY_MIN_S = 0.1
 _HELD_RETRY_MAX_S = 310.0
+# A starting agent asks for a held name until this long past the time the service said.
+_HELD_SLACK_S = 1.0
+# Waits a starting agent gives a name held by a lease the service does not renew
+# itself (its time is etcd's, which an etcd restart resets) before it gives up.
+_UNTRACKED_WAITS = 2
+# How long past its wait a starting agent keeps asking a service it cannot reach.
+_HELD_OUTAGE_GRACE_S = 15.0
 # While the name stays held, a warning at most this often.
 _HELD_WARN_EVERY_S = 60.0
 # Leases per KeepAlive message (the service refuses more: proto/kvx/v1/metadata.proto).
@@ -124,11 +133,15 @@ _MAX_UNANSWERED_MESSAGES = 256
 
 class NameHeldError(MetadataError):
     """The name is held by another live lease (FAILED_PRECONDITION);
-    ``retry_after_s``: when that lease runs out unless renewed."""
+    ``retry_after_s``: when that lease runs out unless renewed. ``untracked``:
+    the service does not renew that lease itself (etcd, another replica or none
+    renews it), so the time is etcd's, which an etcd restart or leader change
+    sets back to the full etcd ttl even when the holder is dead."""
 
-    def __init__(self, message: str, code: object, retry_after_s: float) -> None:
+    def __init__(self, message: str, code: object, retry_after_s: float, untracked: bool = False) -> None:
         super().__init__(message, code)
         self.retry_after_s = retry_after_s
+        self.untracked = untracked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +173,17 @@ def translate(exc: grpc.RpcError, target: str) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     retry_after_ms: str | None = None
+    untracked = False
     if code == grpc.StatusCode.FAILED_PRECONDITION and hasattr(exc, "trailing_metadata"):
         trailers = {str(item[0]): item[1] for item in exc.trailing_metadata() or ()}  # type: ignore[index]
         retry_after_ms = trailers.get(_RETRY_AFTER_KEY)
-    return _status_error(target, code, detail, retry_after_ms)
+        untracked = trailers.get(_LEASE_UNTRACKED_KEY) == "1"
+    return _status_error(target, code, detail, retry_after_ms, untracked)
 
 
-def _status_error(target: str, code: Any, detail: str | None, retry_after_ms: Any = None) -> Exception:
+def _status_error(
+    target: str, code: Any, detail: str | None, retry_after_ms: Any = None, untracked: bool = False
+) -> Exception:
     """The kvx error for a gRPC status (a call's, or one result of a RegisterAgents call)."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ConnectError(f"metadata service at {target} unavailable: {detail}")
@@ -177,7 +194,7 @@ def _status_error(target: str, code: Any, detail: str | None, retry_after_ms: An
             pass
         else:
             retry_after_s = min(max(retry_after_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
-            return NameHeldError(f"metadata service at {target}: {detail}", code, retry_after_s)
+            return NameHeldError(f"metadata service at {target}: {detail}", code, retry_after_s, untracked)
     return MetadataError(f"metadata service at {target}: {detail}", code)
 
 
@@ -298,6 +315,7 @@ class MetadataClient:
                 _STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN),
                 result.message,
                 result.retry_after_ms if result.retry_after_ms > 0 else None,
+                result.lease_untracked,
             )
             for result in response.results
         ]
@@ -361,27 +379,59 @@ class Registration:
         is unreachable. While another live lease holds the name (this agent's
         previous instance, dead but its lease not yet run out), waits for that
         lease to run out, up to its remaining ttl once; if it is renewed meanwhile,
-        another live agent has this name, and that is raised."""
+        another live agent has this name, and that is raised. A lease the service
+        does not renew itself (``NameHeldError.untracked``: etcd's time, which an
+        etcd restart or leader change resets) gets one more wait first. A service
+        unreachable for a while during the wait is asked again."""
         try:
             self._register()
         except NameHeldError as exc:
-            logger.warning("%s; waiting up to %.1f s for that lease to run out", exc, exc.retry_after_s)
-            deadline = time.monotonic() + exc.retry_after_s + 1.0
-            while True:
-                if self._stop.wait(min(exc.retry_after_s, max(0.0, deadline - time.monotonic()))):
-                    raise exc from None  # stopped while waiting
-                try:
-                    self._register()
-                    break
-                except NameHeldError as again:
-                    if time.monotonic() >= deadline:
-                        raise MetadataError(
-                            f"{again}. The lease was renewed while we waited: another live agent "
-                            "uses this name (give each agent its own name)",
-                            again.code,
-                        ) from None
-                    exc = again
+            self._wait_for_name(exc)
         self._thread.start()
+
+    def _wait_for_name(self, exc: NameHeldError) -> None:
+        logger.warning("%s; waiting up to %.1f s for that lease to run out", exc, exc.retry_after_s)
+        deadline = time.monotonic() + exc.retry_after_s + _HELD_SLACK_S
+        waits = 1
+        pause_s = exc.retry_after_s
+        while True:
+            if self._stop.wait(pause_s):
+                raise exc from None  # stopped while waiting
+            try:
+                self._register()
+                return
+            except ConnectError:
+                if time.monotonic() >= deadline + _HELD_OUTAGE_GRACE_S:
+                    raise
+                pause_s = 1.0  # an outage (a service restart, etcd's): ask again soon
+                continue
+            except NameHeldError as again:
+                exc = again
+            now = time.monotonic()
+            if now < deadline:
+                pause_s = min(exc.retry_after_s, deadline - now)
+                continue
+            if exc.untracked and waits < _UNTRACKED_WAITS:
+                waits += 1
+                logger.warning(
+                    "%s; still held past its time, but this service does not renew that lease "
+                    "(an etcd restart or leader change resets etcd's time for it): waiting up "
+                    "to %.1f s more",
+                    exc,
+                    exc.retry_after_s,
+                )
+                deadline = now + exc.retry_after_s + _HELD_SLACK_S
+                pause_s = exc.retry_after_s
+                continue
+            raise MetadataError(
+                f"{exc}. The lease was renewed while we waited: another live agent uses this "
+                + (
+                    "name, renewing at another replica of the service (give each agent its own name)"
+                    if exc.untracked
+                    else "name (give each agent its own name)"
+                ),
+                exc.code,
+            ) from None
 
     def update(self) -> None:
         """Publish the record again now (regions changed). Raises MetadataError
@@ -518,7 +568,7 @@ class _Pending:
 
 def _clone(exc: ConnectError | MetadataError) -> Exception:
     if isinstance(exc, NameHeldError):
-        return NameHeldError(str(exc), exc.code, exc.retry_after_s)
+        return NameHeldError(str(exc), exc.code, exc.retry_after_s, exc.untracked)
     if isinstance(exc, MetadataError):
         return MetadataError(str(exc), exc.code)
     return ConnectError(str(exc))

@@ -93,7 +93,10 @@ since only the replica renewing it knows its kvx deadline. What this changes:
   lease runs out, up to the backstop, not its kvx ttl (no replica tracks it);
 * an agent that moves to another replica keeps its lease and records;
 * a restarted agent asking a replica that does not track its old lease waits
-  up to etcd's remaining time (the backstop at most) for its name, not its ttl;
+  up to etcd's remaining time (the backstop at most) for its name, not its ttl
+  (``renews_lease`` says which leases are tracked: the service marks the
+  others' refusals, and the agent waits once more if an etcd restart reset
+  that time meanwhile);
 * while etcd is unreachable renewals fail as before (the mirror is not
   synced then, and every renewal is forwarded);
 * after an etcd leader change (etcd resets every lease's remaining ttl) the
@@ -345,6 +348,9 @@ class EtcdStore(Store):
                 return 0
             raise
         return max(0, int(response.TTL))  # -1: gone
+
+    def renews_lease(self, lease_id: int) -> bool:
+        return lease_id in self._leases
 
     async def keep_alive(self, lease_id: int) -> int:
         return (await self.keep_alive_many([lease_id]))[0]

@@ -163,6 +163,14 @@ class Store(abc.ABC):
         """A lease's remaining time to live in whole seconds (rounded up), without
         renewing it; 0 if it is gone or expired."""
 
+    def renews_lease(self, lease_id: int) -> bool:
+        """Whether this store renews the lease itself and knows its deadline: then
+        ``lease_ttl`` grows only when the lease's holder renews it. False where it
+        answers from elsewhere (an etcd lease renewed at another replica, or at
+        none): etcd's remaining time, which an etcd restart or leader change sets
+        back to the full etcd ttl whether or not its holder lives."""
+        return True
+
     @abc.abstractmethod
     async def count(self) -> int:
         """How many records there are."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvx.v1 import agent_pb2 as kvx_dot_v1_dot_agent__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvx/v1/metadata.proto\x12\x06kvx.v1\x1a\x12kvx/v1/agent.proto\"\x95\x03\n\x0b\x41gentRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x06\x12\x1a\n\x04role\x18\x03 \x01(\x0e\x32\x0c.kvx.v1.Role\x12/\n\x06labels\x18\x04 \x03(\x0b\x32\x1f.kvx.v1.AgentRecord.LabelsEntry\x12\'\n\x08metadata\x18\x05 \x01(\x0b\x32\x15.kvx.v1.AgentMetadata\x12\x38\n\x0b\x65ngine_info\x18\x06 \x03(\x0b\x32#.kvx.v1.AgentRecord.EngineInfoEntry\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\x12\x1a\n\x12registered_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08revision\x18\t \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\n \x01(\x03\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0f\x45ngineInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x14RegisterAgentRequest\x12#\n\x06record\x18\x01 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"J\n\x15RegisterAgentResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x10\n\x08revision\x18\x03 \x01(\x03\"G\n\x15RegisterAgentsRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.kvx.v1.RegisterAgentRequest\"F\n\x16RegisterAgentsResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.kvx.v1.RegisterAgentResult\"}\n\x13RegisterAgentResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12/\n\x08response\x18\x03 \x01(\x0b\x32\x1d.kvx.v1.RegisterAgentResponse\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\"7\n\x10KeepAliveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x11\n\tlease_ids\x18\x02 \x03(\x03\"D\n\x11KeepAliveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x0e\n\x06ttls_s\x18\x03 \x03(\x05\"G\n\x16UnregisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x06\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"*\n\x17UnregisterAgentResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1f\n\x0fGetAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x10GetAgentResponse\x12#\n\x06record\x18\x01 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\"\xbc\x01\n\x11ListAgentsRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.kvx.v1.Role\x12\x35\n\x06labels\x18\x02 \x03(\x0b\x32%.kvx.v1.ListAgentsRequest.LabelsEntry\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"S\n\x12ListAgentsResponse\x12$\n\x07records\x18\x01 \x03(\x0b\x32\x13.kvx.v1.AgentRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xbb\x01\n\x12WatchAgentsRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.kvx.v1.Role\x12\x36\n\x06labels\x18\x02 \x03(\x0b\x32&.kvx.v1.WatchAgentsRequest.LabelsEntry\x12\r\n\x05names\x18\x03 \x03(\t\x12\x13\n\x0b\x62\x61tch_bytes\x18\x04 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x99\x02\n\x13WatchAgentsResponse\x12\x33\n\x04type\x18\x01 \x01(\x0e\x32%.kvx.v1.WatchAgentsResponse.EventType\x12#\n\x06record\x18\x02 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1b.kvx.v1.WatchAgentsResponse\"i\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45VENT_TYPE_PUT\x10\x01\x12\x15\n\x11\x45VENT_TYPE_DELETE\x10\x02\x12\x15\n\x11\x45VENT_TYPE_SYNCED\x10\x03*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0e\n\nROLE_OTHER\x10\x03\x32\x98\x04\n\x0fMetadataService\x12L\n\rRegisterAgent\x12\x1c.kvx.v1.RegisterAgentRequest\x1a\x1d.kvx.v1.RegisterAgentResponse\x12O\n\x0eRegisterAgents\x12\x1d.kvx.v1.RegisterAgentsRequest\x1a\x1e.kvx.v1.RegisterAgentsResponse\x12\x44\n\tKeepAlive\x12\x18.kvx.v1.KeepAliveRequest\x1a\x19.kvx.v1.KeepAliveResponse(\x01\x30\x01\x12R\n\x0fUnregisterAgent\x12\x1e.kvx.v1.UnregisterAgentRequest\x1a\x1f.kvx.v1.UnregisterAgentResponse\x12=\n\x08GetAgent\x12\x17.kvx.v1.GetAgentRequest\x1a\x18.kvx.v1.GetAgentResponse\x12\x43\n\nListAgents\x12\x19.kvx.v1.ListAgentsRequest\x1a\x1a.kvx.v1.ListAgentsResponse\x12H\n\x0bWatchAgents\x12\x1a.kvx.v1.WatchAgentsRequest\x1a\x1b.kvx.v1.WatchAgentsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvx/v1/metadata.proto\x12\x06kvx.v1\x1a\x12kvx/v1/agent.proto\"\x95\x03\n\x0b\x41gentRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x06\x12\x1a\n\x04role\x18\x03 \x01(\x0e\x32\x0c.kvx.v1.Role\x12/\n\x06labels\x18\x04 \x03(\x0b\x32\x1f.kvx.v1.AgentRecord.LabelsEntry\x12\'\n\x08metadata\x18\x05 \x01(\x0b\x32\x15.kvx.v1.AgentMetadata\x12\x38\n\x0b\x65ngine_info\x18\x06 \x03(\x0b\x32#.kvx.v1.AgentRecord.EngineInfoEntry\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\x12\x1a\n\x12registered_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08revision\x18\t \x01(\x03\x12\x17\n\x0fstarted_unix_ms\x18\n \x01(\x03\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0f\x45ngineInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x14RegisterAgentRequest\x12#\n\x06record\x18\x01 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"J\n\x15RegisterAgentResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x10\n\x08revision\x18\x03 \x01(\x03\"G\n\x15RegisterAgentsRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.kvx.v1.RegisterAgentRequest\"F\n\x16RegisterAgentsResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.kvx.v1.RegisterAgentResult\"\x96\x01\n\x13RegisterAgentResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12/\n\x08response\x18\x03 \x01(\x0b\x32\x1d.kvx.v1.RegisterAgentResponse\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\x12\x17\n\x0flease_untracked\x18\x05 \x01(\x08\"7\n\x10KeepAliveRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x11\n\tlease_ids\x18\x02 \x03(\x03\"D\n\x11KeepAliveResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x0e\n\x06ttls_s\x18\x03 \x03(\x05\"G\n\x16UnregisterAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x06\x12\x10\n\x08lease_id\x18\x03 \x01(\x03\"*\n\x17UnregisterAgentResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1f\n\x0fGetAgentRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x10GetAgentResponse\x12#\n\x06record\x18\x01 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\"\xbc\x01\n\x11ListAgentsRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.kvx.v1.Role\x12\x35\n\x06labels\x18\x02 \x03(\x0b\x32%.kvx.v1.ListAgentsRequest.LabelsEntry\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"S\n\x12ListAgentsResponse\x12$\n\x07records\x18\x01 \x03(\x0b\x32\x13.kvx.v1.AgentRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xbb\x01\n\x12WatchAgentsRequest\x12\x1a\n\x04role\x18\x01 \x01(\x0e\x32\x0c.kvx.v1.Role\x12\x36\n\x06labels\x18\x02 \x03(\x0b\x32&.kvx.v1.WatchAgentsRequest.LabelsEntry\x12\r\n\x05names\x18\x03 \x03(\t\x12\x13\n\x0b\x62\x61tch_bytes\x18\x04 \x01(\r\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x99\x02\n\x13WatchAgentsResponse\x12\x33\n\x04type\x18\x01 \x01(\x0e\x32%.kvx.v1.WatchAgentsResponse.EventType\x12#\n\x06record\x18\x02 \x01(\x0b\x32\x13.kvx.v1.AgentRecord\x12\x10\n\x08revision\x18\x03 \x01(\x03\x12+\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1b.kvx.v1.WatchAgentsResponse\"i\n\tEventType\x12\x1a\n\x16\x45VENT_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45VENT_TYPE_PUT\x10\x01\x12\x15\n\x11\x45VENT_TYPE_DELETE\x10\x02\x12\x15\n\x11\x45VENT_TYPE_SYNCED\x10\x03*O\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0e\n\nROLE_OTHER\x10\x03\x32\x98\x04\n\x0fMetadataService\x12L\n\rRegisterAgent\x12\x1c.kvx.v1.RegisterAgentRequest\x1a\x1d.kvx.v1.RegisterAgentResponse\x12O\n\x0eRegisterAgents\x12\x1d.kvx.v1.RegisterAgentsRequest\x1a\x1e.kvx.v1.RegisterAgentsResponse\x12\x44\n\tKeepAlive\x12\x18.kvx.v1.KeepAliveRequest\x1a\x19.kvx.v1.KeepAliveResponse(\x01\x30\x01\x12R\n\x0fUnregisterAgent\x12\x1e.kvx.v1.UnregisterAgentRequest\x1a\x1f.kvx.v1.UnregisterAgentResponse\x12=\n\x08GetAgent\x12\x17.kvx.v1.GetAgentRequest\x1a\x18.kvx.v1.GetAgentResponse\x12\x43\n\nListAgents\x12\x19.kvx.v1.ListAgentsRequest\x1a\x1a.kvx.v1.ListAgentsResponse\x12H\n\x0bWatchAgents\x12\x1a.kvx.v1.WatchAgentsRequest\x1a\x1b.kvx.v1.WatchAgentsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTAGENTSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_WATCHAGENTSREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_WATCHAGENTSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1987
-  _globals['_ROLE']._serialized_end=2066
+  _globals['_ROLE']._serialized_start=2013
+  _globals['_ROLE']._serialized_end=2092
   _globals['_AGENTRECORD']._serialized_start=54
   _globals['_AGENTRECORD']._serialized_end=459
   _globals['_AGENTRECORD_LABELSENTRY']._serialized_start=363
@@ -56,34 +56,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERAGENTSREQUEST']._serialized_end=702
   _globals['_REGISTERAGENTSRESPONSE']._serialized_start=704
   _globals['_REGISTERAGENTSRESPONSE']._serialized_end=774
-  _globals['_REGISTERAGENTRESULT']._serialized_start=776
-  _globals['_REGISTERAGENTRESULT']._serialized_end=901
-  _globals['_KEEPALIVEREQUEST']._serialized_start=903
-  _globals['_KEEPALIVEREQUEST']._serialized_end=958
-  _globals['_KEEPALIVERESPONSE']._serialized_start=960
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1028
-  _globals['_UNREGISTERAGENTREQUEST']._serialized_start=1030
-  _globals['_UNREGISTERAGENTREQUEST']._serialized_end=1101
-  _globals['_UNREGISTERAGENTRESPONSE']._serialized_start=1103
-  _globals['_UNREGISTERAGENTRESPONSE']._serialized_end=1145
-  _globals['_GETAGENTREQUEST']._serialized_start=1147
-  _globals['_GETAGENTREQUEST']._serialized_end=1178
-  _globals['_GETAGENTRESPONSE']._serialized_start=1180
-  _globals['_GETAGENTRESPONSE']._serialized_end=1235
-  _globals['_LISTAGENTSREQUEST']._serialized_start=1238
-  _globals['_LISTAGENTSREQUEST']._serialized_end=1426
+  _globals['_REGISTERAGENTRESULT']._serialized_start=777
+  _globals['_REGISTERAGENTRESULT']._serialized_end=927
+  _globals['_KEEPALIVEREQUEST']._serialized_start=929
+  _globals['_KEEPALIVEREQUEST']._serialized_end=984
+  _globals['_KEEPALIVERESPONSE']._serialized_start=986
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1054
+  _globals['_UNREGISTERAGENTREQUEST']._serialized_start=1056
+  _globals['_UNREGISTERAGENTREQUEST']._serialized_end=1127
+  _globals['_UNREGISTERAGENTRESPONSE']._serialized_start=1129
+  _globals['_UNREGISTERAGENTRESPONSE']._serialized_end=1171
+  _globals['_GETAGENTREQUEST']._serialized_start=1173
+  _globals['_GETAGENTREQUEST']._serialized_end=1204
+  _globals['_GETAGENTRESPONSE']._serialized_start=1206
+  _globals['_GETAGENTRESPONSE']._serialized_end=1261
+  _globals['_LISTAGENTSREQUEST']._serialized_start=1264
+  _globals['_LISTAGENTSREQUEST']._serialized_end=1452
   _globals['_LISTAGENTSREQUEST_LABELSENTRY']._serialized_start=363
   _globals['_LISTAGENTSREQUEST_LABELSENTRY']._serialized_end=408
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=1428
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=1511
-  _globals['_WATCHAGENTSREQUEST']._serialized_start=1514
-  _globals['_WATCHAGENTSREQUEST']._serialized_end=1701
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=1454
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=1537
+  _globals['_WATCHAGENTSREQUEST']._serialized_start=1540
+  _globals['_WATCHAGENTSREQUEST']._serialized_end=1727
   _globals['_WATCHAGENTSREQUEST_LABELSENTRY']._serialized_start=363
   _globals['_WATCHAGENTSREQUEST_LABELSENTRY']._serialized_end=408
-  _globals['_WATCHAGENTSRESPONSE']._serialized_start=1704
-  _globals['_WATCHAGENTSRESPONSE']._serialized_end=1985
-  _globals['_WATCHAGENTSRESPONSE_EVENTTYPE']._serialized_start=1880
-  _globals['_WATCHAGENTSRESPONSE_EVENTTYPE']._serialized_end=1985
-  _globals['_METADATASERVICE']._serialized_start=2069
-  _globals['_METADATASERVICE']._serialized_end=2605
+  _globals['_WATCHAGENTSRESPONSE']._serialized_start=1730
+  _globals['_WATCHAGENTSRESPONSE']._serialized_end=2011
+  _globals['_WATCHAGENTSRESPONSE_EVENTTYPE']._serialized_start=1906
+  _globals['_WATCHAGENTSRESPONSE_EVENTTYPE']._serialized_end=2011
+  _globals['_METADATASERVICE']._serialized_start=2095
+  _globals['_METADATASERVICE']._serialized_end=2631
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ agents in other processes."""
 import asyncio
 import contextlib
 import itertools
+import logging
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
 from kvx.metadata import store as store_module
-from kvx.metadata.client import MetadataClient, Watcher
+from kvx.metadata.client import MetadataClient, NameHeldError, Watcher
 from kvx.metadata.service import MetadataServer, ServiceLimits, ThreadedServer, TlsConfig
 from kvx.v1 import metadata_pb2, metadata_pb2_grpc
 from tests.conftest import native_pass_only, wait_until
@@ -201,10 +202,43 @@ def test_a_second_live_agent_with_the_same_name_is_refused(service):
     opts = kvx.MetadataOptions(lease_ttl_s=2)
     with kvx.Agent("twin", metadata=service.address, metadata_options=opts) as first:
         start = time.monotonic()
-        with pytest.raises(kvx.MetadataError, match="another live agent uses this name"):
+        with pytest.raises(kvx.MetadataError, match="another live agent uses this name \\(") as info:
             kvx.Agent("twin", metadata=service.address, metadata_options=opts)
         assert time.monotonic() - start < 2 + 10  # about the lease's ttl: bounded, not forever
+        assert "does not renew" not in str(info.value)  # the memory store renews every lease itself
         assert MetadataClient(service.address).get("twin").epoch == first.epoch
+
+
+class _RenewedElsewhere(store_module.MemoryStore):
+    """Leases as an etcd replica sees those another replica renews: their time is
+    no proof that their holder lives (an etcd restart resets it)."""
+
+    def renews_lease(self, lease_id: int) -> bool:
+        return False
+
+
+def test_a_lease_the_service_does_not_renew_is_marked_and_waited_for_twice(caplog):
+    with ThreadedServer(MetadataServer("127.0.0.1:0", _RenewedElsewhere())) as srv:
+        opts = kvx.MetadataOptions(lease_ttl_s=2)
+        client = MetadataClient(srv.address)
+        with kvx.Agent("twin", metadata=srv.address, metadata_options=opts) as first:
+            request = metadata_pb2.RegisterAgentRequest(record=_record("twin", epoch=99))
+            with pytest.raises(grpc.RpcError) as info:
+                _stub(srv.address).RegisterAgent(request, timeout=5)
+            assert dict(info.value.trailing_metadata())["kvx-lease-untracked"] == "1"
+            assert "this service replica does not renew it" in info.value.details()
+            [held] = client.register_many([request])
+            assert isinstance(held, NameHeldError) and held.untracked
+            start = time.monotonic()
+            with (
+                caplog.at_level(logging.WARNING),
+                pytest.raises(kvx.MetadataError, match="another live agent uses this name, renewing at"),
+            ):
+                kvx.Agent("twin", metadata=srv.address, metadata_options=opts)
+            assert time.monotonic() - start < 2 * (2 + 1) + 10  # two waits of about the ttl: bounded
+            assert caplog.text.count("still held past its time") == 1
+            assert client.get("twin").epoch == first.epoch
+        client.close()
 
 
 def test_lease_expiry_deletes_the_record_and_watchers_see_it(service):

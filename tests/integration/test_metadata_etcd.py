@@ -2,6 +2,7 @@
 while etcd is down, several replicas serving one cluster."""
 
 import functools
+import threading
 import time
 
 import grpc
@@ -11,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvx
-from kvx.metadata.client import MetadataClient, Watcher
+from kvx.metadata.client import MetadataClient, NameHeldError, Registration, Watcher
 from kvx.metadata.etcd import EtcdStore
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.v1 import metadata_pb2
@@ -142,3 +143,49 @@ def test_a_names_watch_through_another_replica(etcd_server):
             (Event.EVENT_TYPE_DELETE, "named"),
         ]
         assert all(e.record.lease_id == 0 for e in events) and later.epoch
+
+
+def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_waits(etcd_server):
+    """The agent died with the replica that renewed its lease; its restart asks
+    another replica, which does not renew that lease and answers etcd's remaining
+    time for it. etcd restarts during the wait and sets that time back to the full
+    etcd ttl (as a leader change does): the name is still held when the wait ends,
+    and the agent waits once more instead of giving up."""
+    backstop_s = 8
+    first = ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s)))
+    MetadataClient(first.address).register(_record("phoenix", epoch=5), ttl_s=2)
+    first.stop()  # with the agent: the lease stays in etcd until its backstop runs out
+    with ThreadedServer(
+        MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s, timeout_s=2.0))
+    ) as second:
+        client = MetadataClient(second.address)
+        [held] = client.register_many([metadata_pb2.RegisterAgentRequest(record=_record("phoenix", epoch=6))])
+        assert isinstance(held, NameHeldError) and held.untracked, held
+        registration = Registration(
+            MetadataClient(second.address, kvx.MetadataOptions(lease_ttl_s=2)),
+            lambda: _record("phoenix", epoch=6),
+        )
+        errors: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                registration.start()
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        began = time.monotonic()
+        starter = threading.Thread(target=start)
+        starter.start()
+        try:
+            # Restart etcd well before the lease runs out there, so its time is reset.
+            time.sleep(max(0.0, held.retry_after_s - 4))
+            etcd_server.stop()
+            etcd_server.start()
+            starter.join(held.retry_after_s + backstop_s + 30)
+            assert not starter.is_alive() and not errors, errors
+            assert client.get("phoenix").epoch == 6
+            # It waited past etcd's first answer: the reset lease held the name that long.
+            assert time.monotonic() - began > held.retry_after_s + 1
+        finally:
+            registration.stop()
+            client.close()
