@@ -103,17 +103,27 @@ READER_STAYED_S = 10.0
 READER_MOVE_SPREAD_S = 2.0
 # The service's trailer on a registration refused because another lease holds the name.
 _RETRY_AFTER_KEY = "kvx-retry-after-ms"
-# With it, "1" when the service does not renew that lease itself (NameHeldError.untracked).
-_LEASE_UNTRACKED_KEY = "kvx-lease-untracked"
+# With it, the etcd raft term of that time when the service does not renew that lease
+# itself (NameHeldError.etcd_term).
+_LEASE_ETCD_TERM_KEY = "kvx-lease-etcd-term"
 # Bounds on how long to wait before asking again for a name another lease holds:
-# the service's own max lease ttl is 300 s.
+# the service's own max lease ttl is 300 s (an etcd lease backstop may be longer:
+# a starting agent then waits for it in several waits, _UNTRACKED_WAITS).
 _HELD_RETRY_MIN_S = 0.1
 _HELD_RETRY_MAX_S = 310.0
 # A starting agent asks for a held name until this long past the time the service said.
 _HELD_SLACK_S = 1.0
 # Waits a starting agent gives a name held by a lease the service does not renew
-# itself (its time is etcd's, which an etcd restart resets) before it gives up.
-_UNTRACKED_WAITS = 2
+# itself (its time is etcd's, which a new etcd leader resets) before it gives up.
+_UNTRACKED_WAITS = 8
+# During such a wait it asks again every quarter of the time left (at least every
+# this often), to see that time rise: a lease renewed at another replica rises
+# every third of its etcd ttl within one etcd term, a dead one only with a new term.
+_HELD_POLL_MIN_S = 1.0
+# A rise: an answer this much above what the previous one left, less the time since
+# (answers are rounded up to whole seconds: a time that only runs down is off by
+# less than 1 s).
+_HELD_RISE_S = 1.5
 # How long past its wait a starting agent keeps asking a service it cannot reach.
 _HELD_OUTAGE_GRACE_S = 15.0
 # While the name stays held, a warning at most this often.
@@ -133,15 +143,20 @@ _MAX_UNANSWERED_MESSAGES = 256
 
 class NameHeldError(MetadataError):
     """The name is held by another live lease (FAILED_PRECONDITION);
-    ``retry_after_s``: when that lease runs out unless renewed. ``untracked``:
-    the service does not renew that lease itself (etcd, another replica or none
-    renews it), so the time is etcd's, which an etcd restart or leader change
-    sets back to the full etcd ttl even when the holder is dead."""
+    ``retry_after_s``: when that lease runs out unless renewed. ``etcd_term``:
+    nonzero when the service does not renew that lease itself (``untracked``:
+    another replica or none renews it); the time is then etcd's, read in that
+    etcd raft term, and a new term (a new etcd leader) sets it back to the full
+    etcd ttl even when the holder is dead."""
 
-    def __init__(self, message: str, code: object, retry_after_s: float, untracked: bool = False) -> None:
+    def __init__(self, message: str, code: object, retry_after_s: float, etcd_term: int = 0) -> None:
         super().__init__(message, code)
         self.retry_after_s = retry_after_s
-        self.untracked = untracked
+        self.etcd_term = etcd_term
+
+    @property
+    def untracked(self) -> bool:
+        return self.etcd_term != 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,16 +188,16 @@ def translate(exc: grpc.RpcError, target: str) -> Exception:
     code = exc.code() if hasattr(exc, "code") else None
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     retry_after_ms: str | None = None
-    untracked = False
+    etcd_term: Any = None
     if code == grpc.StatusCode.FAILED_PRECONDITION and hasattr(exc, "trailing_metadata"):
         trailers = {str(item[0]): item[1] for item in exc.trailing_metadata() or ()}  # type: ignore[index]
         retry_after_ms = trailers.get(_RETRY_AFTER_KEY)
-        untracked = trailers.get(_LEASE_UNTRACKED_KEY) == "1"
-    return _status_error(target, code, detail, retry_after_ms, untracked)
+        etcd_term = trailers.get(_LEASE_ETCD_TERM_KEY)
+    return _status_error(target, code, detail, retry_after_ms, etcd_term)
 
 
 def _status_error(
-    target: str, code: Any, detail: str | None, retry_after_ms: Any = None, untracked: bool = False
+    target: str, code: Any, detail: str | None, retry_after_ms: Any = None, etcd_term: Any = None
 ) -> Exception:
     """The kvx error for a gRPC status (a call's, or one result of a RegisterAgents call)."""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -194,8 +209,19 @@ def _status_error(
             pass
         else:
             retry_after_s = min(max(retry_after_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
-            return NameHeldError(f"metadata service at {target}: {detail}", code, retry_after_s, untracked)
+            return NameHeldError(
+                f"metadata service at {target}: {detail}", code, retry_after_s, _term(etcd_term)
+            )
     return MetadataError(f"metadata service at {target}: {detail}", code)
+
+
+def _term(value: Any) -> int:
+    """An etcd raft term from the service (0: none, or not a term)."""
+    try:
+        term = int(value)
+    except (TypeError, ValueError):
+        return 0
+    return term if 0 < term < 1 << 64 else 0
 
 
 # gRPC status codes by number (RegisterAgentResult.code).
@@ -315,7 +341,7 @@ class MetadataClient:
                 _STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN),
                 result.message,
                 result.retry_after_ms if result.retry_after_ms > 0 else None,
-                result.lease_untracked,
+                result.lease_etcd_term,
             )
             for result in response.results
         ]
@@ -379,10 +405,12 @@ class Registration:
         is unreachable. While another live lease holds the name (this agent's
         previous instance, dead but its lease not yet run out), waits for that
         lease to run out, up to its remaining ttl once; if it is renewed meanwhile,
-        another live agent has this name, and that is raised. A lease the service
-        does not renew itself (``NameHeldError.untracked``: etcd's time, which an
-        etcd restart or leader change resets) gets one more wait first. A service
-        unreachable for a while during the wait is asked again."""
+        another live agent has this name, and that is raised. For a lease the
+        service does not renew itself (``NameHeldError.untracked``: its time is
+        etcd's, which a new etcd leader resets) only a time that rose twice within
+        one etcd term in one wait shows a live holder; without that the lease is
+        waited for again (_UNTRACKED_WAITS waits at most). A service unreachable
+        for a while during the wait is asked again."""
         try:
             self._register()
         except NameHeldError as exc:
@@ -391,9 +419,11 @@ class Registration:
 
     def _wait_for_name(self, exc: NameHeldError) -> None:
         logger.warning("%s; waiting up to %.1f s for that lease to run out", exc, exc.retry_after_s)
-        deadline = time.monotonic() + exc.retry_after_s + _HELD_SLACK_S
-        waits = 1
-        pause_s = exc.retry_after_s
+        now = time.monotonic()
+        deadline = now + exc.retry_after_s + _HELD_SLACK_S
+        waits, rises = 1, 0  # rises: of the holder's time, in this wait
+        last, last_at, last_term = exc.retry_after_s, now, exc.etcd_term
+        pause_s = _held_pause(exc)
         while True:
             if self._stop.wait(pause_s):
                 raise exc from None  # stopped while waiting
@@ -408,30 +438,49 @@ class Registration:
             except NameHeldError as again:
                 exc = again
             now = time.monotonic()
+            # A rise within one etcd term is a renewal (a time at the bound may be
+            # longer than it says: it shows none).
+            expected = last - (now - last_at)
+            if (
+                exc.etcd_term == last_term
+                and last < _HELD_RETRY_MAX_S
+                and exc.retry_after_s > expected + _HELD_RISE_S
+            ):
+                rises += 1
+            last, last_at, last_term = exc.retry_after_s, now, exc.etcd_term
             if now < deadline:
-                pause_s = min(exc.retry_after_s, deadline - now)
+                pause_s = min(_held_pause(exc), deadline - now)
                 continue
-            if exc.untracked and waits < _UNTRACKED_WAITS:
-                waits += 1
+            if exc.untracked and rises < 2 and waits < _UNTRACKED_WAITS:
+                waits, rises = waits + 1, 0
                 logger.warning(
-                    "%s; still held past its time, but this service does not renew that lease "
-                    "(an etcd restart or leader change resets etcd's time for it): waiting up "
-                    "to %.1f s more",
+                    "%s; still held past its time, but that lease is not renewed at this service "
+                    "and was not seen renewed (a new etcd leader resets its time): waiting up to "
+                    "%.1f s more",
                     exc,
                     exc.retry_after_s,
                 )
                 deadline = now + exc.retry_after_s + _HELD_SLACK_S
-                pause_s = exc.retry_after_s
+                pause_s = _held_pause(exc)
                 continue
-            raise MetadataError(
-                f"{exc}. The lease was renewed while we waited: another live agent uses this "
-                + (
-                    "name, renewing at another replica of the service (give each agent its own name)"
-                    if exc.untracked
-                    else "name (give each agent its own name)"
-                ),
-                exc.code,
-            ) from None
+            if not exc.untracked:
+                why = (
+                    "The lease was renewed while we waited: another live agent uses this name "
+                    "(give each agent its own name)"
+                )
+            elif rises >= 2:
+                why = (
+                    "The lease was renewed again and again while we waited (its time rose within "
+                    "one etcd term): another live agent uses this name, renewing at another "
+                    "replica of the service (give each agent its own name)"
+                )
+            else:
+                why = (
+                    f"The name stayed held through {waits} waits though its lease is not renewed "
+                    "at this service: its holder may be dead, and its etcd lease then runs out "
+                    "within the service's etcd lease backstop (or evict it, as above)"
+                )
+            raise MetadataError(f"{exc}. {why}", exc.code) from None
 
     def update(self) -> None:
         """Publish the record again now (regions changed). Raises MetadataError
@@ -566,9 +615,18 @@ class _Pending:
         return self.response
 
 
+def _held_pause(exc: NameHeldError) -> float:
+    """How long a starting agent waits before asking again for a held name: the
+    time the service said, or for a lease it does not renew a quarter of it, so
+    that the agent sees whether that time rises (Registration.start)."""
+    if not exc.untracked:
+        return exc.retry_after_s
+    return min(exc.retry_after_s, max(_HELD_POLL_MIN_S, exc.retry_after_s / 4))
+
+
 def _clone(exc: ConnectError | MetadataError) -> Exception:
     if isinstance(exc, NameHeldError):
-        return NameHeldError(str(exc), exc.code, exc.retry_after_s, exc.untracked)
+        return NameHeldError(str(exc), exc.code, exc.retry_after_s, exc.etcd_term)
     if isinstance(exc, MetadataError):
         return MetadataError(str(exc), exc.code)
     return ConnectError(str(exc))

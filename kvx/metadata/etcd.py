@@ -94,9 +94,9 @@ since only the replica renewing it knows its kvx deadline. What this changes:
 * an agent that moves to another replica keeps its lease and records;
 * a restarted agent asking a replica that does not track its old lease waits
   up to etcd's remaining time (the backstop at most) for its name, not its ttl
-  (``renews_lease`` says which leases are tracked: the service marks the
-  others' refusals, and the agent waits once more if an etcd restart reset
-  that time meanwhile);
+  (``held_ttl`` gives the etcd raft term of that time: the service sends it
+  with the refusal, and the agent tells a renewal, a rise within one term,
+  from the reset a new etcd leader makes);
 * while etcd is unreachable renewals fail as before (the mirror is not
   synced then, and every renewal is forwarded);
 * after an etcd leader change (etcd resets every lease's remaining ttl) the
@@ -333,9 +333,12 @@ class EtcdStore(Store):
         raise StoreError("etcd refused four random lease ids as taken")
 
     async def lease_ttl(self, lease_id: int) -> int:
+        return (await self.held_ttl(lease_id))[0]
+
+    async def held_ttl(self, lease_id: int) -> tuple[int, int]:
         lease = self._leases.get(lease_id)
         if lease is not None:  # its kvx deadline; past it, the name is free (as in the memory store)
-            return max(0, math.ceil(lease.deadline - time.monotonic()))
+            return max(0, math.ceil(lease.deadline - time.monotonic())), 0
         # Untracked here: renewed at another replica, or at none. Only etcd's remaining
         # time bounds it (up to the backstop): the replica renewing it knows better.
         try:
@@ -345,12 +348,9 @@ class EtcdStore(Store):
             )
         except StoreError as e:
             if _code(e.__cause__) == "NOT_FOUND":
-                return 0
+                return 0, 0
             raise
-        return max(0, int(response.TTL))  # -1: gone
-
-    def renews_lease(self, lease_id: int) -> bool:
-        return lease_id in self._leases
+        return max(0, int(response.TTL)), max(1, int(response.header.raft_term))  # TTL -1: gone
 
     async def keep_alive(self, lease_id: int) -> int:
         return (await self.keep_alive_many([lease_id]))[0]

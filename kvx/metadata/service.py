@@ -66,9 +66,9 @@ _T = TypeVar("_T")
 # Trailer of a registration refused because the name's lease is live: the
 # milliseconds until that lease runs out unless its holder renews it.
 RETRY_AFTER_KEY = "kvx-retry-after-ms"
-# With it, "1" when this service does not renew that lease itself: the time is
-# etcd's, which an etcd restart resets (RegisterAgentResult.lease_untracked).
-LEASE_UNTRACKED_KEY = "kvx-lease-untracked"
+# With it, when this service does not renew that lease itself: the etcd raft term
+# in which that time, etcd's, was read (RegisterAgentResult.lease_etcd_term).
+LEASE_ETCD_TERM_KEY = "kvx-lease-etcd-term"
 # Leases one KeepAliveRequest may renew, lease_id included (proto/kvx/v1/metadata.proto).
 MAX_KEEP_ALIVE_LEASES = 1024
 # Registrations one RegisterAgentsRequest may carry (the proto's bound): a call's
@@ -367,9 +367,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         for _ in range(8):
             current = await self.store.get(record.name)
             if current is not None and not (request.lease_id and request.lease_id == current.lease_id):
-                remaining_s = await self.store.lease_ttl(current.lease_id)
+                remaining_s, etcd_term = await self.store.held_ttl(current.lease_id)
                 if remaining_s > 0:
-                    raise _held(record.name, current, remaining_s, self.store.renews_lease(current.lease_id))
+                    raise _held(record.name, current, remaining_s, etcd_term)
                 # Its lease ran out (the store deletes the record any moment): the name is free.
             elif current is None and await self.store.count() >= self.limits.max_agents:
                 raise Refused(
@@ -452,8 +452,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 for key, value in refused.trailing_metadata:
                     if key == RETRY_AFTER_KEY:
                         result.retry_after_ms = int(value)
-                    elif key == LEASE_UNTRACKED_KEY:
-                        result.lease_untracked = value == "1"
+                    elif key == LEASE_ETCD_TERM_KEY:
+                        result.lease_etcd_term = int(value)
             except StoreError as exc:
                 result.code = grpc.StatusCode.UNAVAILABLE.value[0]
                 result.message = f"metadata store unavailable: {exc}"
@@ -775,15 +775,15 @@ def _not_found(name: str) -> Refused:
     return Refused(grpc.StatusCode.NOT_FOUND, f"no agent named {name!r} is registered")
 
 
-def _held(name: str, current: metadata_pb2.AgentRecord, remaining_s: int, tracked: bool) -> Refused:
+def _held(name: str, current: metadata_pb2.AgentRecord, remaining_s: int, etcd_term: int) -> Refused:
     trailers = [(RETRY_AFTER_KEY, str(remaining_s * 1000))]
-    if not tracked:
-        trailers.append((LEASE_UNTRACKED_KEY, "1"))
+    if etcd_term:
+        trailers.append((LEASE_ETCD_TERM_KEY, str(etcd_term)))
     return Refused(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"agent name {name!r} is held by a live registration (epoch {current.epoch:#x}) whose lease "
         f"runs {remaining_s} s more unless renewed"
-        + ("" if tracked else " (etcd's time for it: this service replica does not renew it)")
+        + (" (etcd's time for it: this service replica does not renew it)" if etcd_term else "")
         + "; only a registration with that lease replaces it. A restarted agent gets its name back "
         "when the old lease expires; a dead holder can be evicted with the admin API "
         f"(DELETE /v1/agents/{name})",

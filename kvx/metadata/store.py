@@ -163,13 +163,14 @@ class Store(abc.ABC):
         """A lease's remaining time to live in whole seconds (rounded up), without
         renewing it; 0 if it is gone or expired."""
 
-    def renews_lease(self, lease_id: int) -> bool:
-        """Whether this store renews the lease itself and knows its deadline: then
-        ``lease_ttl`` grows only when the lease's holder renews it. False where it
-        answers from elsewhere (an etcd lease renewed at another replica, or at
-        none): etcd's remaining time, which an etcd restart or leader change sets
-        back to the full etcd ttl whether or not its holder lives."""
-        return True
+    async def held_ttl(self, lease_id: int) -> tuple[int, int]:
+        """``lease_ttl``, and where that time comes from: 0 when this store renews
+        the lease itself and knows its deadline (the time then grows only when the
+        lease's holder renews it); else the etcd raft term in which etcd's remaining
+        time for it was read (a lease renewed at another replica, at none, or here
+        past the most leases a replica tracks). A new etcd leader, a new term, sets
+        every lease's time back to its full etcd ttl, renewed or not."""
+        return await self.lease_ttl(lease_id), 0
 
     @abc.abstractmethod
     async def count(self) -> int:

@@ -90,18 +90,18 @@ class RegisterAgentsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[RegisterAgentResult, _Mapping]]] = ...) -> None: ...
 
 class RegisterAgentResult(_message.Message):
-    __slots__ = ("code", "message", "response", "retry_after_ms", "lease_untracked")
+    __slots__ = ("code", "message", "response", "retry_after_ms", "lease_etcd_term")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_UNTRACKED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ETCD_TERM_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     response: RegisterAgentResponse
     retry_after_ms: int
-    lease_untracked: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RegisterAgentResponse, _Mapping]] = ..., retry_after_ms: _Optional[int] = ..., lease_untracked: bool = ...) -> None: ...
+    lease_etcd_term: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[RegisterAgentResponse, _Mapping]] = ..., retry_after_ms: _Optional[int] = ..., lease_etcd_term: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id", "lease_ids")

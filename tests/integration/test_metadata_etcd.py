@@ -1,6 +1,7 @@
 """The metadata service on a real etcd: nothing lost on restart, not-ready
 while etcd is down, several replicas serving one cluster."""
 
+import contextlib
 import functools
 import threading
 import time
@@ -145,6 +146,12 @@ def test_a_names_watch_through_another_replica(etcd_server):
         assert all(e.record.lease_id == 0 for e in events) and later.epoch
 
 
+def _refused_for_a_held_name(client, request):
+    """The refusal of ``request`` for a held name; None while the service is not ready."""
+    answer = client.register_many([request])[0]
+    return answer if isinstance(answer, NameHeldError) else None
+
+
 def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_waits(etcd_server):
     """The agent died with the replica that renewed its lease; its restart asks
     another replica, which does not renew that lease and answers etcd's remaining
@@ -152,19 +159,23 @@ def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_wait
     etcd ttl (as a leader change does): the name is still held when the wait ends,
     and the agent waits once more instead of giving up."""
     backstop_s = 8
-    first = ThreadedServer(MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s)))
-    MetadataClient(first.address).register(_record("phoenix", epoch=5), ttl_s=2)
-    first.stop()  # with the agent: the lease stays in etcd until its backstop runs out
+    with (
+        ThreadedServer(
+            MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s))
+        ) as first,
+        contextlib.closing(MetadataClient(first.address)) as registrant,
+    ):
+        registrant.register(_record("phoenix", epoch=5), ttl_s=2)
+    # The replica stopped with the agent: the lease stays in etcd until its backstop runs out.
     with ThreadedServer(
         MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s, timeout_s=2.0))
     ) as second:
         client = MetadataClient(second.address)
-        [held] = client.register_many([metadata_pb2.RegisterAgentRequest(record=_record("phoenix", epoch=6))])
-        assert isinstance(held, NameHeldError) and held.untracked, held
-        registration = Registration(
-            MetadataClient(second.address, kvx.MetadataOptions(lease_ttl_s=2)),
-            lambda: _record("phoenix", epoch=6),
-        )
+        request = metadata_pb2.RegisterAgentRequest(record=_record("phoenix", epoch=7))
+        [held] = client.register_many([request])
+        assert isinstance(held, NameHeldError) and held.etcd_term > 0, held
+        starter_client = MetadataClient(second.address, kvx.MetadataOptions(lease_ttl_s=2))
+        registration = Registration(starter_client, lambda: _record("phoenix", epoch=6))
         errors: list[BaseException] = []
 
         def start() -> None:
@@ -181,6 +192,12 @@ def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_wait
             time.sleep(max(0.0, held.retry_after_s - 4))
             etcd_server.stop()
             etcd_server.start()
+            # etcd's time for the lease starts again, in a new term (which tells the agent so).
+            refusals: list[NameHeldError] = []
+            assert _until(
+                lambda: refusals.append(_refused_for_a_held_name(client, request)) or refusals[-1], 15
+            )
+            assert refusals[-1].etcd_term > held.etcd_term, (held.etcd_term, refusals[-1].etcd_term)
             starter.join(held.retry_after_s + backstop_s + 30)
             assert not starter.is_alive() and not errors, errors
             assert client.get("phoenix").epoch == 6
@@ -188,4 +205,5 @@ def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_wait
             assert time.monotonic() - began > held.retry_after_s + 1
         finally:
             registration.stop()
+            starter_client.close()
             client.close()

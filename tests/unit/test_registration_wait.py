@@ -1,10 +1,12 @@
-"""How a starting agent waits for a name another lease holds (Registration.start):
-the answers of the service are scripted, the waits shortened."""
+"""How a starting agent waits for a name another lease holds (Registration.start).
+The service's answers are scripted as functions of a fake clock, which the
+agent's pauses advance: no test sleeps."""
 
 from __future__ import annotations
 
 import logging
-import time
+import math
+import types
 
 import pytest
 
@@ -13,94 +15,173 @@ from kvx.metadata import client as client_module
 from kvx.metadata.client import MetadataClient, NameHeldError, Registration
 from kvx.v1 import metadata_pb2
 
-RETRY_S = 0.1
-SLACK_S = 0.3  # past the time the service said, as _HELD_SLACK_S (shortened)
 
+class Clock:
+    """time.monotonic for the client module, and its Registration's stop event."""
 
-def _held(untracked: bool = False) -> NameHeldError:
-    return NameHeldError("name 'a' is held", None, RETRY_S, untracked)
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.pauses: list[float] = []
+        self.stopped = False
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        assert seconds > 0, "a pause of nothing: the wait would spin"
+        self.pauses.append(seconds)
+        self.now += seconds
+        return self.stopped
 
 
 @pytest.fixture
-def registration(monkeypatch):
-    monkeypatch.setattr(client_module, "_HELD_SLACK_S", SLACK_S)
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    return clock
+
+
+@pytest.fixture
+def registration(clock):
     # Never reaches a service: every registration is scripted by the test.
     client = MetadataClient("127.0.0.1:9")
     reg = Registration(client, lambda: metadata_pb2.AgentRecord(name="a", epoch=1))
+    reg._stop = clock  # type: ignore[assignment]
     yield reg
     client.close()
 
 
-def _script(reg: Registration, answers: list) -> list:
-    """Makes ``reg._register`` answer with ``answers`` in turn (an exception is
-    raised, None registers; a callable is called for the answer), then with the
-    last one forever; returns the calls."""
-    calls: list[int] = []
+TERM = 5  # the etcd raft term of an answer about a lease the service does not renew
+
+
+def held(remaining_s: float, etcd_term: int) -> NameHeldError:
+    """The service's refusal, its time rounded up to whole seconds as the service does;
+    ``etcd_term`` 0 for a lease the service renews itself."""
+    return NameHeldError("name 'a' is held", None, float(max(1, math.ceil(remaining_s))), etcd_term)
+
+
+def script(reg: Registration, clock: Clock, answer) -> list[float]:
+    """Makes ``reg._register`` call ``answer(t)`` (t: seconds since the script began) for
+    an exception to raise, or None to register; returns the times it was called."""
+    began = clock.now
+    calls: list[float] = []
 
     def register() -> None:
-        answer = answers[min(len(calls), len(answers) - 1)]
-        calls.append(1)
-        if callable(answer) and not isinstance(answer, BaseException):
-            answer = answer()
-        if answer is not None:
-            raise answer
+        t = clock.now - began
+        calls.append(t)
+        error = answer(t)
+        if error is not None:
+            raise error
 
     reg._register = register  # type: ignore[method-assign]
     return calls
 
 
-def _held_until(seconds: float, untracked: bool):
-    """An answer: the name is held for ``seconds`` from now (past the first wait, whose
-    end is RETRY_S + SLACK_S away), then free."""
-    free_at = time.monotonic() + seconds
-    return lambda: _held(untracked) if time.monotonic() < free_at else None
+def dead_lease(ttl_s: float, resets: tuple[float, ...] = (), untracked: bool = True):
+    """A lease nobody renews, held ``ttl_s`` from t=0; each reset (a new etcd leader,
+    a new term) sets its time back to ``ttl_s``."""
+
+    def answer(t: float):
+        past = [r for r in resets if r <= t]
+        left = ttl_s - (t - max([0.0, *past]))
+        return held(left, TERM + len(past) if untracked else 0) if left > 0 else None
+
+    return answer
 
 
-def test_a_lease_renewed_at_this_service_is_waited_for_once(registration, caplog):
-    calls = _script(registration, [_held_until(RETRY_S + SLACK_S + 0.3, untracked=False)])
+def live_lease(ttl_s: float, every_s: float, untracked: bool = True):
+    """A lease renewed every ``every_s`` (at another replica when ``untracked``)."""
+    return lambda t: held(ttl_s - (t % every_s), TERM if untracked else 0)
+
+
+def test_a_dead_lease_runs_out_in_one_wait(registration, clock, caplog):
+    calls = script(registration, clock, dead_lease(8))
+    with caplog.at_level(logging.WARNING):
+        registration._wait_for_name(held(8, TERM))
+    assert 8 <= calls[-1] <= 8 + 1  # asked again right after it ran out
+    assert "still held past its time" not in caplog.text
+
+
+def test_a_lease_renewed_at_this_service_is_waited_for_once(registration, clock, caplog):
+    script(registration, clock, live_lease(8, 2, untracked=False))
     with (
         caplog.at_level(logging.WARNING),
         pytest.raises(MetadataError, match="another live agent uses this name \\("),
     ):
-        registration._wait_for_name(_held())
+        registration._wait_for_name(held(8, 0))
     assert "still held past its time" not in caplog.text
-    assert len(calls) >= 2  # asked every RETRY_S until its end, then given up
+    assert 8 <= sum(clock.pauses) <= 8 + 1 + 0.01  # its time, and the slack
 
 
-def test_an_untracked_lease_that_runs_out_in_the_second_wait_frees_the_name(registration, caplog):
-    # Held past the first wait (an etcd restart set the dead lease's time back), free in the second.
-    calls = _script(registration, [_held_until(RETRY_S + SLACK_S + 0.3, untracked=True)])
+@pytest.mark.parametrize("reset_at", [1.5, 3.0, 7.5])
+def test_a_dead_lease_reset_by_an_etcd_restart_is_waited_for_again(registration, clock, caplog, reset_at):
+    calls = script(registration, clock, dead_lease(8, resets=(reset_at,)))
     with caplog.at_level(logging.WARNING):
-        registration._wait_for_name(_held(untracked=True))
+        registration._wait_for_name(held(8, TERM))
     assert caplog.text.count("still held past its time") == 1
-    assert len(calls) >= 3
+    assert reset_at + 8 <= calls[-1] <= reset_at + 8 + 2.5  # asked soon after it ran out
 
 
-def test_an_untracked_lease_held_through_both_waits_is_refused(registration, caplog):
-    calls = _script(registration, [_held(untracked=True)])
+def test_rises_across_etcd_terms_are_not_taken_for_renewals(registration, clock, caplog):
+    # Two new etcd leaders within one wait: two rises, neither a renewal.
+    calls = script(registration, clock, dead_lease(8, resets=(3.0, 6.0)))
+    with caplog.at_level(logging.WARNING):
+        registration._wait_for_name(held(8, TERM))
+    assert caplog.text.count("still held past its time") == 1
+    assert 6 + 8 <= calls[-1] <= 6 + 8 + 2.5
+
+
+def test_a_dead_lease_reset_in_every_wait_is_waited_for_up_to_the_bound(registration, clock, caplog):
+    # etcd changing leader every 7 s: the lease never runs out, and the waits are bounded.
+    resets = tuple(7.0 * i for i in range(1, 40))
+    script(registration, clock, dead_lease(8, resets=resets))
+    with caplog.at_level(logging.WARNING), pytest.raises(MetadataError, match="its holder may be dead"):
+        registration._wait_for_name(held(8, TERM))
+    assert caplog.text.count("still held past its time") == client_module._UNTRACKED_WAITS - 1
+
+
+@pytest.mark.parametrize(("ttl_s", "every_s"), [(8, 8 / 3), (60, 20), (60, 23.4), (20, 20 / 3)])
+def test_a_lease_renewed_at_another_replica_is_a_live_duplicate(registration, clock, caplog, ttl_s, every_s):
+    # An etcd lease renewed elsewhere rises every third of its etcd ttl (23.4 s: a forward
+    # that waited for the agent's next renewal at ttl 10).
+    script(registration, clock, live_lease(ttl_s, every_s))
     with caplog.at_level(logging.WARNING), pytest.raises(MetadataError, match="renewing at another replica"):
-        registration._wait_for_name(_held(untracked=True))
-    assert caplog.text.count("still held past its time") == 1  # one more wait, not more
-    assert len(calls) >= 4
+        registration._wait_for_name(held(ttl_s, TERM))
+    assert "still held past its time" not in caplog.text  # told within the first wait
+    assert sum(clock.pauses) <= ttl_s + 1 + 0.01
 
 
-def test_an_outage_during_the_wait_is_asked_through(registration):
+def test_a_time_at_the_clients_bound_shows_no_rise(registration, clock, caplog):
+    # A backstop longer than the client's bound on one wait: every answer is the bound.
+    bound = client_module._HELD_RETRY_MAX_S
+    script(registration, clock, lambda t: held(bound, TERM) if t < 2.5 * bound else None)
+    registration._wait_for_name(held(bound, TERM))
+    assert caplog.text.count("still held past its time") == 2
+
+
+def test_an_outage_during_the_wait_is_asked_through(registration, clock):
     down = ConnectError("metadata service unavailable")
-    calls = _script(registration, [_held(), down, down, None])
-    registration._wait_for_name(_held())
-    assert len(calls) == 4
+    lease = dead_lease(8)
+    calls = script(registration, clock, lambda t: down if 7 < t < 20 else lease(t))
+    registration._wait_for_name(held(8, 0))
+    assert 20 <= calls[-1] <= 21  # asked once a second through the outage, then registered
+    assert all(pause == 1.0 for pause in clock.pauses[-10:])
 
 
-def test_an_outage_that_outlasts_the_grace_is_raised(registration, monkeypatch):
-    monkeypatch.setattr(client_module, "_HELD_OUTAGE_GRACE_S", 0.5)
-    calls = _script(registration, [ConnectError("metadata service unavailable")])
+def test_an_outage_that_outlasts_the_grace_is_raised(registration, clock):
+    calls = script(registration, clock, lambda t: ConnectError("metadata service unavailable"))
     with pytest.raises(ConnectError):
-        registration._wait_for_name(_held())
-    assert 1 <= len(calls) <= 3  # a retry a second, for RETRY_S + SLACK_S + the grace
+        registration._wait_for_name(held(8, 0))
+    assert (
+        8 + 1 + client_module._HELD_OUTAGE_GRACE_S
+        <= calls[-1]
+        <= 8 + 1 + client_module._HELD_OUTAGE_GRACE_S + 1
+    )
 
 
-def test_stop_ends_the_wait(registration):
-    _script(registration, [_held()])
-    registration._stop.set()
+def test_stop_ends_the_wait(registration, clock):
+    calls = script(registration, clock, dead_lease(8))
+    clock.stopped = True
     with pytest.raises(NameHeldError):
-        registration._wait_for_name(_held())
+        registration._wait_for_name(held(8, TERM))
+    assert calls == []
