@@ -116,13 +116,15 @@ _HELD_SLACK_S = 1.0
 # Waits a starting agent gives a name held by a lease the service does not renew
 # itself (its time is etcd's, which a new etcd leader resets) before it gives up.
 _UNTRACKED_WAITS = 8
-# During such a wait it asks again every quarter of the time left (at least every
-# this often), to see that time rise: a lease renewed at another replica rises
-# every third of its etcd ttl within one etcd term, a dead one only with a new term.
+# During such a wait it asks again every quarter of the time left, but not more often
+# than this, to see that time rise: a lease renewed at another replica rises at least
+# once per etcd ttl (every third of it, up to two thirds where etcd's ttl is the
+# agent's) within one etcd term; a dead one only in a new term.
 _HELD_POLL_MIN_S = 1.0
-# A rise: an answer this much above what the previous one left, less the time since
-# (answers are rounded up to whole seconds: a time that only runs down is off by
-# less than 1 s).
+# A rise: an answer this much above what the previous one left, less the time from
+# that answer to the next question. That time is shorter than the one between the two
+# readings, and answers are whole seconds (off by under 1 s): a time that only runs
+# down never shows a rise. A renewal shows one if it puts back more than this + 1 s.
 _HELD_RISE_S = 1.5
 # How long past its wait a starting agent keeps asking a service it cannot reach.
 _HELD_OUTAGE_GRACE_S = 15.0
@@ -149,10 +151,19 @@ class NameHeldError(MetadataError):
     etcd raft term, and a new term (a new etcd leader) sets it back to the full
     etcd ttl even when the holder is dead."""
 
-    def __init__(self, message: str, code: object, retry_after_s: float, etcd_term: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: object,
+        retry_after_s: float,
+        etcd_term: int = 0,
+        reported_s: float | None = None,
+    ) -> None:
         super().__init__(message, code)
         self.retry_after_s = retry_after_s
         self.etcd_term = etcd_term
+        # The time the service said, before retry_after_s's bounds.
+        self.reported_s = retry_after_s if reported_s is None else reported_s
 
     @property
     def untracked(self) -> bool:
@@ -204,13 +215,13 @@ def _status_error(
         return ConnectError(f"metadata service at {target} unavailable: {detail}")
     if code == grpc.StatusCode.FAILED_PRECONDITION and retry_after_ms is not None:
         try:
-            retry_after_s = int(retry_after_ms) / 1000
-        except ValueError:
+            reported_s = int(retry_after_ms) / 1000
+        except (ValueError, OverflowError):
             pass
         else:
-            retry_after_s = min(max(retry_after_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
+            retry_after_s = min(max(reported_s, _HELD_RETRY_MIN_S), _HELD_RETRY_MAX_S)
             return NameHeldError(
-                f"metadata service at {target}: {detail}", code, retry_after_s, _term(etcd_term)
+                f"metadata service at {target}: {detail}", code, retry_after_s, _term(etcd_term), reported_s
             )
     return MetadataError(f"metadata service at {target}: {detail}", code)
 
@@ -408,9 +419,9 @@ class Registration:
         another live agent has this name, and that is raised. For a lease the
         service does not renew itself (``NameHeldError.untracked``: its time is
         etcd's, which a new etcd leader resets) only a time that rose twice within
-        one etcd term in one wait shows a live holder; without that the lease is
-        waited for again (_UNTRACKED_WAITS waits at most). A service unreachable
-        for a while during the wait is asked again."""
+        one etcd term shows a live holder; without that the lease is waited for
+        again (_UNTRACKED_WAITS waits at most). A service unreachable for a while
+        during the wait is asked again."""
         try:
             self._register()
         except NameHeldError as exc:
@@ -421,12 +432,14 @@ class Registration:
         logger.warning("%s; waiting up to %.1f s for that lease to run out", exc, exc.retry_after_s)
         now = time.monotonic()
         deadline = now + exc.retry_after_s + _HELD_SLACK_S
-        waits, rises = 1, 0  # rises: of the holder's time, in this wait
-        last, last_at, last_term = exc.retry_after_s, now, exc.etcd_term
+        waits = 1
+        rises = 0  # renewals seen: rises of the holder's time within one etcd term
+        last, last_at, last_term = exc.reported_s, now, exc.etcd_term
         pause_s = _held_pause(exc)
         while True:
             if self._stop.wait(pause_s):
                 raise exc from None  # stopped while waiting
+            asked_at = time.monotonic()
             try:
                 self._register()
                 return
@@ -438,21 +451,16 @@ class Registration:
             except NameHeldError as again:
                 exc = again
             now = time.monotonic()
-            # A rise within one etcd term is a renewal (a time at the bound may be
-            # longer than it says: it shows none).
-            expected = last - (now - last_at)
-            if (
-                exc.etcd_term == last_term
-                and last < _HELD_RETRY_MAX_S
-                and exc.retry_after_s > expected + _HELD_RISE_S
-            ):
-                rises += 1
-            last, last_at, last_term = exc.retry_after_s, now, exc.etcd_term
+            if exc.etcd_term != last_term:
+                rises = 0  # a new etcd leader: etcd's time for every lease started again
+            elif exc.reported_s > last - (asked_at - last_at) + _HELD_RISE_S:
+                rises += 1  # within one term (or at this service): a renewal
+            last, last_at, last_term = exc.reported_s, now, exc.etcd_term
             if now < deadline:
                 pause_s = min(_held_pause(exc), deadline - now)
                 continue
             if exc.untracked and rises < 2 and waits < _UNTRACKED_WAITS:
-                waits, rises = waits + 1, 0
+                waits += 1
                 logger.warning(
                     "%s; still held past its time, but that lease is not renewed at this service "
                     "and was not seen renewed (a new etcd leader resets its time): waiting up to "
@@ -470,9 +478,9 @@ class Registration:
                 )
             elif rises >= 2:
                 why = (
-                    "The lease was renewed again and again while we waited (its time rose within "
-                    "one etcd term): another live agent uses this name, renewing at another "
-                    "replica of the service (give each agent its own name)"
+                    "The lease was renewed while we waited (its time rose twice within one etcd "
+                    "term): another live agent uses this name, renewing at another replica of "
+                    "the service (give each agent its own name)"
                 )
             else:
                 why = (
@@ -626,7 +634,7 @@ def _held_pause(exc: NameHeldError) -> float:
 
 def _clone(exc: ConnectError | MetadataError) -> Exception:
     if isinstance(exc, NameHeldError):
-        return NameHeldError(str(exc), exc.code, exc.retry_after_s, exc.etcd_term)
+        return NameHeldError(str(exc), exc.code, exc.retry_after_s, exc.etcd_term, exc.reported_s)
     if isinstance(exc, MetadataError):
         return MetadataError(str(exc), exc.code)
     return ConnectError(str(exc))

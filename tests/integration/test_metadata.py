@@ -224,8 +224,9 @@ def test_a_lease_renewed_elsewhere_is_marked_and_told_from_a_dead_one(caplog):
     with ThreadedServer(MetadataServer("127.0.0.1:0", _RenewedElsewhere())) as srv:
         client = MetadataClient(srv.address)
         channel = grpc.insecure_channel(srv.address)
-        # Renewed every 2 s: each renewal puts back 2 s, more than the rounding of the answers.
-        opts = kvx.MetadataOptions(lease_ttl_s=6)
+        # Renewed every 3 s: each renewal puts back 3 s, well over what the rounding of the
+        # answers to whole seconds (under 1 s) and the agent's threshold (1.5 s) hide.
+        opts = kvx.MetadataOptions(lease_ttl_s=9)
         with kvx.Agent("twin", metadata=srv.address, metadata_options=opts) as first:
             request = metadata_pb2.RegisterAgentRequest(record=_record("twin", epoch=99))
             with pytest.raises(grpc.RpcError) as info:
@@ -240,7 +241,7 @@ def test_a_lease_renewed_elsewhere_is_marked_and_told_from_a_dead_one(caplog):
                 pytest.raises(kvx.MetadataError, match="another live agent uses this name, renewing at"),
             ):
                 kvx.Agent("twin", metadata=srv.address, metadata_options=opts)
-            assert time.monotonic() - start < 6 + 1 + 10  # one wait, and slack for a busy machine
+            assert time.monotonic() - start < 9 + 1 + 10  # one wait, and slack for a busy machine
             assert "still held past its time" not in caplog.text
             assert client.get("twin").epoch == first.epoch
         channel.close()

@@ -158,7 +158,7 @@ def test_a_restarted_agent_gets_its_name_back_though_etcd_restarts_while_it_wait
     time for it. etcd restarts during the wait and sets that time back to the full
     etcd ttl (as a leader change does): the name is still held when the wait ends,
     and the agent waits once more instead of giving up."""
-    backstop_s = 8
+    backstop_s = 10
     with (
         ThreadedServer(
             MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, backstop_s=backstop_s))
