@@ -325,6 +325,8 @@ class Soak:
     def _due(self, now: float) -> None:
         keep = []
         for when, what, how in self.actions:
+            if what == "go" and how.killed:
+                continue  # killed again before it was ready: its successor has a "go" of its own
             if what == "go" and how.ready.is_set():
                 how.send("go")
             elif what == "go" and now >= when:

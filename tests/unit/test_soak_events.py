@@ -48,3 +48,31 @@ def test_relative_times_keep_only_numbers():
     assert soak.relative_times(crash, 10.0) == {"t": 2.5}
     ended = {"k": "e", "tb": 11.0, "tp": None, "te": 13.25, "ok": False}
     assert soak.relative_times(ended, 10.0) == {"tb": 1.0, "te": 3.25}
+
+
+def _incarnation(index: int, ready: bool, killed: bool):
+    sent: list[str] = []
+    ready_event = SimpleNamespace(is_set=lambda: ready)
+    return SimpleNamespace(index=index, ready=ready_event, killed=killed, send=sent.append, sent=sent)
+
+
+def test_an_incarnation_killed_before_it_was_ready_is_not_a_crash():
+    """A kill may hit an agent that is still starting: that incarnation never becomes
+    ready, and its "go" (due when its start bound runs out) is not its failure to
+    start. Its successor's is, if it comes to that."""
+    harness = soak.Soak.__new__(soak.Soak)
+    harness.ledger = Ledger(argparse.Namespace(margin_s=10.0), CFG)
+    killed = _incarnation(3, ready=False, killed=True)
+    late = _incarnation(2, ready=False, killed=False)
+    started = _incarnation(1, ready=True, killed=False)
+    waiting = _incarnation(0, ready=False, killed=False)
+    harness.actions = [
+        (100.0, "go", killed),
+        (100.0, "go", late),
+        (100.0, "go", started),
+        (500.0, "go", waiting),
+    ]
+    harness._due(200.0)
+    assert [crash["agent"] for crash in harness.ledger.crashes] == ["soak-a2"]
+    assert started.sent == ["go"] and killed.sent == [] == late.sent
+    assert harness.actions == [(500.0, "go", waiting)]
