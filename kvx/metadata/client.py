@@ -107,8 +107,9 @@ _RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # itself (NameHeldError.etcd_term).
 _LEASE_ETCD_TERM_KEY = "kvx-lease-etcd-term"
 # Bounds on how long to wait before asking again for a name another lease holds:
-# the service's own max lease ttl is 300 s (an etcd lease backstop may be longer:
-# a starting agent then waits for it in several waits, _UNTRACKED_WAITS).
+# the service's own max lease ttl is 300 s. An etcd lease backstop may be longer: a
+# starting agent then waits for it in several waits (_UNTRACKED_WAITS), about 41
+# min in all, and gives up on a dead holder whose etcd lease runs longer.
 _HELD_RETRY_MIN_S = 0.1
 _HELD_RETRY_MAX_S = 310.0
 # A starting agent asks for a held name until this long past the time the service said.
@@ -124,7 +125,8 @@ _HELD_POLL_MIN_S = 1.0
 # A rise: an answer this much above what the previous one left, less the time from
 # that answer to the next question. That time is shorter than the one between the two
 # readings, and answers are whole seconds (off by under 1 s): a time that only runs
-# down never shows a rise. A renewal shows one if it puts back more than this + 1 s.
+# down never shows a rise. A renewal shows one if it puts back more than this + 1 s
+# plus the time a question and its answer spend in flight.
 _HELD_RISE_S = 1.5
 # How long past its wait a starting agent keeps asking a service it cannot reach.
 _HELD_OUTAGE_GRACE_S = 15.0
@@ -456,10 +458,11 @@ class Registration:
             elif exc.reported_s > last - (asked_at - last_at) + _HELD_RISE_S:
                 rises += 1  # within one term (or at this service): a renewal
             last, last_at, last_term = exc.reported_s, now, exc.etcd_term
-            if now < deadline:
+            renewed_elsewhere = exc.untracked and rises >= 2  # proof enough: say so now
+            if now < deadline and not renewed_elsewhere:
                 pause_s = min(_held_pause(exc), deadline - now)
                 continue
-            if exc.untracked and rises < 2 and waits < _UNTRACKED_WAITS:
+            if exc.untracked and not renewed_elsewhere and waits < _UNTRACKED_WAITS:
                 waits += 1
                 logger.warning(
                     "%s; still held past its time, but that lease is not renewed at this service "
@@ -476,7 +479,7 @@ class Registration:
                     "The lease was renewed while we waited: another live agent uses this name "
                     "(give each agent its own name)"
                 )
-            elif rises >= 2:
+            elif renewed_elsewhere:
                 why = (
                     "The lease was renewed while we waited (its time rose twice within one etcd "
                     "term): another live agent uses this name, renewing at another replica of "

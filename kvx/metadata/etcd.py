@@ -85,8 +85,8 @@ than it can be had nobody forwarded a renewal since our last one, the agent
 renews at another replica now, and this replica stops tracking it; otherwise
 it revokes the lease (its records go, as before), if it still holds a key
 under the prefix (else it is left to its etcd ttl). ``lease_ttl`` answers the kvx
-remaining time for a tracked lease (at least 1 s past its deadline, until the
-check decides) and etcd's remaining time for others: up to the backstop,
+remaining time for a tracked lease (0 once its deadline passed: the name is free
+then, before the check decides) and etcd's remaining time for others: up to the backstop,
 since only the replica renewing it knows its kvx deadline. What this changes:
 
 * an agent that dies with the replica it renewed at lingers until its etcd

@@ -154,7 +154,7 @@ def test_a_lease_renewed_at_another_replica_is_a_live_duplicate(registration, cl
 
 
 def test_a_dead_lease_longer_than_the_clients_bound_on_a_wait_shows_no_rise(registration, clock, caplog):
-    # A backstop longer than the client's bound on one wait (every pause is the bound).
+    # A backstop longer than the client's bound on one wait (each wait is the bound).
     calls = script(registration, clock, dead_lease(1000))
     with caplog.at_level(logging.WARNING):
         registration._wait_for_name(held(1000, TERM))
@@ -192,11 +192,34 @@ def test_renewals_seen_across_waits_name_a_live_duplicate(registration, clock, c
 
 def test_an_outage_during_the_wait_is_asked_through(registration, clock):
     down = ConnectError("metadata service unavailable")
-    lease = dead_lease(8)
+    lease = dead_lease(8, untracked=False)
     calls = script(registration, clock, lambda t: down if 7 < t < 20 else lease(t))
     registration._wait_for_name(held(8, 0))
     assert 20 <= calls[-1] <= 21  # asked once a second through the outage, then registered
     assert all(pause == 1.0 for pause in clock.pauses[-10:])
+
+
+def test_a_live_duplicate_is_named_as_soon_as_it_shows(registration, clock, caplog):
+    # Two renewals seen, then a new etcd leader: the proof stands, the agent does not
+    # wait on (and lose count) until the end of its wait.
+    live = live_lease(60, 10)
+    calls = script(registration, clock, lambda t: live(t) if t < 40 else held(60 - (t - 40), TERM + 1))
+    with caplog.at_level(logging.WARNING), pytest.raises(MetadataError, match="renewing at another replica"):
+        registration._wait_for_name(held(60, TERM))
+    assert calls[-1] < 40
+
+
+def test_bad_times_and_terms_from_the_service_are_not_trusted():
+    code = client_module.grpc.StatusCode.FAILED_PRECONDITION
+    for millis in ("9" * 400, "x", "-5"):
+        error = client_module._status_error("svc", code, "held", millis, "7")
+        if isinstance(error, NameHeldError):
+            assert client_module._HELD_RETRY_MIN_S <= error.retry_after_s <= client_module._HELD_RETRY_MAX_S
+        else:
+            assert type(error) is MetadataError
+    for term in ("-1", "0", str(1 << 64), "9" * 5000, "seven", None):
+        assert client_module._term(term) == 0
+    assert client_module._term(str((1 << 64) - 1)) == (1 << 64) - 1
 
 
 def test_an_outage_that_outlasts_the_grace_is_raised(registration, clock):
