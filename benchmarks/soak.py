@@ -169,6 +169,8 @@ class Soak:
         self.agent_cfg["quiesce_s"] = self.ledger.connect_bound_s + self.ledger.transfer_bound_s
         self.procs: dict[int, AgentProc] = {}
         self.incarnations = collections.Counter()
+        # Agents restarted and not ready since (through kills of their incarnations).
+        self.unready_since: dict[int, float] = {}
         self.etcd = Service(
             "etcd",
             [
@@ -304,6 +306,7 @@ class Soak:
         index = int(fault.target[6:]) if fault.target.startswith("soak-a") else -1
         if fault.kind == "kill":
             if restart:
+                self.unready_since.setdefault(index, now)
                 self._start_agent(index)
                 self.actions.append((now + START_TIMEOUT_S, "go", self.procs[index]))
         elif fault.kind == "stop":
@@ -328,8 +331,10 @@ class Soak:
             if what == "go" and how.killed:
                 continue  # killed again before it was ready: its successor has a "go" of its own
             if what == "go" and how.ready.is_set():
+                self.unready_since.pop(how.index, None)
                 how.send("go")
             elif what == "go" and now >= when:
+                self.unready_since[how.index] = now  # counted: a chain starts again from here
                 with self.ledger.lock:
                     self.ledger.crash({"agent": f"soak-a{how.index}", "msg": "did not start again"})
             elif what == "heal" and now >= when:
@@ -337,6 +342,19 @@ class Soak:
             else:
                 keep.append((when, what, how))
         self.actions = keep
+        # Kills that each come before the start bound must not hide an agent that never
+        # starts: twice the bound through any number of incarnations is a crash too.
+        for index, since in list(self.unready_since.items()):
+            if now - since > 2 * START_TIMEOUT_S:
+                self.unready_since[index] = now
+                with self.ledger.lock:
+                    self.ledger.crash(
+                        {
+                            "agent": f"soak-a{index}",
+                            "msg": f"not ready for {now - since:.0f} s, through "
+                            f"{self.incarnations[index]} incarnations in all",
+                        }
+                    )
 
     def _watch_processes(self, now: float) -> None:
         for index, proc in list(self.procs.items()):
@@ -349,6 +367,7 @@ class Soak:
                             "log": self._agent_log(index),
                         }
                     )
+                self.unready_since.setdefault(index, now)
                 self._start_agent(index)
                 self.actions.append((now + START_TIMEOUT_S, "go", self.procs[index]))
         for service in (self.metadata, self.etcd):

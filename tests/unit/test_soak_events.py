@@ -56,23 +56,42 @@ def _incarnation(index: int, ready: bool, killed: bool):
     return SimpleNamespace(index=index, ready=ready_event, killed=killed, send=sent.append, sent=sent)
 
 
+def _harness(actions, unready_since=None):
+    harness = soak.Soak.__new__(soak.Soak)
+    harness.ledger = Ledger(argparse.Namespace(margin_s=10.0), CFG)
+    harness.actions = actions
+    harness.unready_since = dict(unready_since or {})
+    harness.incarnations = {0: 1, 1: 1, 2: 1, 3: 5}
+    return harness
+
+
 def test_an_incarnation_killed_before_it_was_ready_is_not_a_crash():
     """A kill may hit an agent that is still starting: that incarnation never becomes
     ready, and its "go" (due when its start bound runs out) is not its failure to
     start. Its successor's is, if it comes to that."""
-    harness = soak.Soak.__new__(soak.Soak)
-    harness.ledger = Ledger(argparse.Namespace(margin_s=10.0), CFG)
     killed = _incarnation(3, ready=False, killed=True)
     late = _incarnation(2, ready=False, killed=False)
     started = _incarnation(1, ready=True, killed=False)
     waiting = _incarnation(0, ready=False, killed=False)
-    harness.actions = [
-        (100.0, "go", killed),
-        (100.0, "go", late),
-        (100.0, "go", started),
-        (500.0, "go", waiting),
-    ]
+    harness = _harness(
+        [(100.0, "go", killed), (100.0, "go", late), (100.0, "go", started), (500.0, "go", waiting)],
+        {1: 50.0, 2: 10.0, 3: 150.0},
+    )
     harness._due(200.0)
     assert [crash["agent"] for crash in harness.ledger.crashes] == ["soak-a2"]
     assert started.sent == ["go"] and killed.sent == [] == late.sent
     assert harness.actions == [(500.0, "go", waiting)]
+    # Agent 1 is ready; agent 2 was counted now (its chain starts again); agent 3 starts on.
+    assert harness.unready_since == {2: 200.0, 3: 150.0}
+
+
+def test_an_agent_kept_from_starting_by_kills_is_a_crash_past_twice_the_bound():
+    bound = soak.START_TIMEOUT_S
+    harness = _harness([], {3: 1000.0})
+    harness._due(1000.0 + 2 * bound - 1)
+    assert harness.ledger.crashes == []
+    harness._due(1000.0 + 2 * bound + 1)
+    assert [crash["agent"] for crash in harness.ledger.crashes] == ["soak-a3"]
+    assert "through 5 incarnations" in harness.ledger.crashes[0]["msg"]
+    harness._due(1000.0 + 2 * bound + 2)
+    assert len(harness.ledger.crashes) == 1  # once, not at every tick
