@@ -76,6 +76,10 @@ class Renewals:
                 yield request
 
         call = client.leasestub.LeaseKeepAlive(requests())
+        # However the call ends, requests() ends too: gRPC's task that sends them is
+        # not cancelled with a call that has ended already (see etcd.py, _open_watch).
+        # close() ends it as well; this keeps that true if close() ever changes.
+        call.add_done_callback(lambda _call: queue.put_nowait(None))
         self._client, self._queue = client, queue
         self._reader = asyncio.ensure_future(self._read(call, queue))
         return queue

@@ -927,12 +927,18 @@ class EtcdStore(Store):
             key=self._prefix, range_end=self._range_end, start_revision=start_revision, prev_kv=True
         )
 
+        ended = asyncio.Event()
+
         async def requests():
             yield rpc.WatchRequest(create_request=create)
-            await asyncio.Event().wait()  # keep our side of the stream open
+            await ended.wait()  # keep our side of the stream open while the call lives
 
         # hasleader: etcd ends the watch if its member loses the cluster leader.
         call = rpc.WatchStub(client.channel).Watch(requests(), metadata=(("hasleader", "true"),))
+        # gRPC's task that sends these requests is cancelled by call.cancel() only
+        # while the call lives: once etcd ended it (etcd gone, a leader lost), it
+        # would wait in requests() for good, one task more for every reconnection.
+        call.add_done_callback(lambda _call: ended.set())
         created = await call.read()
         if created is _EOF or not created.created or created.canceled:
             call.cancel()

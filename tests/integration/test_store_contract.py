@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import socket
 import time
@@ -849,6 +850,80 @@ def test_etcd_instances_share_state(etcd_server):
                 await store.close()
 
     run(body())
+
+
+def _stream_senders() -> int:
+    """gRPC's tasks that send a stream call's requests, still pending: one per
+    stream call to etcd that is open (a watch, the lease renewals)."""
+    return sum(
+        1
+        for task in asyncio.all_tasks()
+        if not task.done() and task.get_coro().__qualname__.endswith("_consume_request_iterator")
+    )
+
+
+@pytest.mark.slow
+def test_etcd_restart_leaves_no_stream_behind(etcd_server):
+    """etcd stops and comes back: the watches and the renewal stream it ended are
+    opened again, and nothing of the ended ones stays. (gRPC's task sending an ended
+    watch's requests waited for good, until the garbage collector destroyed it and
+    asyncio logged "Task was destroyed but it is pending!" as an error, after
+    every outage.)"""
+
+    async def body():
+        reported: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, context: reported.append(context["message"])
+        )
+        prefix = f"/kvx-test/{next(_prefixes)}/"
+        one = EtcdStore(etcd_server.url, prefix=prefix, timeout_s=1)
+        two = EtcdStore(etcd_server.url, prefix=prefix, timeout_s=1)
+        events = None
+        try:
+            for store in (one, two):
+                await store.start()
+            await wait_until(lambda: _synced(one, two), 10, "both mirrors to sync")
+            lease = await one.grant_lease(30)
+            await one.put_if(record("a"), lease, 0)
+            await wait_until(lambda: _holds(two, "a"), 10, "two's mirror to see a")
+            assert await two.keep_alive(lease) > 0  # not two's lease: over two's renewal stream
+            events = two.watch()  # a service's watcher
+            assert (await next_event(events)).type is EventType.PUT
+            assert (await next_event(events)).type is EventType.SYNCED
+            # the two mirrors' watches, two's renewal stream, the watcher
+            assert _stream_senders() == 4
+
+            await asyncio.to_thread(etcd_server.stop)
+            with pytest.raises(StoreError):
+                await next_event(events, 20)  # etcd ended it
+            await events.aclose()
+            events = None
+            await asyncio.to_thread(etcd_server.start)
+            await wait_until(lambda: _synced(one, two), 20, "both mirrors to sync again")
+            assert await two.keep_alive(lease) > 0  # a new renewal stream
+            await asyncio.sleep(0.2)  # the ended calls' tasks see their end
+            gc.collect()  # what is left unreachable, destroyed now
+            assert _stream_senders() == 3  # the new watches and renewal stream, nothing more
+            assert reported == []
+        finally:
+            if events is not None:
+                await events.aclose()
+            for store in (one, two):
+                await store.close()
+        await asyncio.sleep(0.2)
+        gc.collect()
+        assert _stream_senders() == 0
+        assert reported == []
+
+    run(body(), 90)
+
+
+async def _synced(*stores: EtcdStore) -> bool:
+    return all(store.mirror_synced for store in stores)
+
+
+async def _holds(store: EtcdStore, name: str) -> bool:
+    return store.mirror_synced and name in store._mirror
 
 
 async def _is_none(awaitable) -> bool:
