@@ -32,7 +32,9 @@ watchers to the read replicas when there are any):
     Registration does). Agent groups go to the replicas in turn.
   - lookups (--lookup-procs): GetAgent of random names, open loop at
     --lookups-per-s (a request is sent on schedule whether or not the last
-    one has answered), each latency measured from its scheduled time.
+    one has answered), each latency measured from its scheduled time
+    (lookup_*); also how late the generator started each call
+    (lookup_start_late_*) and the latency from that start (lookup_from_start_*).
   - watchers (--watch-procs, watch mode): --watchers WatchAgents streams, each
     on --names-per-watcher names of the --watched-agents agents (or all
     agents with --watch-all).
@@ -557,11 +559,14 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
                 await m(requests[0], timeout=10)
         at_s: list[float] = []
         lat_ms: list[float] = []
+        late_ms: list[float] = []  # the generator's own: its schedule to the call's start
+        call_ms: list[float] = []  # the call's start (before gRPC's client work) to its answer
         codes: list[int] = []  # 0 answered, 1 NOT_FOUND, 2 error
         errors: dict[str, int] = {}
 
         async def one(k: int, at: float) -> None:
             code = 0
+            started = time.monotonic()
             try:
                 await methods[k % len(methods)](requests[random.randrange(len(requests))], timeout=10)
             except grpc.aio.AioRpcError as exc:
@@ -569,7 +574,10 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
                 if code == 2:
                     errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
             at_s.append(at)
-            lat_ms.append((time.monotonic() - at) * 1e3)
+            now = time.monotonic()
+            lat_ms.append((now - at) * 1e3)
+            late_ms.append((started - at) * 1e3)
+            call_ms.append((now - started) * 1e3)
             codes.append(code)
 
         out.put(("ready", idx))
@@ -599,6 +607,8 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
             "errors": dict(errors),
             "at": np.asarray(at_s),
             "lat_ms": np.asarray(lat_ms),
+            "late_ms": np.asarray(late_ms),
+            "call_ms": np.asarray(call_ms),
             "code": np.asarray(codes, dtype=np.int8),
         }
 
@@ -1297,6 +1307,12 @@ def _lookup_figures(
     else:
         ok = code == 0
         result.update({f"lookup_{k}": v for k, v in _pct(lat[ok]).items()})
+        # How late the generator itself started its calls (its timer, its own CPU):
+        # included in the latencies above, which count from the scheduled time.
+        late = np.concatenate([r["late_ms"] for r in looks.values()])
+        result.update({f"lookup_start_late_{k}": v for k, v in _pct(late[ok]).items()})
+        call = np.concatenate([r["call_ms"] for r in looks.values()])
+        result.update({f"lookup_from_start_{k}": v for k, v in _pct(call[ok]).items()})
         result["lookups_not_found"] = int((code == 1).sum())
         result["lookup_errors"] = int((code == 2).sum())
         if args.no_keepalive and ok.any():
