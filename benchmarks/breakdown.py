@@ -92,9 +92,13 @@ def instrument_target() -> None:
 
 def instrument_initiator() -> None:
     from kvx import agent, transfer
+    from kvx._datapath import io as _io
     from kvx.backends.control import link, pinned
 
     wrap(agent.Peer, "_post", "post called", None)
+    # A small tcp transfer's checks in one C call; the waiting thread reading its own answer.
+    wrap(_io, "post_check", "post_check", "post_check returned")
+    wrap(link.Connection, "_take_answer", "_take_answer called", "_take_answer returned")
     for module, cls in (
         ("kvx.backends.tcp", "TcpChannel"),
         ("kvx.backends.shm", "ShmChannel"),
