@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -432,6 +433,10 @@ class Soak:
 
     def report(self) -> dict:
         led = self.ledger
+        try:  # the service runs still: its log holds every record it wrote
+            records, errors = scan_log((self.workdir / "metadata.log").read_text(errors="replace"))
+        except OSError:
+            records, errors = 0, []
         return {
             "duration_s": round(getattr(self, "elapsed_s", 0.0), 1),
             "seed": self.args.seed,
@@ -465,6 +470,9 @@ class Soak:
             "longest_connect": led.longest_connect,
             "unattributed_errors": led.unattributed_count,
             "unattributed_examples": led.unattributed,
+            "service_log_records": records,
+            "service_log_errors": len(errors),
+            "service_log_error_examples": errors[:5],
             "bounds_s": {"connect": led.connect_bound_s, "transfer": led.transfer_bound_s},
             "fault_timeline": [
                 {
@@ -496,9 +504,43 @@ def verdict(report: dict) -> list[str]:
         )
     if report["crashes"]:
         failures.append(f"{report['crashes']} crash(es) of an agent or service")
+    if report["service_log_errors"]:
+        failures.append(f"{report['service_log_errors']} error(s) in the metadata service's log")
+    if not report["service_log_records"]:
+        failures.append("no record read in the metadata service's log (has its format changed?)")
     if not report["transfers_done"]:
         failures.append("no transfer completed")
     return failures
+
+
+_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ([A-Z]+) ")  # kvx's log format
+_CORE_ERROR = re.compile(r"[EF]\d{4} \d\d:\d\d:\d\d")  # gRPC's C core, to stderr
+_UNLOGGED = ("Traceback (most recent call last):", "Exception ignored in", "Exception in thread")
+
+
+def scan_log(text: str) -> tuple[int, list[str]]:
+    """The records of a kvx service's log (its stderr too), and its errors: each
+    ERROR or CRITICAL record, a traceback or an "Exception ignored" that Python
+    printed outside any record, and an error line of gRPC's C core; each with
+    the line after it. A service under faults logs what they do to it at INFO
+    and WARNING: an error is a bug (an unexpected exception, an asyncio task
+    lost) that the transfers' checks may never see."""
+    lines = text.splitlines()
+    records, errors = 0, []
+    in_error = False  # within an error's lines (a record's traceback)
+    for i, line in enumerate(lines):
+        if (record := _RECORD.match(line)) is not None:
+            records += 1
+            in_error = record.group(1) in ("ERROR", "CRITICAL")
+        elif _CORE_ERROR.match(line):
+            in_error = True
+        elif in_error or not line.startswith(_UNLOGGED):
+            continue
+        else:
+            in_error = True
+        if in_error:
+            errors.append("\n".join(lines[i : i + 2]))
+    return records, errors
 
 
 def render(report: dict, failures: list[str]) -> str:
@@ -520,6 +562,8 @@ def render(report: dict, failures: list[str]) -> str:
         + (" (allowed: --allow-late-writes)" if report["late_writes_allowed"] else ""),
         f"hangs: {report['hangs']} (bounds: connect {report['bounds_s']['connect']:.0f} s, "
         f"transfer {report['bounds_s']['transfer']:.0f} s)",
+        f"errors in the metadata service's log: {report['service_log_errors']} "
+        f"(of {report['service_log_records']} records)",
     ]
     fte = report["longest_fault_to_error"]
     if fte:
@@ -546,6 +590,8 @@ def render(report: dict, failures: list[str]) -> str:
         lines.append(f"  {item}")
     for crash in report["crash_details"][:5]:
         lines.append(f"  crash: {crash}")
+    for record in report["service_log_error_examples"][:3]:
+        lines.append("  metadata service: " + record.replace("\n", "\n    "))
     lines.append("verdict: " + ("PASS" if not failures else "FAIL: " + "; ".join(failures)))
     return "\n".join(lines)
 

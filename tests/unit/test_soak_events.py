@@ -6,6 +6,7 @@ reads an agent's events (it did: a traceback in ``tb`` stopped it, and every
 later event of that agent was lost)."""
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -95,3 +96,52 @@ def test_an_agent_kept_from_starting_by_kills_is_a_crash_past_twice_the_bound():
     assert "through 5 incarnations" in harness.ledger.crashes[0]["msg"]
     harness._due(1000.0 + 2 * bound + 2)
     assert len(harness.ledger.crashes) == 1  # once, not at every tick
+
+
+def test_the_service_logs_errors_fail_the_soak(tmp_path):
+    """An error in the metadata service's log fails the soak, read while the service
+    runs (report() comes before the teardown): an ERROR or CRITICAL record (an
+    asyncio task destroyed while pending, as every etcd outage caused before),
+    a traceback Python printed outside any record, a gRPC C-core error line; each
+    with the line after it. INFO and WARNING records, a message that merely says
+    ERROR, and the traceback of an ERROR record already counted do not count again."""
+    log = [
+        "2026-11-29 12:55:09,592 INFO kvx.metadata.etcd: etcd read mirror stopped (ERROR here is text)",
+        "2026-11-29 12:55:09,700 WARNING kvx.metadata.store: the metadata service stalled for 0.6 s",
+        "2026-11-29 12:55:09,795 ERROR asyncio: Task was destroyed but it is pending!",
+        "task: <Task pending name='Task-206' coro=<_StreamRequestMixin._consume_request_iterator()>>",
+        "2026-11-29 12:55:09,800 ERROR kvx.metadata.etcd: etcd read mirror failed; loading it again",
+        "Traceback (most recent call last):",
+        '  File "etcd.py", line 1, in _mirror_loop',
+        "2026-11-29 12:55:10,001 CRITICAL kvx.metadata.service: something worse",
+        "2026-11-29 12:55:10,002 INFO kvx.metadata.etcd: etcd read mirror synced: 3 records",
+        "Exception ignored in: <function Call.__del__ at 0x7f>",
+        "RuntimeError: Event loop is closed",
+        "E1129 12:55:11.000000  4242 chttp2_transport.cc:1] a C-core error",
+    ]
+    records, errors = soak.scan_log("\n".join(log))
+    assert records == 6
+    assert errors == [
+        "\n".join(log[2:4]),
+        "\n".join(log[4:6]),
+        log[7] + "\n" + log[8],
+        "\n".join(log[9:11]),
+        log[11],
+    ]
+    assert soak.scan_log("\n".join(log[:2] + log[8:9])) == (3, [])
+
+    # The report of a soak reads the log as it is then.
+    run = soak.Soak(soak.parse_args([]))
+    try:
+        (run.workdir / "metadata.log").write_text("\n".join(log[:4]) + "\n")
+        report = run.report()
+        assert (report["service_log_records"], report["service_log_errors"]) == (3, 1)
+        assert report["service_log_error_examples"] == ["\n".join(log[2:4])]
+        clean = report | {"transfers_done": 10, "service_log_errors": 0}
+        assert soak.verdict(clean) == []
+        assert soak.verdict(report | {"transfers_done": 10}) == ["1 error(s) in the metadata service's log"]
+        assert soak.verdict(clean | {"service_log_records": 0}) == [
+            "no record read in the metadata service's log (has its format changed?)"
+        ]
+    finally:
+        shutil.rmtree(run.workdir)
