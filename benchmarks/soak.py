@@ -437,6 +437,10 @@ class Soak:
             records, errors = scan_log((self.workdir / "metadata.log").read_text(errors="replace"))
         except OSError:
             records, errors = 0, []
+        agent_errors = []  # every incarnation of an agent appends to its log
+        for log in sorted(self.workdir.glob("agent-*.log")):
+            with contextlib.suppress(OSError):
+                agent_errors += [f"{log.stem}: {e}" for e in scan_log(log.read_text(errors="replace"))[1]]
         return {
             "duration_s": round(getattr(self, "elapsed_s", 0.0), 1),
             "seed": self.args.seed,
@@ -473,6 +477,8 @@ class Soak:
             "service_log_records": records,
             "service_log_errors": len(errors),
             "service_log_error_examples": errors[:5],
+            "agent_log_errors": len(agent_errors),
+            "agent_log_error_examples": agent_errors[:5],
             "bounds_s": {"connect": led.connect_bound_s, "transfer": led.transfer_bound_s},
             "fault_timeline": [
                 {
@@ -506,6 +512,8 @@ def verdict(report: dict) -> list[str]:
         failures.append(f"{report['crashes']} crash(es) of an agent or service")
     if report["service_log_errors"]:
         failures.append(f"{report['service_log_errors']} error(s) in the metadata service's log")
+    if report["agent_log_errors"]:
+        failures.append(f"{report['agent_log_errors']} error(s) in the agents' logs")
     if not report["service_log_records"]:
         failures.append("no record read in the metadata service's log (has its format changed?)")
     if not report["transfers_done"]:
@@ -519,12 +527,13 @@ _UNLOGGED = ("Traceback (most recent call last):", "Exception ignored in", "Exce
 
 
 def scan_log(text: str) -> tuple[int, list[str]]:
-    """The records of a kvx service's log (its stderr too), and its errors: each
+    """The records of a kvx process's log (its stderr too), and its errors: each
     ERROR or CRITICAL record, a traceback or an "Exception ignored" that Python
     printed outside any record, and an error line of gRPC's C core; each with
-    the line after it. A service under faults logs what they do to it at INFO
-    and WARNING: an error is a bug (an unexpected exception, an asyncio task
-    lost) that the transfers' checks may never see."""
+    the line after it. A service or an agent under faults logs what they do to
+    it at INFO and WARNING: an error is a bug (an unexpected exception, an
+    asyncio task lost, a thread that died) that the transfers' checks may never
+    see."""
     lines = text.splitlines()
     records, errors = 0, []
     in_error = False  # within an error's lines (a record's traceback)
@@ -563,7 +572,7 @@ def render(report: dict, failures: list[str]) -> str:
         f"hangs: {report['hangs']} (bounds: connect {report['bounds_s']['connect']:.0f} s, "
         f"transfer {report['bounds_s']['transfer']:.0f} s)",
         f"errors in the metadata service's log: {report['service_log_errors']} "
-        f"(of {report['service_log_records']} records)",
+        f"(of {report['service_log_records']} records); in the agents' logs: {report['agent_log_errors']}",
     ]
     fte = report["longest_fault_to_error"]
     if fte:
@@ -592,6 +601,8 @@ def render(report: dict, failures: list[str]) -> str:
         lines.append(f"  crash: {crash}")
     for record in report["service_log_error_examples"][:3]:
         lines.append("  metadata service: " + record.replace("\n", "\n    "))
+    for record in report["agent_log_error_examples"][:3]:
+        lines.append("  " + record.replace("\n", "\n    "))
     lines.append("verdict: " + ("PASS" if not failures else "FAIL: " + "; ".join(failures)))
     return "\n".join(lines)
 

@@ -314,7 +314,10 @@ def _die_with_parent(parent: int) -> None:
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     _die_with_parent(cfg["parent"])
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    # The level in each record: the soak counts the ERROR records of this log (soak.scan_log).
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     emit = Emitter()
     try:
         soak = SoakAgent(cfg, emit)

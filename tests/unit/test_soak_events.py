@@ -134,12 +134,35 @@ def test_the_service_logs_errors_fail_the_soak(tmp_path):
     run = soak.Soak(soak.parse_args([]))
     try:
         (run.workdir / "metadata.log").write_text("\n".join(log[:4]) + "\n")
+        # An agent's log: a thread that died, and a record the agent logged at ERROR.
+        (run.workdir / "agent-1.log").write_text(
+            "\n".join(
+                [
+                    "2026-11-29 12:55:09,000 WARNING kvx.metadata.client: watch ended; reconnecting",
+                    "Exception in thread kvx-reader:",
+                    "Traceback (most recent call last):",
+                    "2026-11-29 12:55:09,500 ERROR kvx.metadata.client: lease renewal failed; trying again",
+                    "Traceback (most recent call last):",
+                ]
+            )
+        )
+        (run.workdir / "agent-0.log").write_text(log[1] + "\n")
         report = run.report()
         assert (report["service_log_records"], report["service_log_errors"]) == (3, 1)
         assert report["service_log_error_examples"] == ["\n".join(log[2:4])]
-        clean = report | {"transfers_done": 10, "service_log_errors": 0}
+        assert report["agent_log_errors"] == 2
+        assert report["agent_log_error_examples"] == [
+            "agent-1: Exception in thread kvx-reader:\nTraceback (most recent call last):",
+            "agent-1: 2026-11-29 12:55:09,500 ERROR kvx.metadata.client: lease renewal failed; trying again\n"
+            "Traceback (most recent call last):",
+        ]
+        clean = report | {"transfers_done": 10, "service_log_errors": 0, "agent_log_errors": 0}
         assert soak.verdict(clean) == []
-        assert soak.verdict(report | {"transfers_done": 10}) == ["1 error(s) in the metadata service's log"]
+        assert soak.verdict(clean | {"service_log_errors": 1}) == ["1 error(s) in the metadata service's log"]
+        assert soak.verdict(report | {"transfers_done": 10}) == [
+            "1 error(s) in the metadata service's log",
+            "2 error(s) in the agents' logs",
+        ]
         assert soak.verdict(clean | {"service_log_records": 0}) == [
             "no record read in the metadata service's log (has its format changed?)"
         ]
