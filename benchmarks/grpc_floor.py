@@ -3,10 +3,11 @@
 The metadata service's CPU per GetAgent (about 400 us on the 2-core VM) is
 mostly gRPC's own. This measures the floor: a server whose one method returns
 fixed bytes (no protobuf, no kvx code), in each of gRPC Python's two server
-models, the asyncio one kvx uses (grpc.aio) and the thread-pool one, driven
-by a grpc.aio client process with --concurrency calls in flight. It reports
-the server process's CPU per call (user + system, from /proc) and the
-client's achieved rate, medians over --rounds alternating rounds:
+models, the asyncio one kvx uses (grpc.aio, on asyncio's event loop and
+on uvloop's) and the thread-pool one, driven by a grpc.aio client process
+with --concurrency calls in flight. It reports the server process's CPU per
+call (user + system, from /proc) and the client's achieved rate, medians
+over --rounds alternating rounds:
 
     python benchmarks/grpc_floor.py --calls 5000 --concurrency 8 --rounds 5
 
@@ -29,6 +30,9 @@ from concurrent import futures
 
 METHOD = "/kvx.bench.Floor/Get"
 ANSWER = b"x" * 200  # about a GetAgent answer's size
+# grpc.aio on asyncio's loop (the service's default), grpc.aio on uvloop's
+# (kvx metadata --event-loop uvloop), the thread-pool server.
+MODELS = ("aio", "aio-uvloop", "sync")
 
 
 def _identity(b: bytes) -> bytes:
@@ -74,7 +78,13 @@ def serve(model: str, threads: int) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await server.stop(0)
 
-    asyncio.run(main())
+    if model == "aio-uvloop":  # uvloop itself, not kvx: the server runs no kvx code
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
 
 
 def drive(port: int, calls: int, concurrency: int) -> None:
@@ -149,7 +159,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4, help="the thread-pool server's workers")
-    parser.add_argument("--serve", choices=("aio", "sync"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--drive", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -158,7 +168,7 @@ def main() -> int:
     if args.drive:
         drive(args.drive, args.calls, args.concurrency)
         return 0
-    rounds: dict[str, list[dict[str, float]]] = {"aio": [], "sync": []}
+    rounds: dict[str, list[dict[str, float]]] = {m: [] for m in MODELS}
     for _ in range(args.rounds):
         for model in rounds:
             rounds[model].append(one_round(model, args.calls, args.concurrency, args.threads))

@@ -106,6 +106,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the load generators (spawned) and the service import kvx from this tree
     sys.path.insert(0, ROOT)
 
+from kvx import _loop  # noqa: E402  (kvx from this tree, above)
+
 SERVICE = "/kvx.v1.MetadataService/"
 STAMP = "bench_sent_ns"  # engine_info key of a watch-mode change: its send time, time.time_ns()
 _BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
@@ -528,7 +530,7 @@ def _pin(cpus: list[int] | None) -> None:
 def _agents_proc(cfg: dict, idx: int, lo: int, hi: int, ctl: dict, out: Any) -> None:
     _pin(cfg["load_cpus"])
     agents = _Agents(cfg, idx, lo, hi, ctl, out)
-    asyncio.run(agents.run())
+    _loop.run(_loop.loop_factory(cfg["load_event_loop"]), agents.run())
 
 
 def _collector_off(collect: bool = True) -> None:
@@ -612,7 +614,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
             "code": np.asarray(codes, dtype=np.int8),
         }
 
-    out.put(("done", idx, asyncio.run(main())))
+    out.put(("done", idx, _loop.run(_loop.loop_factory(cfg["load_event_loop"]), main())))
 
 
 def _watch_proc(cfg: dict, idx: int, count: int, ctl: dict, out: Any) -> None:
@@ -681,7 +683,7 @@ def _watch_proc(cfg: dict, idx: int, count: int, ctl: dict, out: Any) -> None:
         await asyncio.wait(calls, timeout=10)
         return {"counters": c, "window": window.rates(), "errors": errors, "lat_ms": np.asarray(lat_ms)}
 
-    out.put(("done", idx, asyncio.run(main())))
+    out.put(("done", idx, _loop.run(_loop.loop_factory(cfg["load_event_loop"]), main())))
 
 
 # The parent: service, etcd, orchestration, figures.
@@ -838,6 +840,8 @@ class _Replica:
                     str(args.agents + 1000),
                     "--max-watch-streams",
                     str(max(256, args.watchers + 64)),
+                    "--event-loop",
+                    args.event_loop,
                 ],
                 cpus=args.service_cpus or (),
             ),  # fmt: skip
@@ -1016,6 +1020,18 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="sample replica 0 with py-spy")
     p.add_argument(
+        "--event-loop",
+        choices=_loop.LOOPS,
+        default="asyncio",
+        help="the services' event loop (kvx metadata --event-loop)",
+    )
+    p.add_argument(
+        "--load-event-loop",
+        choices=_loop.LOOPS,
+        default="asyncio",
+        help="the load generators' event loop",
+    )
+    p.add_argument(
         "--service-log-level",
         default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -1039,6 +1055,11 @@ def _parse() -> argparse.Namespace:
         p.error("--register-batch must be within [1, 128] (the service's bound per RegisterAgents call)")
     if not 1 <= args.agents_per_process <= 1024:
         p.error("--agents-per-process must be within [1, 1024] (the service's bound per request)")
+    for loop in {args.event_loop, args.load_event_loop}:
+        try:
+            _loop.loop_factory(loop)
+        except Exception as exc:
+            p.error(str(exc))
     if args.mode == "watch":
         args.watched_agents = min(args.watched_agents, args.agents)
         args.names_per_watcher = min(args.names_per_watcher, args.watched_agents)
@@ -1060,6 +1081,8 @@ def main() -> int:
         "store": args.store,
         "replicas": args.replicas,
         "read_replicas": args.read_replicas,
+        "event_loop": args.event_loop,
+        "load_event_loop": args.load_event_loop,
         "service_cpus": args.service_cpus or "all",
         "agents": args.agents,
         "agents_per_process": args.agents_per_process,
@@ -1089,6 +1112,7 @@ def main() -> int:
             "names_per": args.names_per_watcher,
             "watch_all": args.watch_all,
             "load_cpus": _load_cpus(args.service_cpus),
+            "load_event_loop": args.load_event_loop,
         }
         first = args.watched_agents if args.mode == "watch" else 0
         shares = _split(first, args.agents, args.agent_procs) if first < args.agents else []

@@ -877,9 +877,10 @@ class MetadataServer:
 
             self._admin = await serve_admin(self)
         logger.info(
-            "kvx metadata service on %s (store: %s)%s",
+            "kvx metadata service on %s (store: %s, event loop: %s)%s",
             self.address,
             self.store.name,
+            type(asyncio.get_running_loop()).__module__.split(".")[0],  # asyncio or uvloop
             f", admin API on {self.admin_address}" if self.admin_address else "",
         )
         self._warn_exposure(host)

@@ -87,6 +87,9 @@ def uvicorn_config(app: Any, config: ProxyConfig, **kwargs: Any) -> uvicorn.Conf
         "timeout_graceful_shutdown": STOP_TIMEOUT_S,
         "http": protocol,
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        # uvicorn's "auto" would pick uvloop wherever it is installed (kvx[uvloop], the image):
+        # the proxy runs on the loop it is tested on.
+        "loop": "asyncio",
     }
     settings.update(kwargs)
     return uvicorn.Config(app, **settings)

@@ -259,6 +259,7 @@ def test_checkov_finds_nothing_unexplained(renders, tmp_path):
         (["workers.engine=vlm"], "workers.engine must be one of the following"),
         (["rdma.mode=sriov"], "rdma.mode must be one of the following"),
         (["workers.kind=deployment"], "workers.kind must be one of the following"),
+        (["metadata.eventLoop=trio"], "metadata.eventLoop must be one of the following"),
     ],
 )
 def test_schema_rejects_typos_and_unknown_names(sets, message):
@@ -413,6 +414,8 @@ def test_metadata_store_follows_the_values(renders):
     default = renders["defaults"]
     dep = find(default, "Deployment", f"{FULLNAME}-metadata")
     assert "--store=memory" in args_of(default, "Deployment", f"{FULLNAME}-metadata")
+    # asyncio, the default, is not named: an image of a kvx before the flag still starts
+    assert not [a for a in args_of(default, "Deployment", f"{FULLNAME}-metadata") if "event-loop" in a]
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     assert not [o for o in default if "etcd" in o["metadata"]["name"]]
 
@@ -446,6 +449,9 @@ def test_read_replicas_follow_the_service_and_the_workers_read_there(renders):
     assert find(objs, "Deployment", service)["spec"]["strategy"]["type"] == "Recreate"
     # Watch slots set aside at the service for its replicas (the default, twice 2 and more).
     assert "--max-replica-watch-streams=16" in args_of(objs, "Deployment", service)
+    # metadata.eventLoop: uvloop, for the service and its replicas alike.
+    assert "--event-loop=uvloop" in args_of(objs, "Deployment", service)
+    assert "--event-loop=uvloop" in args
     read_svc = find(objs, "Service", f"{service}-read")
     assert read_svc["spec"]["selector"]["app.kubernetes.io/component"] == "metadata-read"
     read_grpc = {p["name"]: p["port"] for p in read_svc["spec"]["ports"]}["grpc"]

@@ -22,52 +22,77 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _start(address, store):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvx.cli",
-            "metadata",
-            "--listen",
-            address,
-            "--admin-listen",
-            "off",
-            "--store",
-            store,
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    assert wait_until(
-        lambda: MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list() is not None,
-        30,
-        (kvx.ConnectError,),
-    ), "kvx metadata did not start"
+def _start(address, store, event_loop, log):
+    with log.open("w") as err:  # the child writes it; this copy closes
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvx.cli",
+                "metadata",
+                "--listen",
+                address,
+                "--admin-listen",
+                "off",
+                "--store",
+                store,
+                "--event-loop",
+                event_loop,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        assert wait_until(
+            lambda: (
+                proc.poll() is not None
+                or MetadataClient(address, kvx.MetadataOptions(timeout_s=1)).list() is not None
+            ),
+            30,
+            (kvx.ConnectError,),
+        ), "kvx metadata did not start"
+        assert proc.poll() is None, f"kvx metadata exited with {proc.returncode}"
+        # It says which loop runs it, and uvloop's extension is loaded only when asked for.
+        assert wait_until(lambda: f"event loop: {event_loop})" in log.read_text(), 10), log.read_text()
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert ("/uvloop/loop." in f.read()) == (event_loop == "uvloop")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
     return proc
 
 
-@pytest.mark.parametrize("store", ["memory", "etcd"])
-def test_killed_service_comes_back_with_every_agent(store, request):
+# uvloop: the same service on uvloop's event loop (`--event-loop uvloop`): its registrations,
+# renewals, lookups and watches, and etcd's client, run there too.
+@pytest.mark.parametrize(
+    ("store", "event_loop"),
+    [("memory", "asyncio"), ("etcd", "asyncio"), ("memory", "uvloop"), ("etcd", "uvloop")],
+)
+def test_killed_service_comes_back_with_every_agent(store, event_loop, request, tmp_path):
     url = "memory"
     if store == "etcd":
         url = request.getfixturevalue("etcd_server").url
     address = f"127.0.0.1:{_free_port()}"
-    proc = _start(address, url)
+    proc = _start(address, url, event_loop, tmp_path / "metadata.log")
     opts = kvx.MetadataOptions(lease_ttl_s=3)
-    agents = [
-        kvx.Agent(
-            f"agent-{i}", metadata=address, role="prefill" if i % 2 else "decode", metadata_options=opts
-        )
-        for i in range(4)
-    ]
+    agents = []
     try:
+        for i in range(4):
+            agents.append(
+                kvx.Agent(
+                    f"agent-{i}",
+                    metadata=address,
+                    role="prefill" if i % 2 else "decode",
+                    metadata_options=opts,
+                )
+            )
         for agent in agents:
             agent.register(np.zeros(4096, np.uint8))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        proc = _start(address, url)
+        proc = _start(address, url, event_loop, tmp_path / "metadata.log")
         client = MetadataClient(address)
         if store == "etcd":  # nothing was lost: served at once from etcd
             assert sorted(r.name for r in client.list()) == [f"agent-{i}" for i in range(4)]
