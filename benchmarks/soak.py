@@ -65,6 +65,10 @@ from soak_net import (
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_SCRIPT = Path(__file__).with_name("soak_agent.py")
 FAULT_KINDS = ("kill", "stop", "loss", "bandwidth", "metadata", "etcd")
+# How long an agent told to exit at the end may take: Agent.close() stops its watcher
+# (up to 10 s), joins its renewer (4 s), unregisters (metadata_timeout_s, 3 s) and joins
+# its links (close_s, 3 s), one after another, right after the last heal; and a margin.
+EXIT_BOUND_S = 30.0
 # The etcd lease behind each agent's 4 s lease. Once the service that tracked
 # a lease restarts, or etcd restarts (it resets every lease's time left), a
 # killed agent's record lasts until this runs out, and its next incarnation
@@ -195,6 +199,7 @@ class Soak:
                 "--store", f"etcd://127.0.0.1:{ETCD_CLIENT}",
                 "--etcd-lease-backstop-s", str(ETCD_BACKSTOP_S),
                 "--admin-listen", "off",
+                "--event-loop", args.event_loop,
             ],
             self.workdir / "metadata.log",
             self.env,
@@ -408,6 +413,40 @@ class Soak:
         self.ledger.check_outstanding(self.procs, time.monotonic(), final=True)
         for proc in live:
             proc.send("exit")
+        self.finish_agents(EXIT_BOUND_S)
+        for service in (self.metadata, self.etcd):  # restarted by the last heal, or running since
+            if service.proc is not None and service.proc.poll() is not None:
+                with self.ledger.lock:
+                    self.ledger.crash(
+                        {"agent": service.name, "msg": "exited at the end", "log": service.tail()}
+                    )
+
+    def finish_agents(self, bound_s: float) -> None:
+        """The agents' logs are read once they have exited, so that an error while
+        closing counts too. An agent not yet ready (still registering: it retries for
+        up to a minute after the last heal, and reads "exit" only once ready) never ran
+        traffic: it is stopped as a kill stops it. Every other one, including one that
+        exited by itself a moment ago, ready or not, is awaited."""
+        ending = [p for p in self.procs.values() if not p.killed]
+        for proc in ending:
+            if not proc.ready.is_set() and proc.alive():
+                proc.kill()
+        self.await_exit([p for p in ending if not p.killed], bound_s)
+
+    def await_exit(self, procs: list[AgentProc], bound_s: float) -> None:
+        """Waits up to ``bound_s`` in all for ``procs`` to exit; one that is still
+        running then, or exited with an error, counts as a crash."""
+        deadline = time.monotonic() + bound_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.proc.wait(max(0.0, deadline - time.monotonic()))
+            code = proc.proc.poll()
+            if code != 0:
+                msg = f"still running {bound_s:g} s after 'exit'" if code is None else f"exited with {code}"
+                with self.ledger.lock:
+                    self.ledger.crash(
+                        {"agent": f"soak-a{proc.index}", "msg": msg, "log": self._agent_log(proc.index)}
+                    )
 
     def teardown(self) -> list[str]:
         for proc in self.procs.values():
@@ -433,7 +472,7 @@ class Soak:
 
     def report(self) -> dict:
         led = self.ledger
-        try:  # the service runs still: its log holds every record it wrote
+        try:  # the service runs still (the agents have exited): its log holds every record it wrote
             records, errors = scan_log((self.workdir / "metadata.log").read_text(errors="replace"))
         except OSError:
             records, errors = 0, []
@@ -444,6 +483,7 @@ class Soak:
         return {
             "duration_s": round(getattr(self, "elapsed_s", 0.0), 1),
             "seed": self.args.seed,
+            "event_loop": self.args.event_loop,
             "agents": self.args.agents,
             "data_path": "/".join(sorted(self.data_paths)) or "none",
             "faults": dict(self.fault_counts),
@@ -556,7 +596,8 @@ def render(report: dict, failures: list[str]) -> str:
     gib = report["bytes"] / (1 << 30)
     lines = [
         f"kvx soak: {report['duration_s']} s, seed {report['seed']}, {report['agents']} agents "
-        f"(tcp, {report['data_path']} data path), metadata service on etcd",
+        f"(tcp, {report['data_path']} data path), metadata service on etcd "
+        f"({report['event_loop']} event loop)",
         f"faults: {sum(report['faults'].values())} ("
         + ", ".join(f"{k} {report['faults'].get(k, 0)}" for k in FAULT_KINDS)
         + ")",
@@ -631,6 +672,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not fail when a WRITE that failed for its writer lands later (a known kvx issue; "
         "see docs/soak.md); they are counted either way",
+    )
+    parser.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the metadata service's event loop (kvx metadata --event-loop; default: asyncio)",
     )
     parser.add_argument("--json-out", help="write the report to this file as JSON")
     parser.add_argument(

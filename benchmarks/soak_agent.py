@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kvx  # noqa: E402
+from kvx.cli import LOG_FORMAT  # noqa: E402
 
 SOURCE, INBOX = 0, 1
 MAGIC = b"KVXSOAK1"
@@ -315,9 +316,7 @@ def main() -> int:
     cfg = json.loads(sys.argv[1])
     _die_with_parent(cfg["parent"])
     # The level in each record: the soak counts the ERROR records of this log (soak.scan_log).
-    logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=LOG_FORMAT)
     emit = Emitter()
     try:
         soak = SoakAgent(cfg, emit)

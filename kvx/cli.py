@@ -12,6 +12,9 @@ from kvx._loop import LOOPS
 from kvx.config import parse_size
 from kvx.errors import ConfigError, KvxError
 
+# Every kvx command's log records (benchmarks/soak.py reads each record's level in it).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def _size(text: str) -> int:
     try:
@@ -986,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     level = args.log_level or (
         "INFO" if args.command in ("metadata", "proxy", "prefill", "decode") else "WARNING"
     )
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     try:
         if args.command in ("prefill", "decode"):
             return _run_daemon(args, engine_args)

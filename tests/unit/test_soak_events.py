@@ -168,3 +168,90 @@ def test_the_service_logs_errors_fail_the_soak(tmp_path):
         ]
     finally:
         shutil.rmtree(run.workdir)
+
+
+def test_the_logs_format_is_the_one_the_soak_reads():
+    """The service and the agents log through kvx's format (kvx.cli.LOG_FORMAT): a
+    change to it that the soak could no longer read would pass every soak silently,
+    so each level's record, formatted as a kvx process writes it, is read here."""
+    import logging
+
+    from kvx.cli import LOG_FORMAT
+
+    fmt = logging.Formatter(LOG_FORMAT)
+    lines = [
+        fmt.format(logging.LogRecord("kvx.metadata.etcd", level, __file__, 1, "the message", None, None))
+        for level in (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+    ]
+    records, errors = soak.scan_log("\n".join(lines))
+    assert records == 4
+    assert errors == [lines[2] + "\n" + lines[3], lines[3]]  # each error with the line after it
+
+
+def test_an_agent_that_does_not_exit_at_the_end_has_crashed():
+    """At the end of a soak the agents are told to exit and their logs are read
+    after that: one still running past the bound, or exiting with an error, is a
+    crash; one that exits cleanly is not."""
+    import subprocess
+
+    run = soak.Soak(soak.parse_args([]))
+    procs = [
+        SimpleNamespace(index=i, proc=subprocess.Popen([sys.executable, "-c", code]))
+        for i, code in enumerate(("pass", "raise SystemExit(3)", "import time; time.sleep(60)"))
+    ]
+    try:
+        run.await_exit(procs, bound_s=4.0)
+        assert run.ledger.crash_count == 2
+        assert [(c["agent"], c["msg"]) for c in run.ledger.crashes] == [
+            ("soak-a1", "exited with 3"),
+            ("soak-a2", "still running 4 s after 'exit'"),
+        ]
+    finally:
+        procs[2].proc.kill()
+        procs[2].proc.wait()
+        shutil.rmtree(run.workdir)
+
+
+def test_at_the_end_agents_still_starting_are_stopped_and_the_others_awaited():
+    """The end of a soak: an agent still starting (registering) is stopped as a kill
+    stops it and is not a crash; one that already died before it was ready is; a
+    ready one is awaited; one killed earlier is left alone."""
+    import subprocess
+
+    run = soak.Soak(soak.parse_args([]))
+
+    def agent(index: int, ready: bool, code: str, killed: bool = False):
+        proc = SimpleNamespace(
+            index=index,
+            ready=SimpleNamespace(is_set=lambda: ready),
+            killed=killed,
+            proc=subprocess.Popen([sys.executable, "-c", code]),
+        )
+        proc.alive = lambda: proc.proc.poll() is None
+
+        def kill():
+            proc.killed = True
+            proc.proc.kill()
+            proc.proc.wait()
+
+        proc.kill = kill
+        return proc
+
+    sleeper = "import time; time.sleep(60)"
+    starting = agent(0, ready=False, code=sleeper)
+    died_starting = agent(1, ready=False, code="raise SystemExit(5)")
+    ready = agent(2, ready=True, code="pass")
+    killed = agent(3, ready=True, code=sleeper, killed=True)
+    run.procs = {p.index: p for p in (starting, died_starting, ready, killed)}
+    try:
+        died_starting.proc.wait(30)
+        run.finish_agents(bound_s=10.0)
+        assert starting.killed and starting.proc.returncode is not None
+        assert [(c["agent"], c["msg"]) for c in run.ledger.crashes] == [("soak-a1", "exited with 5")]
+        assert ready.proc.returncode == 0 and killed.proc.poll() is None
+    finally:
+        for p in run.procs.values():
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+        shutil.rmtree(run.workdir)
