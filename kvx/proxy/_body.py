@@ -4,8 +4,9 @@ Python's ``json`` parser recurses once per nesting level, so a body of a
 hundred thousand ``[`` ends in a RecursionError. ``parse_object`` first
 measures the nesting with a flat scan (string literals removed, brackets
 counted) and refuses a body nested deeper than the limit before the parser
-sees it. It is CPU work on up to ``max_body_bytes``: callers run it on a
-worker thread, off the event loop.
+sees it. It is CPU work linear in the body, up to ``max_body_bytes``: callers run
+it on a worker thread, off the event loop (which does not free the event
+loop from the scan's time: ``re`` holds the GIL while it runs).
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from typing import Any
 from kvx.errors import ProtocolError
 
 # A JSON string literal: quotes around anything but a quote or a backslash, or an escape.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# The closing quote is optional: a string left open runs to the end of the body and
+# the match still succeeds. Were it required, each quote of an unclosed string would
+# start a scan to the end that fails, quadratic in the body: a 1 MiB body of escaped
+# quotes would hold the interpreter (re keeps the GIL) for an hour. The body is not
+# valid JSON then, and the parser refuses it.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _OPENERS = frozenset(b"[{")
 

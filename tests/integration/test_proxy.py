@@ -397,6 +397,11 @@ def test_deep_json_is_400_with_the_limit_not_a_crash(proxy, upstreams):
         response = proxy.post("/v1/completions", content=content)
         assert response.status_code == 400, response.text
         assert "deeper than 64 levels" in response.json()["error"]["message"]
+    # A string left open, full of escaped quotes: refused at once, not scanned for hours.
+    unclosed = b'{"prompt": "' + b'\\"' * (2 * MiB)
+    response = proxy.post("/v1/completions", content=unclosed)
+    assert response.status_code == 400, response.text
+    assert "not valid JSON" in response.json()["error"]["message"]
     assert not upstreams.got("prefill")
     # At the limit, and brackets inside strings, which do not nest anything.
     for body in (nested(64), {"prompt": "[{" * 50_000}):
