@@ -939,7 +939,15 @@ class EtcdStore(Store):
         # while the call lives: once etcd ended it (etcd gone, a leader lost), it
         # would wait in requests() for good, one task more for every reconnection.
         call.add_done_callback(lambda _call: ended.set())
-        created = await call.read()
+        try:
+            created = await call.read()
+        except BaseException:
+            # Cancelled (the watcher left, the timeout) or failed before etcd answered:
+            # the call must end here. Dropped alive, etcd would keep its watch, and the
+            # task sending requests() would wait for good, until garbage collection
+            # destroys it pending (the soak saw that after a client's watch was cancelled).
+            call.cancel()
+            raise
         if created is _EOF or not created.created or created.canceled:
             call.cancel()
             raise StoreError(f"etcd refused the watch: {getattr(created, 'cancel_reason', '') or 'ended'}")
