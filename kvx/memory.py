@@ -143,11 +143,13 @@ class RegionTable:
         self._tables = (self._base, self._size, self._flags, self._device)
         self._cuda = 0  # CUDA regions registered
         self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
-        # Pins: token -> None (a transfer's: any region it named) or the one
-        # region a lease holds (a same-host peer's pin that outlives transfers).
+        # Pins: token -> None (a transfer's: any region it named), the one
+        # region a lease holds (a same-host peer's pin that outlives transfers),
+        # or the regions a pin_regions pin names (a same-host peer's pin for one
+        # transfer: a deregistration waits for it only if it names the region).
         # pin_table and release change it without the lock (each a single
         # dict operation, atomic under the GIL): read it whole (.copy()).
-        self._active: dict[int, int | None] = {}
+        self._active: dict[int, int | frozenset[int] | None] = {}
         # Called with a region id when its deregistration starts (outside the
         # lock): the listener revokes the leases on it (Listener.revoke).
         self.on_remove: Callable[[int], None] | None = None
@@ -274,7 +276,9 @@ class RegionTable:
             self._waiters += 1
             try:
                 while any(
-                    held == rid or (held is None and token in before)
+                    held == rid
+                    or (held is None and token in before)
+                    or (type(held) is frozenset and rid in held)
                     for token, held in self._active.copy().items()
                 ):
                     left = deadline - time.monotonic()
@@ -388,7 +392,9 @@ class RegionTable:
 
         For a peer that moves the bytes itself (shm) and checks its
         descriptors against these sizes: a region's size never changes while
-        its id lives, and ids are never reused within an epoch.
+        its id lives, and ids are never reused within an epoch. The pin holds
+        back the deregistration of these regions only: a peer that keeps it
+        cannot stall that of any other region.
         """
         with self._lock:
             if len(ids) and int(ids.max()) >= len(self._flags):
@@ -402,7 +408,9 @@ class RegionTable:
                 raise AccessError(
                     f"{who}: region {rid} does not allow this access ({_describe_flags(flags)})"
                 )
-            return self._base[ids].copy(), self._size[ids].copy(), self._pin()
+            token = next(self._tokens)
+            self._active[token] = frozenset(ids.tolist())
+            return self._base[ids].copy(), self._size[ids].copy(), token
 
     def lease(self, ids: list[int], need: int, who: str) -> list[tuple[int, int, int]]:
         """Like ``pin_regions``, with one pin per region that outlives

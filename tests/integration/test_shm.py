@@ -178,6 +178,29 @@ def test_pins_are_checked_and_hold_deregister(make_worker):
     sock.close()
 
 
+def test_a_pin_held_back_holds_back_only_the_regions_it_names(make_worker):
+    """A pin for one transfer (SHM_PIN without PIN_KEEP) that its peer never
+    releases: the deregistration of its regions waits (above), that of any
+    other region, one without remote access included, does not. Before, any
+    such pin, an empty one too, held back every deregistration on the agent."""
+    worker = make_worker()
+    pinned, other = (worker.call("register", 1 << 16, True) for _ in range(2))
+    private = worker.call("register", 4096, False)
+    sock, _ = _session(worker)
+    for request_id, regions in ((1, (pinned,)), (2, ())):
+        (msg_type, _), _ = _pin(sock, request_id, *regions)
+        assert msg_type == MsgType.SHM_PIN_OK
+    for rid in (other, private):
+        started = time.monotonic()
+        worker.call("deregister", rid)
+        assert time.monotonic() - started < 5
+    done = threading.Event()
+    threading.Thread(target=lambda: (worker.call("deregister", pinned), done.set()), daemon=True).start()
+    assert not done.wait(0.5), "deregister went through a held pin"
+    sock.close()  # the pin goes with the connection
+    assert done.wait(10)
+
+
 def test_a_connection_that_ends_releases_its_pins(make_worker):
     worker = make_worker()
     rid = worker.call("register", 1 << 16, True)
