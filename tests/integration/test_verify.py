@@ -206,6 +206,25 @@ def test_malformed_verify_messages_close_the_connection(make_worker):
     _expect_error_then_close(sock, _wire.ErrorCode.LIMIT)
 
 
+def test_a_verify_of_more_bytes_than_a_transfer_may_move_is_refused(make_worker):
+    """Descriptors may repeat: one VERIFY naming the same region many times
+    would have the target checksum far more bytes than any transfer moves,
+    its serving thread busy and its table pinned meanwhile. The total is
+    bounded by Limits.max_transfer_bytes, as a transfer's is."""
+    from tests.integration.test_faults import _read_message
+
+    worker = make_worker(limits={"max_transfer_bytes": 1 << 20})
+    sock, md = _session(worker)
+    whole = (worker.region_id, 0, 1 << 20)  # the whole 1 MiB pool: once is a transfer's worth
+    for copies, expected in ((1, _wire.ErrorCode.INTEGRITY), (2, _wire.ErrorCode.LIMIT)):
+        payload = np.array([whole] * copies, dtype=kvx.descs.DESC_DTYPE).tobytes() + b"\0" * 4 * copies
+        sock.sendall(_wire.pack(MsgType.VERIFY, copies, payload_len=len(payload)) + payload)
+        (msg_type, aux), text = _read_message(sock)
+        assert (msg_type, aux) == (MsgType.ERROR, expected), text  # zero checksums: they differ
+    assert b"VERIFY of 2097152 bytes; at most 1048576" in text
+    sock.close()
+
+
 def test_verify_outside_registered_memory_is_refused(make_worker):
     """VERIFY reads the target's memory: it is checked like a READ, so the
     checksums cannot be used to probe memory a peer may not read."""

@@ -73,6 +73,8 @@ MAX_PINS = 4096
 MAX_HANDSHAKES = 256
 MAX_HANDSHAKES_PER_ADDRESS = 64
 _WARN_EVERY_S = 10.0
+# How much of a refused handshake's reason is logged.
+_REASON_CHARS = 400
 # How long and how much a connection closed for a protocol error is drained.
 _LINGER_S = 0.5
 _LINGER_BYTES = 1 << 20
@@ -177,6 +179,7 @@ class Listener:
         self._handshakes: dict[InboundConnection, None] = {}
         self._evicted = 0
         self._warned_at = -_WARN_EVERY_S
+        self._refused, self._refused_warned_at = 0, -_WARN_EVERY_S
         self._closed = False
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kvx-accept-{ctx.agent_name}", daemon=True
@@ -196,6 +199,7 @@ class Listener:
                 time.sleep(0.05)
                 continue
             address = format_address(*addr[:2])
+            conn: InboundConnection | None = None
             try:
                 with self._lock:
                     if self._closed:
@@ -222,7 +226,29 @@ class Listener:
                 conn.start()
             except Exception:  # a failure with one connection must not stop the listener
                 logger.exception("could not serve connection from %s", address)
+                if conn is not None:  # its thread did not start (a thread or pids limit): free its slot
+                    self._inbound_done(conn)
                 sock.close()
+
+    def refused_handshake(self, conn: InboundConnection, error: Exception) -> None:
+        """Log a connection refused in its handshake: at most one warning per
+        _WARN_EVERY_S, with the count since the last and the latest reason (cut
+        short: a HELLO's names come from whoever connected)."""
+        now = time.monotonic()
+        with self._lock:
+            self._refused += 1
+            if now - self._refused_warned_at < _WARN_EVERY_S:
+                return
+            count, self._refused, self._refused_warned_at = self._refused, 0, now
+        reason = str(error)
+        if len(reason) > _REASON_CHARS:
+            reason = reason[:_REASON_CHARS] + "..."
+        logger.warning(
+            "refused %d connection(s) in their handshake since the last warning; the latest, from %s: %s",
+            count,
+            conn.address,
+            reason,
+        )
 
     def _make_room(self, host: str) -> InboundConnection | None:
         """With _lock held, before a connection from ``host`` joins the
@@ -351,7 +377,10 @@ class InboundConnection:
             self._serve()
         except Fatal as fatal:
             if not self.closing:
-                logger.warning("closing connection from %s: %s", self.peer_name, fatal.error)
+                if self.authenticated:
+                    logger.warning("closing connection from %s: %s", self.peer_name, fatal.error)
+                else:  # anyone can connect: a flood of bad handshakes must not flood the log
+                    self.listener.refused_handshake(self, fatal.error)
                 self.send_error(fatal.request_id, fatal.error)
                 self._linger()
         except (PeerLostError, TimeoutError, OSError) as exc:
@@ -637,11 +666,21 @@ def _on_verify(conn: InboundConnection, request_id: int, payload_len: int, aux: 
     notify = bytes(recv_exact(conn.sock, notify_len)) if notify_len else None
     table = conn.ctx.regions
     try:
-        addrs, lens, _, token = table.resolve(descs, REMOTE_READ, "verify")
+        addrs, lens, total, token = table.resolve(descs, REMOTE_READ, "verify")
     except AccessError as exc:
         conn.send_error(request_id, exc)
         return
     try:
+        # Descriptors may repeat: without this, one message of 65,536 copies of a
+        # large region would have this thread checksum for hours, the table pinned.
+        if total > limits.max_transfer_bytes:
+            conn.send_error(
+                request_id,
+                LimitError(
+                    f"VERIFY of {total} bytes; at most {limits.max_transfer_bytes} (Limits.max_transfer_bytes)"
+                ),
+            )
+            return
         if table.device_of(descs, "verify") >= 0:
             raise AccessError("verify=True covers host memory only")
         ours = _checksum.segments(addrs, lens, lens)
