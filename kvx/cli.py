@@ -273,6 +273,16 @@ def _number(text: str) -> float:
     return value
 
 
+def _compact_period(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value != 0 and not 1 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or 1..86400: {text!r}")
+    return value
+
+
 def _positive_number(text: str) -> float:
     value = _number(text)
     if value <= 0:
@@ -561,6 +571,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "(default: 60)",
     )
     meta.add_argument(
+        "--etcd-compact-every-s",
+        type=_compact_period,
+        default=300,
+        help="with an etcd store: compact etcd's history this often, up to the revision read one "
+        "period before. etcd's quota counts old revisions too, and past it etcd refuses every "
+        "registration; 0 leaves compaction to etcd's own --auto-compaction-* (default: 300)",
+    )
+    meta.add_argument(
         "--mirror-stale-s",
         type=_positive,
         default=None,
@@ -812,7 +830,11 @@ def _run_metadata(args: argparse.Namespace) -> int:
     elif args.store.startswith("etcd://"):
         from kvx.metadata.etcd import EtcdStore
 
-        store = EtcdStore(args.store, backstop_s=args.etcd_lease_backstop_s)
+        store = EtcdStore(
+            args.store,
+            backstop_s=args.etcd_lease_backstop_s,
+            compact_every_s=args.etcd_compact_every_s,
+        )
     elif args.store.startswith("mirror://"):
         from kvx.metadata.client import MetadataOptions
         from kvx.metadata.mirror import MirrorStore, parse_mirror_url

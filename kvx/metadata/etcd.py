@@ -16,6 +16,16 @@ at it (both rebuilt by themselves after a restart). How the store maps onto etcd
 * a record is the key ``prefix + name``, valued the serialized ``AgentRecord``
   and attached to its lease. A returned record's ``revision`` is the key's
   ``mod_revision``, its ``lease_id`` the key's lease;
+* history: etcd keeps every revision of every key until it is compacted, and
+  its quota (``--quota-backend-bytes``, 2 GiB by default) counts that history:
+  past it etcd refuses every write, lease grants included, until an operator
+  compacts, defragments and clears the alarm. Every ``compact_every_s`` (300 s
+  by default; 0: leave it to etcd's own ``--auto-compaction-*``) each replica
+  compacts etcd up to the revision it read one period before, as Kubernetes'
+  API server does: the history of the last period stays, so a watch or a
+  snapshot that resumes within it loses nothing, and one further behind gets
+  WatchLagError and starts over. Replicas compacting the same history is
+  harmless (etcd answers "already compacted");
 * ``put_if`` / ``delete_if`` are transactions comparing the key's
   ``mod_revision`` with ``expect_revision`` (etcd compares an absent key as 0,
   so 0 means "absent"); ``put_if`` returns the transaction's revision;
@@ -151,6 +161,10 @@ WATCH_IDLE_CHECK_S = 10.0
 # The etcd lease behind a kvx lease lives at least this long unless renewed
 # (``EtcdStore(backstop_s=...)``, ``kvx metadata --etcd-lease-backstop-s``).
 BACKSTOP_S = 60
+# How often a replica compacts etcd's history, up to the revision it read one
+# period before (``EtcdStore(compact_every_s=...)``, ``kvx metadata
+# --etcd-compact-every-s``; 0: never).
+COMPACT_EVERY_S = 300.0
 # A tracked lease is checked this long after its kvx deadline passed unrenewed.
 EXPIRY_GRACE_S = 1.0
 EXPIRY_TICK_S = 0.25
@@ -217,6 +231,7 @@ class EtcdStore(Store):
         prefix: str = "/kvx/agents/",
         timeout_s: float = 5.0,
         backstop_s: int = BACKSTOP_S,
+        compact_every_s: float = COMPACT_EVERY_S,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = parse_etcd_url(endpoints)
@@ -229,6 +244,15 @@ class EtcdStore(Store):
             raise ConfigError(f"timeout_s must be positive, not {timeout_s!r}")
         if not (isinstance(backstop_s, int) and 2 <= backstop_s <= 86_400):
             raise ConfigError(f"the etcd lease backstop must be 2..86400 s, not {backstop_s!r}")
+        if not (
+            isinstance(compact_every_s, (int, float))
+            and (compact_every_s == 0 or 0.1 <= compact_every_s <= 86_400)
+        ):
+            raise ConfigError(
+                f"the etcd compaction period must be 0 (off) or 0.1..86400 s, not {compact_every_s!r}"
+            )
+        self._compact_every_s = float(compact_every_s)
+        self.compacted_revision = 0  # the revision this replica last compacted etcd up to
         self._prefix = prefix.encode()
         self._range_end = _prefix_end(self._prefix)
         self._timeout_s = float(timeout_s)
@@ -278,6 +302,8 @@ class EtcdStore(Store):
                 asyncio.create_task(self._mirror_loop(), name="kvx-etcd-mirror"),
                 asyncio.create_task(self._expiry_loop(), name="kvx-etcd-lease-expiry"),
             ]
+            if self._compact_every_s:
+                self._tasks.append(asyncio.create_task(self._compact_loop(), name="kvx-etcd-compact"))
         await self._call("connect", lambda client, rpc: asyncio.sleep(0))
 
     async def close(self) -> None:
@@ -781,6 +807,35 @@ class EtcdStore(Store):
         if lease_id & _TTL_MARK and 0 < ttl_s <= etcd_ttl_s and etcd_ttl_s in (ttl_s, self._backstop_s):
             return ttl_s
         return etcd_ttl_s
+
+    async def _compact_loop(self) -> None:
+        """Every compact_every_s: compact etcd up to the revision read one period
+        before (see the module docstring). A failure is logged and tried again
+        next period; the next revision is read either way."""
+        previous = 0
+        while True:
+            await asyncio.sleep(self._compact_every_s)
+            try:
+                status = await self._call(
+                    "status", lambda c, rpc: c.maintenancestub.Status(rpc.StatusRequest())
+                )
+            except StoreError as e:
+                logger.info("could not read etcd's revision to compact its history: %s", e)
+                continue
+            if previous > self.compacted_revision:
+                try:
+                    await self._call(
+                        "compact",
+                        lambda c, rpc, r=previous: c.kvstub.Compact(rpc.CompactionRequest(revision=r)),
+                    )
+                    self.compacted_revision = previous
+                    logger.debug("compacted etcd's history up to revision %d", previous)
+                except StoreError as e:
+                    if _code(e.__cause__) == "OUT_OF_RANGE":  # compacted past it already (another replica)
+                        self.compacted_revision = previous
+                    else:
+                        logger.warning("could not compact etcd's history: %s", e)
+            previous = int(status.header.revision)
 
     async def _expiry_loop(self) -> None:
         while True:

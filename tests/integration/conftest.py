@@ -38,8 +38,9 @@ def _etcd_binary() -> str | None:
 class EtcdServer:
     """One etcd member on 127.0.0.1, restartable on the same ports and data."""
 
-    def __init__(self, binary: str, data_dir: Path) -> None:
+    def __init__(self, binary: str, data_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.binary = binary
+        self.extra_args = extra_args
         self.data_dir = data_dir
         self.client_port = _free_port()
         self.peer_port = _free_port()
@@ -68,6 +69,7 @@ class EtcdServer:
             "--initial-cluster", f"kvx-test={peer}",
             "--initial-cluster-state", "new",
             "--initial-cluster-token", f"kvx-test-{os.getpid()}-{self.client_port}",
+            *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(

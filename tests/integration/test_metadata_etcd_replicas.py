@@ -483,3 +483,47 @@ def test_a_watch_cancelled_before_etcd_creates_it_leaves_nothing_behind(etcd_ser
         run(body())
     destroyed = [r.getMessage() for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
     assert not destroyed, destroyed
+
+
+@pytest.mark.parametrize("compact_every_s", [0.2, 0])
+def test_compacted_history_never_fills_etcds_quota(tmp_path, compact_every_s):
+    """etcd keeps every revision until compacted, and its quota counts them:
+    one record written again and again (a registrant's own, say) filled it,
+    after which etcd refused every write and lease grant, for every agent,
+    until an operator stepped in. Each replica now compacts etcd's history
+    (every 300 s by default, 0.2 s here); with compaction off the quota
+    fills, which shows the test writes enough to fill it."""
+    from tests.integration.conftest import EtcdServer, _etcd_binary
+
+    binary = _etcd_binary()
+    if binary is None:
+        pytest.skip("etcd is not installed: scripts/test.sh installs it")
+    quota = 48 << 20
+    server = EtcdServer(binary, tmp_path / "etcd-data", ("--quota-backend-bytes", str(quota)))
+    server.start()
+    value = secrets.token_hex(1 << 19)  # 1 MiB
+    written = []
+
+    async def body():
+        async with replicas(server, count=1, compact_every_s=compact_every_s) as (store,):
+            lease = await store.grant_lease(60)
+            revision = 0
+            with contextlib.suppress(StoreError):
+                while len(written) * len(value) < 3 * quota:
+                    revision = await store.put_if(record("big", v=value), lease, revision)
+                    written.append(revision)
+                    await asyncio.sleep(0.01)
+            # Then a new agent: a lease and a record.
+            other = await store.grant_lease(60)
+            return await store.put_if(record("newcomer"), other, 0), store.compacted_revision
+
+    try:
+        if compact_every_s:
+            revision, compacted = run(body())
+            assert revision and compacted > written[0]
+        else:
+            with pytest.raises(StoreError, match="space"):
+                run(body())
+            assert len(written) * len(value) < quota
+    finally:
+        server.kill()
