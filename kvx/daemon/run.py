@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvx._http import MAX_HEADER_BYTES, header_deadline_protocol
 from kvx._version import __version__
 from kvx.config import read_file
 from kvx.daemon.admin import build_admin
@@ -87,7 +88,13 @@ def _server(app: Any) -> Any:
             yield
 
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off"
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+        http=header_deadline_protocol(),  # a client trickling its headers is cut off
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     return Server(config)
 

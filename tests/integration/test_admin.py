@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import itertools
 import re
+import select
+import socket
 import time
 
 import grpc
@@ -431,3 +433,37 @@ def test_listing_copies_a_page_not_the_registry(make_server):
             if not token:
                 break
     assert seen == [f"f{i:02d}" for i in range(20)]
+
+
+def test_a_client_trickling_its_headers_is_cut_off(make_server, monkeypatch):
+    """Slowloris against the admin API, which shares its process and file
+    descriptors with the gRPC service: uvicorn alone kept a client sending
+    its headers a line at a time connected for good. Now the headers are
+    due within a deadline (10 s; 1 s here), and health answers meanwhile."""
+    import kvx._http
+
+    monkeypatch.setattr(kvx._http, "HEADER_TIMEOUT_S", 1.0)
+    threaded = make_server()
+    host, port = threaded.server.admin_address.rsplit(":", 1)
+    started = time.monotonic()
+    with (
+        socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as sock,
+        admin(threaded) as client,
+    ):
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: kvx\r\n")
+        closed = False
+        while not closed and time.monotonic() - started < 15:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+                closed = select_closed(sock)
+            except OSError:
+                closed = True
+            assert client.get("/healthz").status_code == 200
+            time.sleep(0.2)
+    assert closed and time.monotonic() - started < 10
+
+
+def select_closed(sock: socket.socket) -> bool:
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    return sock.recv(65536) == b""
