@@ -744,6 +744,39 @@ CLIENT_KEEPALIVE_S = 60.0
 CLIENT_KEEPALIVE_TIMEOUT_S = 20.0
 
 
+# gRPC health: Watch streams open at once, and the longest service name one may name.
+# Health needs no token (probes have none), so without these anyone could hold any
+# number of streams, each keyed by a name up to the message limit (600 KiB).
+MAX_HEALTH_WATCHES = 64
+MAX_HEALTH_SERVICE_CHARS = 256
+
+
+class _BoundedHealth(health.aio.HealthServicer):  # type: ignore[name-defined]
+    """gRPC's health service with its Watch streams bounded (MAX_HEALTH_WATCHES,
+    MAX_HEALTH_SERVICE_CHARS); Check as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watching = 0
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:  # noqa: N802
+        if len(request.service) > MAX_HEALTH_SERVICE_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"service name of {len(request.service)} characters; at most {MAX_HEALTH_SERVICE_CHARS}",
+            )
+        if self._watching >= MAX_HEALTH_WATCHES:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_HEALTH_WATCHES} health watches are open already; use Check, or retry later",
+            )
+        self._watching += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watching -= 1
+
+
 def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
     """The gRPC server's options. gRPC ignores a key it does not know without a word
     (tests/unit check each key against the gRPC library)."""
@@ -834,7 +867,7 @@ class MetadataServer:
         self.address = ""
         self.admin_address = ""
         self._server: aio.Server | None = None
-        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._health = _BoundedHealth()
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self.ready = False

@@ -335,6 +335,50 @@ def test_health_and_reflection_are_on(service):
     assert "kvx.v1.MetadataService" in [s.name for s in reply.list_services_response.service]
 
 
+def test_health_watches_are_bounded_for_clients_without_the_token():
+    """gRPC health needs no token (probes have none). Its Watch streams were
+    unbounded, each keyed by a service name up to the message limit: now at
+    most 64 at once, names of at most 256 characters, and a watch still
+    sees the status change."""
+    from kvx.metadata.service import MAX_HEALTH_WATCHES
+
+    with ThreadedServer(MetadataServer("127.0.0.1:0", token="s3cret-token-for-the-test")) as srv:
+        _bounded_health_watches(srv.address, MAX_HEALTH_WATCHES)
+
+
+def _bounded_health_watches(address: str, most: int) -> None:
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    long_name = health.Watch(health_pb2.HealthCheckRequest(service="x" * 200_000), timeout=10)
+    with pytest.raises(grpc.RpcError) as refused:
+        next(long_name)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    watches = [health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30) for _ in range(most)]
+    try:
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        one_more = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(one_more)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        watches.pop().cancel()  # a slot comes back when a watch ends
+        assert wait_until(lambda: _watch_status(health) == health_pb2.HealthCheckResponse.SERVING, 10)
+    finally:
+        for watch in watches:
+            watch.cancel()
+        channel.close()
+
+
+def _watch_status(health) -> int | None:
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    try:
+        return next(watch).status
+    except grpc.RpcError:
+        return None
+    finally:
+        watch.cancel()
+
+
 def test_agents_register_resolve_and_follow_restarts(service):
     with (
         kvx.Agent("prefill-0", metadata=service.address, role="prefill", labels={"model": "tiny"}) as prefill,
