@@ -187,6 +187,12 @@ EXPIRY_CHECKS_MAX = 256
 LEASES_TRACKED_MAX = 1 << 20
 # The mirror's watch queue (etcd responses); a mirror that far behind reloads.
 MIRROR_QUEUE_RESPONSES = 10_000
+# What the other watches (the service's clients') may hold queued, in bytes of etcd
+# responses (a replaced record's event carries its old value too): each, and all of
+# them together. Past either, the watch that would add more is cut off (WatchLagError):
+# a watcher that stops reading must not hold the replica's memory without bound.
+WATCH_QUEUE_BYTES = 64 << 20
+WATCH_QUEUE_BYTES_TOTAL = 512 << 20
 # Names written here whose change the mirror has not seen yet; past it the
 # mirror reloads (reads go to etcd meanwhile).
 PENDING_WRITES_MAX = 65_536
@@ -266,6 +272,8 @@ class EtcdStore(Store):
         self._dropped_for = "etcd failed"  # why the last connection was dropped
         self._connect_lock = asyncio.Lock()
         self._watches: set[asyncio.Queue] = set()
+        self._queued_bytes = [0]  # what the clients' watches hold queued, in all (_WatchQueue)
+        self._mirror_task: asyncio.Task | None = None
         self._closing: set[asyncio.Future] = set()
         self._renewals = Renewals()
         self._own_deletes: collections.deque[int] = collections.deque(maxlen=4096)
@@ -592,7 +600,8 @@ class EtcdStore(Store):
             return kvs, chunk[-1], revision or response.header.revision
 
         kvs, after, revision = await snapshot("", 0)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        mirror = asyncio.current_task() is self._mirror_task
+        queue = _WatchQueue(queue_size, None if mirror else self._queued_bytes)
         self._watches.add(queue)
         call = task = None
         try:
@@ -639,6 +648,7 @@ class EtcdStore(Store):
                     yield part
         finally:
             self._watches.discard(queue)
+            queue.forget()
             if task is not None:
                 task.cancel()
             if call is not None:
@@ -688,6 +698,7 @@ class EtcdStore(Store):
         self._pending[name] = max(revision, self._pending.get(name, 0))
 
     async def _mirror_loop(self) -> None:
+        self._mirror_task = asyncio.current_task()  # its watches are not bounded in bytes
         backoff_s = 0.2
         while True:
             loaded: dict[str, AgentRecord] = {}
@@ -1008,7 +1019,7 @@ class EtcdStore(Store):
             raise StoreError(f"etcd refused the watch: {getattr(created, 'cancel_reason', '') or 'ended'}")
         return call
 
-    async def _read_watch(self, call, queue: asyncio.Queue) -> None:
+    async def _read_watch(self, call, queue: _WatchQueue) -> None:
         try:
             while (response := await call.read()) is not _EOF:
                 if response.compact_revision:
@@ -1017,6 +1028,8 @@ class EtcdStore(Store):
                     raise StoreError(f"etcd cancelled the watch: {response.cancel_reason or 'no reason'}")
                 if queue.full():  # the consumer does not keep up: cut it off, hold nothing more for it
                     raise WatchLagError(f"the watch fell {queue.maxsize} etcd responses behind")
+                if (lag := queue.over()) is not None:
+                    raise WatchLagError(lag)
                 queue.put_nowait(response)
             error: Exception = StoreError("etcd ended the watch")
         except StoreError as e:
@@ -1087,6 +1100,54 @@ def _prefix_end(prefix: bytes) -> bytes:
 async def _status(client, rpc) -> bool:
     await client.maintenancestub.Status(rpc.StatusRequest())
     return True
+
+
+class _WatchQueue(asyncio.Queue):
+    """One watch's etcd responses, with their bytes counted: its own, and with
+    ``totals`` (a one-item list shared by the clients' watches) all of theirs
+    together; the mirror's (``totals`` None) are not counted."""
+
+    def __init__(self, maxsize: int, totals: list[int] | None) -> None:
+        super().__init__(maxsize)
+        self.bytes = 0
+        self._sizes: collections.deque[int] = collections.deque()
+        self._totals = totals
+
+    def over(self) -> str | None:
+        """Why the watch must be cut off before it holds more; None if it need not."""
+        if self._totals is None:
+            return None
+        if self.bytes > WATCH_QUEUE_BYTES:
+            return f"the watch fell {self.bytes} bytes of changes behind (at most {WATCH_QUEUE_BYTES})"
+        if self._totals[0] > WATCH_QUEUE_BYTES_TOTAL:
+            return (
+                f"the watches hold {self._totals[0]} bytes of changes not yet read (at most "
+                f"{WATCH_QUEUE_BYTES_TOTAL} in all); this one is behind"
+            )
+        return None
+
+    def forget(self) -> None:
+        """The watch ended: what it still holds no longer counts."""
+        if self._totals is not None:
+            self._totals[0] -= self.bytes
+        self.bytes = 0
+        self._sizes.clear()
+        self._totals = None
+
+    def _put(self, item: Any) -> None:
+        size = item.ByteSize() if self._totals is not None and not isinstance(item, Exception) else 0
+        self._sizes.append(size)
+        self.bytes += size
+        if self._totals is not None:
+            self._totals[0] += size
+        super()._put(item)
+
+    def _get(self) -> Any:
+        size = self._sizes.popleft() if self._sizes else 0
+        self.bytes -= size
+        if self._totals is not None:
+            self._totals[0] -= size
+        return super()._get()
 
 
 def _cut_off(queue: asyncio.Queue, error: Exception) -> None:

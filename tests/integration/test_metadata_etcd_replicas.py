@@ -19,7 +19,7 @@ import time
 import pytest
 
 from kvx.metadata.etcd import EXPIRY_GRACE_S, FORWARDS_MAX, TAKEOVER_EXTRA_S, EtcdStore
-from kvx.metadata.store import AgentRecord, StoreError
+from kvx.metadata.store import AgentRecord, EventType, StoreError, WatchLagError
 from tests.conftest import native_pass_only
 
 pytestmark = [pytest.mark.slow, native_pass_only]
@@ -527,3 +527,39 @@ def test_compacted_history_never_fills_etcds_quota(tmp_path, compact_every_s):
             assert len(written) * len(value) < quota
     finally:
         server.kill()
+
+
+def test_a_watcher_that_stops_reading_holds_a_bounded_number_of_bytes(etcd_server, monkeypatch):
+    """A watch that reads its snapshot and then nothing, while large records
+    are replaced: each replacement queues the new and the old record (prev_kv).
+    The count of responses was its only bound (1,000 of up to about 512 KiB
+    each); now the bytes queued are bounded too, each watch's and all of them
+    together (64 MiB and 512 MiB; 2 MiB here)."""
+    from kvx.metadata import etcd as etcd_module
+
+    monkeypatch.setattr(etcd_module, "WATCH_QUEUE_BYTES", 2 << 20)
+    value = secrets.token_hex(128 << 10)  # 256 KiB: about 512 KiB a replacement
+
+    async def body():
+        async with replicas(etcd_server, count=1) as (store,):
+            lease = await store.grant_lease(30)
+            revision = await store.put_if(record("big", v=value), lease, 0)
+            events = store.watch()
+            try:
+                while (await events.__anext__()).type is not EventType.SYNCED:
+                    pass
+                [queue] = [q for q in store._watches if q._totals is not None]
+                most = 0
+                for _ in range(12):  # 6 MiB of replacements, nobody reading
+                    revision = await store.put_if(record("big", v=value[::-1]), lease, revision)
+                    await asyncio.sleep(0.05)  # the watch's reader queues the response
+                    most = max(most, queue.bytes)
+                assert most <= (2 << 20) + (600 << 10), most  # the bound, and the one response over it
+                with pytest.raises(WatchLagError, match="bytes of changes behind"):
+                    for _ in range(12):
+                        await asyncio.wait_for(events.__anext__(), 10)
+            finally:
+                await events.aclose()
+            assert store._queued_bytes == [0]  # nothing left counted once the watch ended
+
+    run(body())
