@@ -1,12 +1,16 @@
-"""uvicorn's HTTP/1.1 protocol with a deadline on each request's headers, for
-every HTTP server kvx runs (kvx proxy, the metadata admin API, the daemons'
-APIs): uvicorn alone keeps a client that sends its headers a byte at a time
-connected for good."""
+"""uvicorn's HTTP/1.1 protocol with two deadlines, for every HTTP server kvx
+runs (kvx proxy, the metadata admin API, the daemons' APIs): one on each
+request's headers, one on the client taking its answer. uvicorn alone keeps
+a client that sends its headers a byte at a time, or that stops reading its
+answer, connected for good."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -19,21 +23,38 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 * 1024
 # How long a client has to send a request's line and headers (kvx proxy: --header-timeout-s).
 HEADER_TIMEOUT_S = 10.0
+# How long a client may leave its answer unread, its connection's buffers full
+# (kvx proxy: --send-timeout-s).
+SEND_TIMEOUT_S = 60.0
 
 
-class _HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, plus one deadline for a request's request line and headers.
+class _DeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for a request's line and
+    headers and one for the client taking its answer.
 
-    uvicorn times out idle keep-alive connections but not a client that
-    sends its headers a byte at a time (slowloris): each byte restarts
-    nothing, yet the connection stays open for good. Here the deadline runs
-    from the connection's start, or from the first byte of a later request
-    on it, and the connection is closed when the headers are not in by then.
-    ``header_timeout_s`` is set on a subclass made per server.
+    Headers: uvicorn times out idle keep-alive connections but not a client
+    that sends its headers a byte at a time (slowloris). Here the deadline
+    runs from the connection's start, or from the first byte of a later
+    request on it, and the connection is closed when the headers are not in
+    by then.
+
+    Answers: once the connection's buffers are full (the kernel's, then the
+    transport's past its high-water mark) uvicorn waits for the client to
+    read, without end, and a stream relayed to it keeps its upstream busy
+    meanwhile. Here the connection is reset (buffers dropped: a plain close
+    would wait for the client to read them) when the transport has not
+    drained below its low-water mark within ``send_timeout_s``; the app then
+    sees the client gone, as when it disconnects. A client reading more
+    slowly than about 1 KB/s for that long (48 KiB) is cut off too.
+
+    ``header_timeout_s`` and ``send_timeout_s`` are set on a subclass made
+    per server (``deadline_protocol``).
     """
 
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    send_timeout_s: float = SEND_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -45,7 +66,17 @@ class _HeaderDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        self._stop_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._answer_not_taken)
+
+    def resume_writing(self) -> None:
+        self._stop_send_timer()
+        super().resume_writing()
 
     def _watch_headers(self) -> None:
         # h11 keeps the client IDLE until its request line and headers are complete.
@@ -62,20 +93,45 @@ class _HeaderDeadlineProtocol(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _client(self) -> str:
+        return format_address(*self.client) if self.client else "a client"
+
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
             return
         logger.debug(
-            "closing %s: no complete request headers within %s s",
-            format_address(*self.client) if self.client else "a client",
-            self.header_timeout_s,
+            "closing %s: no complete request headers within %s s", self._client(), self.header_timeout_s
         )
         self.transport.close()
 
+    def _answer_not_taken(self) -> None:
+        self._send_timer = None
+        logger.warning(
+            "closing %s: it took none of its answer for %s s (a client that stopped reading)",
+            self._client(),
+            self.send_timeout_s,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a close: the kernel drops what it still holds for the client too
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
-def header_deadline_protocol(timeout_s: float | None = None) -> type[H11Protocol]:
-    """The protocol class to give uvicorn (``http=``): headers due within ``timeout_s``
-    (default HEADER_TIMEOUT_S)."""
-    timeout_s = HEADER_TIMEOUT_S if timeout_s is None else timeout_s
-    return type("HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,), {"header_timeout_s": timeout_s})
+
+def deadline_protocol(
+    header_timeout_s: float | None = None, send_timeout_s: float | None = None
+) -> type[H11Protocol]:
+    """The protocol class to give uvicorn (``http=``): headers due within
+    ``header_timeout_s``, answers taken within ``send_timeout_s`` (defaults:
+    HEADER_TIMEOUT_S, SEND_TIMEOUT_S)."""
+    settings = {
+        "header_timeout_s": HEADER_TIMEOUT_S if header_timeout_s is None else header_timeout_s,
+        "send_timeout_s": SEND_TIMEOUT_S if send_timeout_s is None else send_timeout_s,
+    }
+    return type("DeadlineProtocol", (_DeadlineProtocol,), settings)

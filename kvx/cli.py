@@ -733,6 +733,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="longest wait for a client's whole request body; then 408 (default: 60)",
     )
     proxy.add_argument(
+        "--send-timeout-s",
+        type=_seconds,
+        metavar="SECONDS",
+        default=60.0,
+        help="longest wait for a client to take one piece of an answer; then the connection is "
+        "closed and the instance serving it released (default: 60)",
+    )
+    proxy.add_argument(
         "--mode",
         choices=("pull", "push"),
         default="pull",
@@ -932,6 +940,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        send_timeout_s=args.send_timeout_s,
         mode=args.mode,
         prefill_kv_events=tuple(_kv_events_pair(text) for text in args.prefill_kv_events),
         kv_alpha=args.kv_alpha,

@@ -39,7 +39,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvx._http import MAX_HEADER_BYTES, header_deadline_protocol
+from kvx._http import MAX_HEADER_BYTES, deadline_protocol
 from kvx._net import bind_listener, format_address
 from kvx._version import __version__
 from kvx.config import check_name
@@ -276,7 +276,7 @@ async def serve_admin(server: Any) -> AdminServer:
         log_config=None,
         lifespan="off",
         access_log=False,
-        http=header_deadline_protocol(),  # a client trickling its headers is cut off
+        http=deadline_protocol(),  # a client trickling its headers, or not reading, is cut off
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     uv = _Uvicorn(config)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvx._http import MAX_HEADER_BYTES, header_deadline_protocol
+from kvx._http import MAX_HEADER_BYTES, deadline_protocol
 from kvx._version import __version__
 from kvx.config import read_file
 from kvx.daemon.admin import build_admin
@@ -93,7 +93,7 @@ def _server(app: Any) -> Any:
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="off",
-        http=header_deadline_protocol(),  # a client trickling its headers is cut off
+        http=deadline_protocol(),  # a client trickling its headers, or not reading, is cut off
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     return Server(config)

@@ -46,6 +46,9 @@ class ProxyConfig:
                      from its first byte (or from connecting); then the
                      connection is closed. Ends slowloris clients.
     body_timeout_s:  longest wait for a client's whole request body (408 after).
+    send_timeout_s:  longest wait for a client to take one piece of an answer
+                     (a client that stops reading a stream is cut off, and the
+                     instance serving it released).
     connect_timeout_s: longest wait to open a connection to an upstream.
     cooldown_s:      an instance that could not be reached is skipped this long
                      while another one is available.
@@ -84,6 +87,7 @@ class ProxyConfig:
     cooldown_s: float = 5.0
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
     # A 128k-token prompt is about 0.5 MiB of text, or 1 MiB as token ids in JSON.
     max_body_bytes: int = 8 * MiB
     # OpenAI requests nest a few levels; tool schemas a few more.
@@ -113,6 +117,7 @@ class ProxyConfig:
             "refresh_s",
             "header_timeout_s",
             "body_timeout_s",
+            "send_timeout_s",
             "kv_tokenize_timeout_s",
         ):
             if not getattr(self, field) > 0:

@@ -7,7 +7,7 @@ from typing import Any
 
 import uvicorn
 
-from kvx._http import MAX_HEADER_BYTES, header_deadline_protocol
+from kvx._http import MAX_HEADER_BYTES, deadline_protocol
 from kvx._net import bind_listener, format_address
 from kvx.errors import ConfigError
 from kvx.proxy._app import build_app
@@ -20,7 +20,7 @@ STOP_TIMEOUT_S = 10  # graceful shutdown: open streams get this long to finish
 
 def uvicorn_config(app: Any, config: ProxyConfig, **kwargs: Any) -> uvicorn.Config:
     """The uvicorn settings the proxy runs with (tests serve the app with these too)."""
-    protocol = header_deadline_protocol(config.header_timeout_s)
+    protocol = deadline_protocol(config.header_timeout_s, config.send_timeout_s)
     settings: dict[str, Any] = {
         "log_config": None,
         "access_log": False,

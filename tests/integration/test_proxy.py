@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import queue
 import select
@@ -540,6 +541,34 @@ def test_a_client_that_leaves_mid_stream_frees_the_decode_instance(proxy, upstre
     assert wait_until(lambda: sum(i["in_flight"] for i in proxy.get("/healthz").json()["decode"]) == 0, 5)
 
 
+def test_a_client_that_stops_reading_is_cut_off_and_frees_the_decode_instance(make_proxy, upstreams, caplog):
+    """A client that asks for a long stream and never reads it: once its
+    socket's buffers are full, uvicorn waited for it without end, and the
+    decode instance stayed busy (and a pooled upstream connection taken)
+    for as long. Now each piece of an answer must reach the client within
+    send_timeout_s (1 s here): then its connection is closed and the
+    instance released, while health answers throughout."""
+    proxy = make_proxy(send_timeout_s=1.0)
+    body = json.dumps({"prompt": "x", "max_tokens": 100_000, "stream": True}).encode()
+    sock = raw_connect(proxy)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.sendall(post_head(len(body)) + body)
+        assert wait_until(lambda: sum(i["in_flight"] for i in proxy.get("/healthz").json()["decode"]) == 1, 5)
+        with caplog.at_level(logging.WARNING, logger="kvx._http"):
+            assert wait_until(
+                lambda: sum(i["in_flight"] for i in proxy.get("/healthz").json()["decode"]) == 0, 15
+            ), "the decode instance is still held for a client that reads nothing"
+        assert any("took none of its answer for 1.0 s" in r.getMessage() for r in caplog.records)
+        sock.settimeout(HTTP_TIMEOUT_S)
+        with pytest.raises(ConnectionResetError):  # aborted: what the proxy had buffered is dropped
+            while sock.recv(1 << 20):
+                pass
+        assert proxy.get("/healthz").status_code == 200
+    finally:
+        sock.close()
+
+
 def test_without_a_decode_instance_health_is_503_and_nothing_is_prefilled(make_proxy, upstreams):
     proxy = make_proxy(decode_urls=())
     health = proxy.get("/healthz")
@@ -645,6 +674,7 @@ def test_config_and_prefill_body():
         {"prefill_urls": ("http://h:port",)},
         {"header_timeout_s": 0},
         {"body_timeout_s": -1},
+        {"send_timeout_s": 0},
         {"max_body_bytes": 0},
         {"max_json_depth": 0},
     ):
