@@ -411,6 +411,10 @@ class Registration:
         self._wake = threading.Event()
         self._renewer: _Renewer | None = None  # shared with this process's other registrations
         self._registrar = _Registrar.of(client)  # likewise
+        # The renewer's stream failed since the lease was last renewed (the service may be
+        # away): update() then leaves publishing to the background thread, not to block.
+        self.unconfirmed = False
+        self._republish = False  # the background thread publishes the record again
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
     def start(self) -> None:
@@ -497,7 +501,8 @@ class Registration:
         """Publish the record again now (regions changed). Raises MetadataError
         when the service refuses the record; while the service is unreachable
         the background thread publishes it once it is back, without blocking here."""
-        if self.lease_id is None:  # unreachable, or re-registering already: the thread will publish
+        if self.lease_id is None or self.unconfirmed:  # unreachable maybe: the thread will publish
+            self._republish = self.lease_id is not None
             self._restart_stream()
             return
         try:
@@ -534,6 +539,7 @@ class Registration:
             self.lease_id = self._proof = response.lease_id
             self.ttl_s = response.ttl_s
             self._held_since = None
+            self.unconfirmed = False
         if self._stop.is_set():
             # stop() ran while this waited for its call (which may have waited for others):
             # its unregistration may have used the lease before this one. End this one too.
@@ -559,6 +565,9 @@ class Registration:
                 if self.lease_id is None:
                     self._register()
                     logger.info("registered with the metadata service at %s again", self.client.target)
+                elif self._republish:  # update() during an outage: the record changed
+                    self._republish = False
+                    self._register()
                 attempt = 0
                 self._keep_alive()
             except NameHeldError as exc:
@@ -840,10 +849,17 @@ class _Renewer:
                 except grpc.RpcError as exc:
                     if self._closed.is_set():
                         return
+                    # The leases are kept: the stream is sent again after a pause, and the
+                    # service answers 0 for a lease that is gone meanwhile (expired, or a
+                    # restarted memory store), which registers that one again. Dropping
+                    # them all here made every agent of the process register again after
+                    # any failed stream: a replica restarting, or a renewal turned away
+                    # for a moment (UNAVAILABLE), and one etcd write per agent each time.
                     if exc.code() != grpc.StatusCode.CANCELLED:
                         if attempt == 0:
-                            logger.warning("lease keep-alive stream ended: %s", exc.details())
-                        self._lose_all()
+                            logger.warning("lease keep-alive stream ended: %s; renewing again", exc.details())
+                        for registration, _ in self._snapshot():
+                            registration.unconfirmed = True
                 except Exception:  # noqa: BLE001 - a bug here must not stop every renewal
                     logger.exception("lease renewal failed; trying again")
                     self._lose_all()
@@ -928,7 +944,9 @@ class _Renewer:
                         single.set()
                         self._changed.set()
                 for (registration, lease_id), ttl in zip(chunk, ttls, strict=False):
-                    if ttl == 0:
+                    if ttl > 0:
+                        registration.unconfirmed = False
+                    else:
                         # The agent's name, not the lease id: a log reader must not learn
                         # a lease id (it proves ownership of a name to the service).
                         logger.warning(
