@@ -833,6 +833,9 @@ class EtcdStore(Store):
             except StoreError as e:
                 logger.info("could not read etcd's revision to compact its history: %s", e)
                 continue
+            revision = int(status.header.revision)
+            if revision < max(self.compacted_revision, previous):  # etcd lost or restored its data
+                self.compacted_revision = previous = 0
             if previous > self.compacted_revision:
                 try:
                     await self._call(
@@ -846,7 +849,7 @@ class EtcdStore(Store):
                         self.compacted_revision = previous
                     else:
                         logger.warning("could not compact etcd's history: %s", e)
-            previous = int(status.header.revision)
+            previous = revision
 
     async def _expiry_loop(self) -> None:
         while True:
@@ -988,6 +991,22 @@ class EtcdStore(Store):
 
         return await self._call(what, txn)
 
+    def _cut_off_largest(self) -> None:
+        """The clients' watches hold more than WATCH_QUEUE_BYTES_TOTAL: cut off the one
+        holding the most (the one furthest behind, not the one that happens to add next)."""
+        counted = [q for q in self._watches if isinstance(q, _WatchQueue) and q.counted]
+        if counted:
+            largest = max(counted, key=lambda q: q.bytes)
+            total = self._queued_bytes[0]
+            _cut_off(
+                largest,
+                WatchLagError(
+                    f"the watches hold {total} bytes of changes not yet read (at most "
+                    f"{WATCH_QUEUE_BYTES_TOTAL} in all); this one, {largest.bytes} of them, is furthest behind"
+                ),
+            )
+            largest.forget()  # counts nothing more; its consumer ends it
+
     async def _open_watch(self, client, rpc, start_revision: int):
         create = rpc.WatchCreateRequest(
             key=self._prefix, range_end=self._range_end, start_revision=start_revision, prev_kv=True
@@ -1028,8 +1047,12 @@ class EtcdStore(Store):
                     raise StoreError(f"etcd cancelled the watch: {response.cancel_reason or 'no reason'}")
                 if queue.full():  # the consumer does not keep up: cut it off, hold nothing more for it
                     raise WatchLagError(f"the watch fell {queue.maxsize} etcd responses behind")
-                if (lag := queue.over()) is not None:
-                    raise WatchLagError(lag)
+                if queue.over():
+                    raise WatchLagError(
+                        f"the watch fell {queue.bytes} bytes of changes behind (at most {WATCH_QUEUE_BYTES})"
+                    )
+                if self._queued_bytes[0] > WATCH_QUEUE_BYTES_TOTAL:
+                    self._cut_off_largest()
                 queue.put_nowait(response)
             error: Exception = StoreError("etcd ended the watch")
         except StoreError as e:
@@ -1113,18 +1136,13 @@ class _WatchQueue(asyncio.Queue):
         self._sizes: collections.deque[int] = collections.deque()
         self._totals = totals
 
-    def over(self) -> str | None:
-        """Why the watch must be cut off before it holds more; None if it need not."""
-        if self._totals is None:
-            return None
-        if self.bytes > WATCH_QUEUE_BYTES:
-            return f"the watch fell {self.bytes} bytes of changes behind (at most {WATCH_QUEUE_BYTES})"
-        if self._totals[0] > WATCH_QUEUE_BYTES_TOTAL:
-            return (
-                f"the watches hold {self._totals[0]} bytes of changes not yet read (at most "
-                f"{WATCH_QUEUE_BYTES_TOTAL} in all); this one is behind"
-            )
-        return None
+    def over(self) -> bool:
+        """A counted watch holding more than WATCH_QUEUE_BYTES: cut it off."""
+        return self._totals is not None and self.bytes > WATCH_QUEUE_BYTES
+
+    @property
+    def counted(self) -> bool:
+        return self._totals is not None
 
     def forget(self) -> None:
         """The watch ended: what it still holds no longer counts."""

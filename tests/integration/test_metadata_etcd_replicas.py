@@ -563,3 +563,53 @@ def test_a_watcher_that_stops_reading_holds_a_bounded_number_of_bytes(etcd_serve
             assert store._queued_bytes == [0]  # nothing left counted once the watch ended
 
     run(body())
+
+
+def test_past_the_total_bound_the_watch_furthest_behind_is_cut_off(etcd_server, monkeypatch):
+    """The bytes all watches hold together are bounded too (512 MiB; 3 MiB
+    here). Past it, the watch holding the most is cut off, not the one that
+    happens to receive the next change: a watcher that keeps up is never
+    cut off for one that stopped reading."""
+    from kvx.metadata import etcd as etcd_module
+
+    monkeypatch.setattr(etcd_module, "WATCH_QUEUE_BYTES_TOTAL", 3 << 20)
+    value = secrets.token_hex(128 << 10)  # 256 KiB: about 512 KiB a replacement
+
+    async def synced(events):
+        while (await asyncio.wait_for(events.__anext__(), 10)).type is not EventType.SYNCED:
+            pass
+
+    async def body():
+        async with replicas(etcd_server, count=1) as (store,):
+            lease = await store.grant_lease(30)
+            revision = await store.put_if(record("big", v=value), lease, 0)
+            stalled, reading = store.watch(), store.watch()
+            seen: list[int] = []
+
+            async def read():
+                async for event in reading:
+                    seen.append(event.revision)
+
+            try:
+                await synced(stalled)
+                await synced(reading)
+                reader = asyncio.create_task(read())
+                for _ in range(12):  # 6 MiB of replacements
+                    revision = await store.put_if(record("big", v=value[::-1]), lease, revision)
+                    await asyncio.sleep(0.05)
+                await until(
+                    lambda: seen and seen[-1] == revision, 10, "the reading watch to see every change"
+                )
+                assert not reader.done()  # never cut off
+                with pytest.raises(WatchLagError, match="furthest behind"):
+                    for _ in range(12):
+                        await asyncio.wait_for(stalled.__anext__(), 10)
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+            finally:
+                await stalled.aclose()
+                await reading.aclose()
+            assert store._queued_bytes == [0]
+
+    run(body())
