@@ -23,9 +23,13 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 * 1024
 # How long a client has to send a request's line and headers (kvx proxy: --header-timeout-s).
 HEADER_TIMEOUT_S = 10.0
-# How long a client may leave its answer unread, its connection's buffers full
-# (kvx proxy: --send-timeout-s).
+# How long a client may take to read SEND_PROGRESS_BYTES of its answer while its
+# connection's buffers are full (kvx proxy: --send-timeout-s).
 SEND_TIMEOUT_S = 60.0
+SEND_PROGRESS_BYTES = 16 * 1024
+# Connections reset for not reading: one warning per this many seconds, with a count.
+_WARN_EVERY_S = 10.0
+_warned = {"at": -_WARN_EVERY_S, "since": 0}
 
 
 class _DeadlineProtocol(H11Protocol):
@@ -41,11 +45,12 @@ class _DeadlineProtocol(H11Protocol):
     Answers: once the connection's buffers are full (the kernel's, then the
     transport's past its high-water mark) uvicorn waits for the client to
     read, without end, and a stream relayed to it keeps its upstream busy
-    meanwhile. Here the connection is reset (buffers dropped: a plain close
-    would wait for the client to read them) when the transport has not
-    drained below its low-water mark within ``send_timeout_s``; the app then
-    sees the client gone, as when it disconnects. A client reading more
-    slowly than about 1 KB/s for that long (48 KiB) is cut off too.
+    meanwhile. Here, while the transport's buffer stays above its low-water
+    mark, the client must take SEND_PROGRESS_BYTES of it every
+    ``send_timeout_s``; one that does not is reset (buffers dropped: a
+    plain close would wait for the client to read them), and the app sees
+    it gone, as when it disconnects. A slow reader of a large answer is not
+    cut off; one that stopped reading, or takes under 16 KiB a minute, is.
 
     ``header_timeout_s`` and ``send_timeout_s`` are set on a subclass made
     per server (``deadline_protocol``).
@@ -55,6 +60,7 @@ class _DeadlineProtocol(H11Protocol):
     send_timeout_s: float = SEND_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
     _send_timer: asyncio.TimerHandle | None = None
+    _send_mark = 0  # the transport's buffered bytes when the send timer was set
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,7 +78,7 @@ class _DeadlineProtocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_timeout_s, self._answer_not_taken)
+            self._arm_send_timer()
 
     def resume_writing(self) -> None:
         self._stop_send_timer()
@@ -93,6 +99,10 @@ class _DeadlineProtocol(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _arm_send_timer(self) -> None:
+        self._send_mark = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._answer_not_taken)
+
     def _stop_send_timer(self) -> None:
         if self._send_timer is not None:
             self._send_timer.cancel()
@@ -112,11 +122,21 @@ class _DeadlineProtocol(H11Protocol):
 
     def _answer_not_taken(self) -> None:
         self._send_timer = None
-        logger.warning(
-            "closing %s: it took none of its answer for %s s (a client that stopped reading)",
-            self._client(),
-            self.send_timeout_s,
-        )
+        if self.transport.get_write_buffer_size() <= self._send_mark - SEND_PROGRESS_BYTES:
+            self._arm_send_timer()  # it reads, if slowly: its buffers stay full while it does
+            return
+        now = self.loop.time()
+        _warned["since"] += 1
+        if now - _warned["at"] >= _WARN_EVERY_S:  # anyone can connect: no warning per connection
+            logger.warning(
+                "reset %d connection(s) whose client took under %d bytes of its answer in %s s "
+                "(it stopped reading); the latest: %s",
+                _warned["since"],
+                SEND_PROGRESS_BYTES,
+                self.send_timeout_s,
+                self._client(),
+            )
+            _warned["at"], _warned["since"] = now, 0
         sock = self.transport.get_extra_info("socket")
         if sock is not None:  # a reset, not a close: the kernel drops what it still holds for the client too
             with contextlib.suppress(OSError):

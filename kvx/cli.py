@@ -737,8 +737,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_seconds,
         metavar="SECONDS",
         default=60.0,
-        help="longest wait for a client to take one piece of an answer; then the connection is "
-        "closed and the instance serving it released (default: 60)",
+        help="while a client's buffers are full it must take 16 KiB of its answer in this time; "
+        "else its connection is reset and the instance serving it released (default: 60)",
     )
     proxy.add_argument(
         "--mode",

@@ -82,7 +82,8 @@ class Limits:
     max_message_bytes:      data bytes in one request on the wire; larger
                             transfers are split into several requests.
     max_descs_per_message:  descriptors in one request; likewise split.
-    max_transfer_bytes:     bytes in one transfer.
+    max_transfer_bytes:     bytes in one transfer (as a target: in one VERIFY
+                            a peer asks of it).
     max_inflight_per_peer:  transfers in flight to one peer; posting waits
                             for a slot (up to Timeouts.transfer_s).
     max_notify_bytes:       size of one notification.

@@ -46,8 +46,9 @@ class ProxyConfig:
                      from its first byte (or from connecting); then the
                      connection is closed. Ends slowloris clients.
     body_timeout_s:  longest wait for a client's whole request body (408 after).
-    send_timeout_s:  longest wait for a client to take one piece of an answer
-                     (a client that stops reading a stream is cut off, and the
+    send_timeout_s:  while a client's buffers are full, it must take 16 KiB of
+                     its answer in this time, else its connection is reset (a
+                     client that stops reading a stream is cut off, and the
                      instance serving it released).
     connect_timeout_s: longest wait to open a connection to an upstream.
     cooldown_s:      an instance that could not be reached is skipped this long

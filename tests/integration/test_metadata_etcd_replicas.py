@@ -512,7 +512,8 @@ def test_compacted_history_never_fills_etcds_quota(tmp_path, compact_every_s):
                 while len(written) * len(value) < 3 * quota:
                     revision = await store.put_if(record("big", v=value), lease, revision)
                     written.append(revision)
-                    await asyncio.sleep(0.01)
+                    # At most 50 MiB a second: what two compaction periods keep stays well under the quota.
+                    await asyncio.sleep(0.02)
             # Then a new agent: a lease and a record.
             other = await store.grant_lease(60)
             return await store.put_if(record("newcomer"), other, 0), store.compacted_revision
