@@ -753,28 +753,43 @@ MAX_HEALTH_SERVICE_CHARS = 256
 
 class _BoundedHealth(health.aio.HealthServicer):  # type: ignore[name-defined]
     """gRPC's health service with its Watch streams bounded (MAX_HEALTH_WATCHES,
-    MAX_HEALTH_SERVICE_CHARS); Check as before."""
+    MAX_HEALTH_SERVICE_CHARS); Check as before. Watch is gRPC's, but for one
+    thing: gRPC's drops a service's condition when any one of its watchers
+    leaves, after which the others never hear of a change again; here it goes
+    with the last."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._watching = 0
+        self._watching: dict[str, int] = {}  # service -> its open Watch streams
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:  # noqa: N802
-        if len(request.service) > MAX_HEALTH_SERVICE_CHARS:
+        service = request.service
+        if len(service) > MAX_HEALTH_SERVICE_CHARS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"service name of {len(request.service)} characters; at most {MAX_HEALTH_SERVICE_CHARS}",
+                f"service name of {len(service)} characters; at most {MAX_HEALTH_SERVICE_CHARS}",
             )
-        if self._watching >= MAX_HEALTH_WATCHES:
+        if sum(self._watching.values()) >= MAX_HEALTH_WATCHES:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{MAX_HEALTH_WATCHES} health watches are open already; use Check, or retry later",
             )
-        self._watching += 1
+        self._watching[service] = self._watching.get(service, 0) + 1
+        condition = self._server_watchers[service]
+        last = None
         try:
-            await super().Watch(request, context)
+            async with condition:
+                while True:
+                    status = self._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                    if status != last:
+                        await context.write(health_pb2.HealthCheckResponse(status=status))
+                        last = status
+                    await condition.wait()
         finally:
-            self._watching -= 1
+            self._watching[service] -= 1
+            if not self._watching[service]:
+                del self._watching[service]
+                self._server_watchers.pop(service, None)
 
 
 def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:

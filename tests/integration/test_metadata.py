@@ -343,11 +343,11 @@ def test_health_watches_are_bounded_for_clients_without_the_token():
     from kvx.metadata.service import MAX_HEALTH_WATCHES
 
     with ThreadedServer(MetadataServer("127.0.0.1:0", token="s3cret-token-for-the-test")) as srv:
-        _bounded_health_watches(srv.address, MAX_HEALTH_WATCHES)
+        _bounded_health_watches(srv, MAX_HEALTH_WATCHES)
 
 
-def _bounded_health_watches(address: str, most: int) -> None:
-    channel = grpc.insecure_channel(address)
+def _bounded_health_watches(srv: ThreadedServer, most: int) -> None:
+    channel = grpc.insecure_channel(srv.address)
     health = health_pb2_grpc.HealthStub(channel)
     long_name = health.Watch(health_pb2.HealthCheckRequest(service="x" * 200_000), timeout=10)
     with pytest.raises(grpc.RpcError) as refused:
@@ -363,6 +363,13 @@ def _bounded_health_watches(address: str, most: int) -> None:
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         watches.pop().cancel()  # a slot comes back when a watch ends
         assert wait_until(lambda: _watch_status(health) == health_pb2.HealthCheckResponse.SERVING, 10)
+
+        # The others still hear of a change (gRPC's own Watch forgot them once one left).
+        async def not_ready() -> bool:
+            return False
+
+        srv.server.store.ready = not_ready  # type: ignore[method-assign]
+        assert next(watches[0]).status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         for watch in watches:
             watch.cancel()
