@@ -719,6 +719,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="largest request body a client may send; larger ones get 413 (default: 8MiB)",
     )
     proxy.add_argument(
+        "--max-answer-size",
+        type=_size,
+        metavar="SIZE",
+        default=_size("64MiB"),
+        help="largest answer an instance may send that is not a stream (a prefill's, a /tokenize); "
+        "read whole within --timeout-s, larger ones are 502 (default: 64MiB)",
+    )
+    proxy.add_argument(
         "--header-timeout-s",
         type=_seconds,
         metavar="SECONDS",
@@ -938,6 +946,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         refresh_s=args.refresh_s,
         cooldown_s=args.cooldown_s,
         max_body_bytes=args.max_body_size,
+        max_answer_bytes=args.max_answer_size,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_CONNECT_ATTEMPTS = 3  # instances tried for one leg while they cannot be reached
 CLOSE_TIMEOUT_S = 5.0  # closing an upstream stream
+# An instance's JSON answer up to this size is parsed on the event loop; larger, on a thread.
+_PARSE_INLINE_BYTES = 64 * 1024
 
 
 def require_httpx() -> Any:
@@ -60,6 +63,13 @@ def error_body(message: str, kind: str, leg: str | None = None) -> dict[str, Any
     if leg is not None:
         error["leg"] = leg
     return {"error": error}
+
+
+async def _parse_json(raw: bytes) -> Any:
+    """An instance's JSON answer; a large one parsed off the event loop, as request bodies are."""
+    if len(raw) < _PARSE_INLINE_BYTES:
+        return json.loads(raw)
+    return await anyio.to_thread.run_sync(json.loads, raw)
 
 
 def _error(status: int, message: str, kind: str, leg: str | None = None, close: bool = False) -> JSONResponse:
@@ -217,7 +227,9 @@ class _Router:
             queued = choice.queued_tokens if choice else 0
             request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
             try:
-                response = await self.client.send(request, stream=stream)
+                response = await self.client.send(request, stream=True)
+                if not stream:
+                    response = await self.whole(response, leg, instance.url)
             except (self.httpx.ConnectError, self.httpx.ConnectTimeout) as exc:
                 # Nothing reached the instance, so another one may take the request.
                 pool.release(instance, queued)
@@ -245,6 +257,51 @@ class _Router:
             self._count_choice(leg, instance, choice, request_id)
             return instance, response, queued
         raise _LegFailed(failure or self._no_instance(leg))
+
+    async def whole(self, response: Any, leg: str, url: str) -> Any:
+        """A streamed httpx response read whole, as a response holding its body:
+        at most max_answer_bytes (decoded), within timeout_s in all, so that an
+        instance can neither fill the proxy's memory nor trickle its answer for
+        good. Closes ``response``; _LegFailed (502, 504) past either bound."""
+        limit = self.config.max_answer_bytes
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.config.timeout_s):
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _LegFailed(
+                            _error(
+                                502,
+                                f"the {leg} instance {url} answered more than {limit} bytes; if that is "
+                                "expected, raise max_answer_bytes (--max-answer-size)",
+                                "bad_upstream_response",
+                                leg,
+                            )
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _LegFailed(
+                _error(
+                    504,
+                    f"the {leg} instance {url} did not finish its answer within {self.config.timeout_s} s",
+                    "upstream_timeout",
+                    leg,
+                )
+            ) from None
+        finally:
+            with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await response.aclose()
+        # The body is decoded already: its encoding and framing headers no longer apply.
+        headers = [
+            (key, value)
+            for key, value in response.headers.multi_items()
+            if key.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+        ]
+        return self.httpx.Response(
+            response.status_code, headers=headers, content=b"".join(chunks), request=response.request
+        )
 
     def acquire(
         self, leg: str, prompt: list[int] | None, exclude: list[Instance] | None = None
@@ -351,7 +408,7 @@ class _Router:
             raise
         url, response = await self._call("prefill", "POST", path, headers, request_id, content, prompt, first)
         try:
-            answer = response.json()
+            answer = await _parse_json(response.content)
         except ValueError:
             raise _LegFailed(
                 _error(
@@ -445,15 +502,17 @@ class _Router:
             return None
         instance = min(instances, key=lambda i: i.in_flight)
         try:
-            response = await self.client.post(
-                instance.url + "/tokenize",
-                headers=headers,
-                content=await _dumps(request),
-                timeout=self.config.kv_tokenize_timeout_s,
-            )
-            tokens = prompt_tokens(response.json()) if response.status_code == 200 else None
+            with anyio.fail_after(self.config.kv_tokenize_timeout_s):
+                tokenize = self.client.build_request(
+                    "POST", instance.url + "/tokenize", headers=headers, content=await _dumps(request)
+                )
+                response = await self.whole(
+                    await self.client.send(tokenize, stream=True), "prefill", instance.url
+                )
+            answer = await _parse_json(response.content)
+            tokens = prompt_tokens(answer) if response.status_code == 200 else None
             why = f"HTTP {response.status_code}" if tokens is None else ""
-        except (self.httpx.RequestError, ValueError) as exc:
+        except (self.httpx.RequestError, ValueError, TimeoutError, _LegFailed) as exc:
             tokens, why = None, f"{type(exc).__name__}: {exc}"
         if tokens is None:
             self.metrics.tokenize_failures.inc()

@@ -55,6 +55,9 @@ class ProxyConfig:
                      while another one is available.
     max_body_bytes:  largest request body accepted from a client (413 beyond,
                      refused before it is read when Content-Length says so).
+    max_answer_bytes: largest answer of an instance that is not a stream (a
+                     prefill's, a /tokenize), read whole within ``timeout_s``
+                     (502 beyond).
     max_json_depth:  deepest nesting of arrays and objects in a request body (400 beyond).
     max_connections: open upstream connections, all instances together.
     mode:            "pull" (prefill, then decode pulls) or "push" (both legs
@@ -91,6 +94,7 @@ class ProxyConfig:
     send_timeout_s: float = 60.0
     # A 128k-token prompt is about 0.5 MiB of text, or 1 MiB as token ids in JSON.
     max_body_bytes: int = 8 * MiB
+    max_answer_bytes: int = 64 * MiB
     # OpenAI requests nest a few levels; tool schemas a few more.
     max_json_depth: int = 64
     max_connections: int = 1024
@@ -129,6 +133,7 @@ class ProxyConfig:
             raise ConfigError(f"ProxyConfig.kv_alpha must not be negative, not {self.kv_alpha!r}")
         for field in (
             "max_body_bytes",
+            "max_answer_bytes",
             "max_json_depth",
             "max_connections",
             "kv_max_blocks",

@@ -100,11 +100,15 @@ class PushFlow:
                     request = r.client.build_request(
                         "POST", instance.url + path, headers=headers, content=prefill_content
                     )
-                    response = await r.client.send(request)
+                    response = await r.whole(
+                        await r.client.send(request, stream=True), "prefill", instance.url
+                    )
                     if response.status_code >= 400:
                         failed.append(_passthrough(response, "prefill"))
                 except r.httpx.RequestError as exc:
                     failed.append(r._transport_error(exc, "prefill", instance.url))
+                except _LegFailed as exc:  # its answer too large, or not done in time
+                    failed.append(exc.response)
                 finally:
                     release()
                 if failed:

@@ -119,6 +119,17 @@ class FakeVllm:
             return JSONResponse(
                 {"error": {"message": f"{self.name} says no", "code": status}}, status_code=status
             )
+        if test.get("huge") == self.role:  # an answer of this many bytes
+            return JSONResponse({"pad": "x" * test["bytes"], "kv_transfer_params": self.kv_params})
+        if test.get("trickle") == self.role:  # an answer a byte at a time, for 10 s
+
+            async def trickle():
+                for _ in range(50):
+                    yield b" "
+                    await asyncio.sleep(0.2)
+                yield json.dumps({"kv_transfer_params": self.kv_params}).encode()
+
+            return StreamingResponse(trickle(), media_type="application/json")
         if self.role == "prefill":
             answer = {"id": f"cmpl-{self.name}", "choices": [{"index": 0, "text": "!"}]}
             if not test.get("no_kv"):
@@ -567,6 +578,25 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_the_decode_instance(ma
         assert proxy.get("/healthz").status_code == 200
     finally:
         sock.close()
+
+
+def test_an_instance_answer_is_bounded_in_bytes_and_in_time(make_proxy, upstreams):
+    """An answer that is not a stream (a prefill's) was read whole whatever its
+    size, and an instance sending it a byte at a time was never cut off (the
+    timeout runs between bytes). Now it is read within timeout_s in all and
+    up to max_answer_bytes (1 s and 1 MiB here): 504 and 502 past them."""
+    proxy = make_proxy(timeout_s=1.0, max_answer_bytes=1 * MiB)
+    huge = {"prompt": "x", "test": {"huge": "prefill", "bytes": 2 * MiB}}
+    response = proxy.post("/v1/completions", json=huge)
+    assert response.status_code == 502, response.text
+    assert "answered more than 1048576 bytes" in response.json()["error"]["message"]
+    fits = {"prompt": "x", "test": {"huge": "prefill", "bytes": MiB // 2}}
+    assert proxy.post("/v1/completions", json=fits).status_code == 200
+    started = time.monotonic()
+    response = proxy.post("/v1/completions", json={"prompt": "x", "test": {"trickle": "prefill"}})
+    assert response.status_code == 504 and time.monotonic() - started < 5, response.text
+    assert "did not finish its answer within 1.0 s" in response.json()["error"]["message"]
+    assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["prefill"]))
 
 
 def test_without_a_decode_instance_health_is_503_and_nothing_is_prefilled(make_proxy, upstreams):
