@@ -26,7 +26,7 @@ HEADER_TIMEOUT_S = 10.0
 # How long a client may take to read SEND_PROGRESS_BYTES of its answer while its
 # connection's buffers are full (kvx proxy: --send-timeout-s).
 SEND_TIMEOUT_S = 60.0
-SEND_PROGRESS_BYTES = 16 * 1024
+SEND_PROGRESS_BYTES = 64 * 1024
 # Connections reset for not reading: one warning per this many seconds, with a count.
 _WARN_EVERY_S = 10.0
 _warned = {"at": -_WARN_EVERY_S, "since": 0}
@@ -50,7 +50,8 @@ class _DeadlineProtocol(H11Protocol):
     ``send_timeout_s``; one that does not is reset (buffers dropped: a
     plain close would wait for the client to read them), and the app sees
     it gone, as when it disconnects. A slow reader of a large answer is not
-    cut off; one that stopped reading, or takes under 16 KiB a minute, is.
+    cut off; one that stopped reading, or takes under 64 KiB a minute (about
+    1 KB/s), is.
 
     ``header_timeout_s`` and ``send_timeout_s`` are set on a subclass made
     per server (``deadline_protocol``).

@@ -695,7 +695,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_seconds,
         metavar="SECONDS",
         default=300.0,
-        help="longest wait for an instance to send the next bytes (default: 300)",
+        help="longest wait for an instance to send the next bytes, and for the whole of an answer "
+        "that is not a stream (default: 300)",
     )
     proxy.add_argument(
         "--connect-timeout-s",
@@ -723,8 +724,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_size,
         metavar="SIZE",
         default=_size("64MiB"),
-        help="largest answer an instance may send that is not a stream (a prefill's, a /tokenize); "
-        "read whole within --timeout-s, larger ones are 502 (default: 64MiB)",
+        help="largest answer an instance may send that is not a stream (a prefill's, a /tokenize, "
+        "a decode's without stream); read whole within --timeout-s, larger ones are 502 (default: 64MiB)",
     )
     proxy.add_argument(
         "--header-timeout-s",
@@ -745,7 +746,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_seconds,
         metavar="SECONDS",
         default=60.0,
-        help="while a client's buffers are full it must take 16 KiB of its answer in this time; "
+        help="while a client's buffers are full it must take 64 KiB of its answer in this time; "
         "else its connection is reset and the instance serving it released (default: 60)",
     )
     proxy.add_argument(

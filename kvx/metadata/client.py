@@ -414,6 +414,7 @@ class Registration:
         # The renewer's stream failed since the lease was last renewed (the service may be
         # away): update() then leaves publishing to the background thread, not to block.
         self.unconfirmed = False
+        self.confirmed_at = 0.0  # monotonic: when the service last took or renewed the lease
         self._republish = False  # the background thread publishes the record again
         self._thread = threading.Thread(target=self._run, name="kvx-lease", daemon=True)
 
@@ -502,7 +503,7 @@ class Registration:
         when the service refuses the record; while the service is unreachable
         the background thread publishes it once it is back, without blocking here."""
         if self.lease_id is None or self.unconfirmed:  # unreachable maybe: the thread will publish
-            self._republish = self.lease_id is not None
+            self._republish = True
             self._restart_stream()
             return
         try:
@@ -532,6 +533,7 @@ class Registration:
 
     def _register(self) -> None:
         with self._lock:
+            self._republish = False  # this call publishes the record as it is now
             record = self.build_record()
             request = metadata_pb2.RegisterAgentRequest(record=record, ttl_s=self.ttl_s, lease_id=self._proof)
             response = self._registrar.register(request)
@@ -540,6 +542,7 @@ class Registration:
             self.ttl_s = response.ttl_s
             self._held_since = None
             self.unconfirmed = False
+            self.confirmed_at = time.monotonic()
         if self._stop.is_set():
             # stop() ran while this waited for its call (which may have waited for others):
             # its unregistration may have used the lease before this one. End this one too.
@@ -552,7 +555,7 @@ class Registration:
         self._wake.set()
 
     def _lease_lost(self, lease_id: int) -> None:
-        """The renewer's word: ``lease_id`` is gone (answered 0, or its stream failed)."""
+        """The renewer's word: ``lease_id`` is gone (answered 0, or not renewed for its ttl)."""
         if self.lease_id == lease_id:  # not if update() registered again meanwhile
             self.lease_id = None
             self._wake.set()
@@ -561,6 +564,9 @@ class Registration:
         attempt = 0
         while not self._stop.is_set():
             wait_s = _BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)]
+            # Cleared before the record is built, not after: an update() from here on wakes
+            # the wait below, and its record is published next time round.
+            self._wake.clear()
             try:
                 if self.lease_id is None:
                     self._register()
@@ -609,9 +615,8 @@ class Registration:
         """Hands the lease to this process's shared renewer, and waits until it is
         lost, the record is published again (update()), or stop()."""
         lease_id = self.lease_id
-        if lease_id is None:
+        if lease_id is None or self._republish:
             return
-        self._wake.clear()
         _Renewer.renew(self, lease_id, self.ttl_s)
         while not self._stop.is_set() and not self._wake.wait(1.0):
             pass
@@ -767,9 +772,11 @@ class _Renewer:
     leases, split at MAX_LEASES_PER_MESSAGE. A service that answers without
     ``ttls_s`` (older than batches) gets one message per lease instead.
 
-    A lease answered 0 is reported to its own Registration only; a failed
-    stream loses every lease it carried (each registration registers again,
-    proving its old lease, as after a restart of the service).
+    A lease answered 0 is reported to its own Registration only. A failed
+    stream keeps its leases and is sent again after a pause: the service
+    answers 0 for one that is gone meanwhile. A lease that goes a whole ttl
+    without a renewal answered (a refusal that lasts) is lost to its
+    Registration, which registers again, proving its old lease.
     """
 
     _registry_lock = threading.Lock()
@@ -785,6 +792,7 @@ class _Renewer:
         self._changed = threading.Event()
         self._closed = threading.Event()
         self._stream: grpc.CallIterator[metadata_pb2.KeepAliveResponse] | None = None
+        self._answered = False  # the current stream got an answer
         self._thread = threading.Thread(target=self._run, name="kvx-lease-renewer", daemon=True)
         self._thread.start()
 
@@ -855,11 +863,19 @@ class _Renewer:
                     # them all here made every agent of the process register again after
                     # any failed stream: a replica restarting, or a renewal turned away
                     # for a moment (UNAVAILABLE), and one etcd write per agent each time.
+                    if self._answered:  # the stream worked for a while: a new failure, logged
+                        attempt = 0
                     if exc.code() != grpc.StatusCode.CANCELLED:
                         if attempt == 0:
                             logger.warning("lease keep-alive stream ended: %s; renewing again", exc.details())
-                        for registration, _ in self._snapshot():
+                        now = time.monotonic()
+                        for registration, lease_id in self._snapshot():
                             registration.unconfirmed = True
+                            if now - registration.confirmed_at >= registration.ttl_s:
+                                # Not renewed for its whole ttl: the service has let it go, or never
+                                # answers this stream (a refusal that lasts). Registering again says
+                                # which, in the log, and gets a lease if the service takes one.
+                                self._forget(registration, lease_id)
                 except Exception:  # noqa: BLE001 - a bug here must not stop every renewal
                     logger.exception("lease renewal failed; trying again")
                     self._lose_all()
@@ -888,6 +904,7 @@ class _Renewer:
         registration._lease_lost(lease_id)
 
     def _stream_once(self) -> None:
+        self._answered = False
         # What each message sent carried, in order: the service answers in order.
         sent: collections.deque[list[tuple[Registration, int]]] = collections.deque()
         single = threading.Event()  # the service ignores lease_ids: one lease per message
@@ -943,9 +960,11 @@ class _Renewer:
                         logger.info("the metadata service renews one lease per message; sending them so")
                         single.set()
                         self._changed.set()
+                self._answered = True
                 for (registration, lease_id), ttl in zip(chunk, ttls, strict=False):
                     if ttl > 0:
                         registration.unconfirmed = False
+                        registration.confirmed_at = time.monotonic()
                     else:
                         # The agent's name, not the lease id: a log reader must not learn
                         # a lease id (it proves ownership of a name to the service).

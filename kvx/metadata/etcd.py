@@ -1006,6 +1006,7 @@ class EtcdStore(Store):
                 ),
             )
             largest.forget()  # counts nothing more; its consumer ends it
+            largest.cut = True  # and its reader queues nothing more (_read_watch)
 
     async def _open_watch(self, client, rpc, start_revision: int):
         create = rpc.WatchCreateRequest(
@@ -1041,6 +1042,9 @@ class EtcdStore(Store):
     async def _read_watch(self, call, queue: _WatchQueue) -> None:
         try:
             while (response := await call.read()) is not _EOF:
+                if queue.cut:  # cut off by another watch's reader: hold nothing more for it
+                    call.cancel()
+                    return
                 if response.compact_revision:
                     raise WatchLagError(f"etcd compacted its history past {response.compact_revision}")
                 if response.canceled:
@@ -1053,6 +1057,9 @@ class EtcdStore(Store):
                     )
                 if self._queued_bytes[0] > WATCH_QUEUE_BYTES_TOTAL:
                     self._cut_off_largest()
+                if queue.cut:  # cut off for the total (maybe now): hold nothing more for it
+                    call.cancel()
+                    return
                 queue.put_nowait(response)
             error: Exception = StoreError("etcd ended the watch")
         except StoreError as e:
@@ -1135,6 +1142,7 @@ class _WatchQueue(asyncio.Queue):
         self.bytes = 0
         self._sizes: collections.deque[int] = collections.deque()
         self._totals = totals
+        self.cut = False  # cut off by another watch's reader (_cut_off_largest)
 
     def over(self) -> bool:
         """A counted watch holding more than WATCH_QUEUE_BYTES: cut it off."""

@@ -31,7 +31,7 @@ breaks ends with a ``data: {"error": ...}`` event.
 Clients are not trusted: a body over ``max_body_bytes`` gets 413, one not in
 within ``body_timeout_s`` 408, one nested deeper than ``max_json_depth`` 400;
 a connection whose headers are not in within ``header_timeout_s`` is closed,
-one whose client takes under 16 KiB of its answer in ``send_timeout_s``
+one whose client takes under 64 KiB of its answer in ``send_timeout_s``
 (its buffers full) reset.
 
 Needs httpx (``pip install kvx[proxy]``), imported when an app is built.

@@ -450,7 +450,7 @@ class _Router:
         try:
             if response.status_code >= 400:
                 try:
-                    await response.aread()
+                    response = await self.whole(response, "decode", instance.url)  # bounded, as others
                 except self.httpx.RequestError as exc:
                     raise _LegFailed(self._transport_error(exc, "decode", instance.url)) from None
                 logger.warning(
@@ -509,10 +509,16 @@ class _Router:
                 response = await self.whole(
                     await self.client.send(tokenize, stream=True), "prefill", instance.url
                 )
-            answer = await _parse_json(response.content)
-            tokens = prompt_tokens(answer) if response.status_code == 200 else None
-            why = f"HTTP {response.status_code}" if tokens is None else ""
-        except (self.httpx.RequestError, ValueError, TimeoutError, _LegFailed) as exc:
+            if response.status_code == 200:
+                tokens = prompt_tokens(await _parse_json(response.content))
+                why = "" if tokens is not None else "no token ids in its answer"
+            else:
+                tokens, why = None, f"HTTP {response.status_code}"
+        except TimeoutError:
+            tokens, why = None, f"no answer within {self.config.kv_tokenize_timeout_s} s"
+        except _LegFailed as exc:
+            tokens, why = None, exc.message
+        except (self.httpx.RequestError, ValueError) as exc:
             tokens, why = None, f"{type(exc).__name__}: {exc}"
         if tokens is None:
             self.metrics.tokenize_failures.inc()

@@ -41,12 +41,13 @@ class ProxyConfig:
     metadata_options: token, TLS and per-call timeout for the metadata service.
     listen:          ``host:port`` the proxy serves on (``serve`` only).
     timeout_s:       longest wait for one upstream read, write or free pooled
-                     connection; a stream may last longer as long as bytes keep coming.
+                     connection, and for the whole of an answer that is not a
+                     stream; a stream may last longer as long as bytes keep coming.
     header_timeout_s: longest wait for a client's request line and headers,
                      from its first byte (or from connecting); then the
                      connection is closed. Ends slowloris clients.
     body_timeout_s:  longest wait for a client's whole request body (408 after).
-    send_timeout_s:  while a client's buffers are full, it must take 16 KiB of
+    send_timeout_s:  while a client's buffers are full, it must take 64 KiB of
                      its answer in this time, else its connection is reset (a
                      client that stops reading a stream is cut off, and the
                      instance serving it released).
@@ -56,8 +57,8 @@ class ProxyConfig:
     max_body_bytes:  largest request body accepted from a client (413 beyond,
                      refused before it is read when Content-Length says so).
     max_answer_bytes: largest answer of an instance that is not a stream (a
-                     prefill's, a /tokenize), read whole within ``timeout_s``
-                     (502 beyond).
+                     prefill's, a /tokenize, a decode's without stream, an
+                     error), read whole within ``timeout_s`` (502 beyond).
     max_json_depth:  deepest nesting of arrays and objects in a request body (400 beyond).
     max_connections: open upstream connections, all instances together.
     mode:            "pull" (prefill, then decode pulls) or "push" (both legs

@@ -54,3 +54,11 @@ class _LegFailed(Exception):
     def __init__(self, response: Response) -> None:
         super().__init__(response.status_code)
         self.response = response
+
+    @property
+    def message(self) -> str:
+        """The error's message, for a log line."""
+        try:
+            return str(json.loads(bytes(self.response.body))["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return f"HTTP {self.response.status_code}"

@@ -90,7 +90,8 @@ def _connected(loop: FakeLoop):
     return protocol, transport
 
 
-def test_a_client_that_stops_reading_is_reset() -> None:
+def test_a_client_that_stops_reading_is_reset(monkeypatch) -> None:
+    monkeypatch.setattr(_http, "_warned", {"at": -_http._WARN_EVERY_S, "since": 0})
     loop = FakeLoop()
     protocol, transport = _connected(loop)
     transport.buffered = 1 << 20
@@ -105,7 +106,7 @@ def test_a_slow_reader_keeps_its_connection_and_draining_stops_the_deadline() ->
     protocol, transport = _connected(loop)
     transport.buffered = 4 << 20  # a large answer, written at once
     protocol.pause_writing()
-    for _ in range(5):  # 16 KiB a minute: slow, but it reads
+    for _ in range(5):  # 64 KiB a minute: slow, but it reads
         transport.buffered -= _http.SEND_PROGRESS_BYTES
         loop.fire()
         assert not transport.aborted and len(loop.timers) == 1
