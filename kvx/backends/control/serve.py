@@ -287,15 +287,38 @@ class Listener:
         with self._lock:
             return any(c.inode == inode and c.authenticated for c in self._inbound)
 
-    def authenticated(self, conn: InboundConnection) -> bool:
+    def authenticated(self, conn: InboundConnection, name: str, epoch: int) -> bool:
         """The connection passed its handshake: it leaves the handshakes and
-        keeps its place; False when it was dropped to make room first."""
+        keeps its place; False when it was dropped to make room first.
+
+        The connections of an earlier instance of that peer (its name with
+        another epoch: it restarted) end first, and their threads are waited
+        for: what such a connection still has buffered, say a WRITE a killed
+        process sent whose packets came late, must not land after the new
+        instance's requests (the chaos soak saw one land over newer data)."""
         with self._lock:
             if conn.evicted:
                 return False
             self._handshakes.pop(conn, None)
             conn.authenticated = True
-            return True
+            conn.claimed = (name, epoch)
+            stale = [
+                c
+                for c in self._inbound
+                if c is not conn and c.claimed is not None and c.claimed[0] == name and c.claimed[1] != epoch
+            ]
+        if stale:
+            logger.info(
+                "peer %s connected as a new instance (epoch %#x): ending %d connection(s) of its previous one",
+                name,
+                epoch,
+                len(stale),
+            )
+            for old in stale:
+                old.shutdown()
+            for old in stale:
+                old.thread.join(max(0.0, self.ctx.timeouts.connect_s))
+        return True
 
     def revoke(self, region_id: int) -> None:
         """Ask every peer that leases ``region_id`` to give it back
@@ -347,6 +370,7 @@ class InboundConnection:
         self.host = address  # the peer's address without its port (set by the listener)
         self.inode = os.fstat(sock.fileno()).st_ino  # how a same-host initiator names this connection
         self.authenticated = False
+        self.claimed: tuple[str, int] | None = None  # the peer's (name, epoch), once authenticated
         self.evicted = False  # dropped during its handshake to make room
         self._deadline: float | None = None  # of the handshake
         self.closing = False
@@ -481,7 +505,7 @@ class InboundConnection:
                         f"peer {hello.name!r} failed the HMAC challenge: it has no, or another, auth_secret"
                     )
                 )
-        if not self.listener.authenticated(self):
+        if not self.listener.authenticated(self, hello.name, hello.epoch):
             raise PeerLostError("dropped during the handshake to make room for newer connections")
         self.sock.settimeout(max(0.001, self._deadline - time.monotonic()))
         self.sock.sendall(_wire.pack(MsgType.AUTH_OK))
