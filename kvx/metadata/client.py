@@ -868,14 +868,7 @@ class _Renewer:
                     if exc.code() != grpc.StatusCode.CANCELLED:
                         if attempt == 0:
                             logger.warning("lease keep-alive stream ended: %s; renewing again", exc.details())
-                        now = time.monotonic()
-                        for registration, lease_id in self._snapshot():
-                            registration.unconfirmed = True
-                            if now - registration.confirmed_at >= registration.ttl_s:
-                                # Not renewed for its whole ttl: the service has let it go, or never
-                                # answers this stream (a refusal that lasts). Registering again says
-                                # which, in the log, and gets a lease if the service takes one.
-                                self._forget(registration, lease_id)
+                        self._unconfirmed()
                 except Exception:  # noqa: BLE001 - a bug here must not stop every renewal
                     logger.exception("lease renewal failed; trying again")
                     self._lose_all()
@@ -883,6 +876,17 @@ class _Renewer:
                 attempt += 1
         finally:
             self.client.close()
+
+    def _unconfirmed(self) -> None:
+        """Renewals fail or go unanswered: each registration hears it (update() then leaves
+        publishing to its thread), and a lease not renewed for its whole ttl is given up."""
+        now = time.monotonic()
+        for registration, lease_id in self._snapshot():
+            registration.unconfirmed = True
+            if now - registration.confirmed_at >= registration.ttl_s:
+                # The service has let it go, or refuses or ignores this stream for good:
+                # registering again says which, in the log, and gets a lease if it can.
+                self._forget(registration, lease_id)
 
     def _snapshot(self) -> list[tuple[Registration, int]]:
         with self._lock:
@@ -918,6 +922,7 @@ class _Renewer:
                 sent_singly = single.is_set()
                 if len(sent) > _MAX_UNANSWERED_MESSAGES:
                     logger.warning("the metadata service is not answering lease renewals; waiting")
+                    self._unconfirmed()
                 else:
                     step = 1 if sent_singly else MAX_LEASES_PER_MESSAGE
                     for start in range(0, len(leases), step):

@@ -308,16 +308,23 @@ class Listener:
                 if c is not conn and c.claimed is not None and c.claimed[0] == name and c.claimed[1] != epoch
             ]
         if stale:
-            logger.info(
-                "peer %s connected as a new instance (epoch %#x): ending %d connection(s) of its previous one",
+            logger.warning(
+                "peer %s connected as a new instance (epoch %#x): ending %d connection(s) of its "
+                "previous one (or of another live agent of that name: names must be unique)",
                 name,
                 epoch,
                 len(stale),
             )
             for old in stale:
                 old.shutdown()
-            for old in stale:
-                old.thread.join(max(0.0, self.ctx.timeouts.connect_s))
+            for old in stale:  # within the new connection's handshake deadline, all together
+                old.thread.join(max(0.0, (conn._deadline or 0.0) - time.monotonic()))
+            if any(old.thread.is_alive() for old in stale):
+                # Its thread may still apply what it had buffered: the new instance must not
+                # be served before that, lest its requests land first. It connects again.
+                raise PeerLostError(
+                    f"a connection of the previous instance of {name!r} is still being served; retry"
+                )
         return True
 
     def revoke(self, region_id: int) -> None:
@@ -522,7 +529,7 @@ class InboundConnection:
             if spin and _io.wait_readable(fd, spin):  # the next request, if it comes at once: no sleep
                 self.spins_caught += 1
             header = recv_header(self.sock, lambda: not self.closing)
-            if header is None:
+            if header is None or self.closing:  # ended (a newer instance of the peer): serve no more
                 return
             try:
                 msg_type, request_id, payload_len, aux, data_len = check_header(header)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -84,7 +85,11 @@ class KvxKVManager(MooncakeKVManager):
 
     def init_engine(self) -> None:
         mode = getattr(self.disaggregation_mode, "value", self.disaggregation_mode)
-        self.engine = shared_engine(f"sglang-{mode}-{os.getpid()}-r{self.kv_args.engine_rank}")
+        # The pid alone repeats across identical containers, and two live agents must not
+        # share a name (a target ends one's connections when the other connects): a random part.
+        self.engine = shared_engine(
+            f"sglang-{mode}-{os.getpid()}-{secrets.token_hex(4)}-r{self.kv_args.engine_rank}"
+        )
 
     def check_status(self, bootstrap_room: int) -> KVPoll:
         """SGLang's check, safe against the room being cleared meanwhile. Its callers test
