@@ -2,7 +2,7 @@
 # On a machine with a CUDA device and CuPy: builds kvx in place (nothing is
 # downloaded), then runs the GPU tests, the unit tests and the GPU benchmark,
 # and writes their logs to OUTDIR (default: gpu-check/). kvx's own dependencies
-# (pyproject.toml: pydantic-settings and fastapi among them) must be importable;
+# (pyproject.toml: pydantic-settings, fastapi and grpcio-health-checking among them) must be importable;
 # the script stops at once, naming those that are not.
 #
 #   bash scripts/gpu_check.sh [OUTDIR] [benchmark rounds]
@@ -13,10 +13,10 @@ rounds="${2:-3}"
 mkdir -p "$out"
 missing="$(python3 - <<'PY'
 import importlib
-# What tests/gpu, tests/unit and the benchmark import (the metadata service's grpc_health
-# and grpc_reflection they do not: GPU machines have run them without).
-names = ["numpy", "google.protobuf", "grpc", "fastapi", "uvicorn", "prometheus_client",
-         "pydantic_settings", "yaml", "httpx", "cupy", "pytest"]
+# What tests/gpu, tests/unit and the benchmark import (tests/unit starts the metadata
+# service, which serves gRPC health and reflection).
+names = ["numpy", "google.protobuf", "grpc", "grpc_health", "grpc_reflection", "fastapi", "uvicorn",
+         "prometheus_client", "pydantic_settings", "yaml", "httpx", "cupy", "pytest"]
 missing = []
 for name in names:
     try:

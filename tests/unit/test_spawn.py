@@ -196,6 +196,9 @@ def test_no_python_runs_between_fork_and_exec() -> None:
         str(p.relative_to(root))
         for folder in ("kvx", "benchmarks", "tests")
         for p in (root / folder).rglob("*.py")
-        if p != Path(__file__) and hazard.search(p.read_text(errors="replace"))
+        # Virtual environments (benchmarks/peers' own) hold other projects' code.
+        if p != Path(__file__)
+        and not any(part.startswith(".venv") for part in p.relative_to(root).parts)
+        and hazard.search(p.read_text(errors="replace"))
     ]
     assert users == []
