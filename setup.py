@@ -1,4 +1,4 @@
-"""Builds the optional C extensions kvx._datapath._native and kvx._datapath._cma (csrc/), and ships
+"""Builds the optional C extensions kvx._datapath._native, _cma and _cuda (csrc/), and ships
 the CUDA kernel sources (csrc/*.cu) in the package.
 
 kvx._fabric (csrc/kvx_fabric.c and csrc/kvx_post_*.c, the rdma backend's posting layer) is built
@@ -74,6 +74,17 @@ extensions = [
         ("kvx._datapath._cma", "csrc/kvx_cma.c"),
     )
 ]
+# kvx._datapath._cuda (csrc/kvx_cuda.c): the copy kernel's launch and wait through the CUDA
+# driver, which it opens with dlopen at run time: it builds without CUDA.
+extensions.append(
+    Extension(
+        "kvx._datapath._cuda",
+        sources=["csrc/kvx_cuda.c"],
+        extra_compile_args=cflags,
+        extra_link_args=ldflags + ["-ldl"],
+        optional=os.environ.get("KVX_NATIVE") != "1",
+    )
+)
 if have_libfabric():
     extensions.append(
         Extension(

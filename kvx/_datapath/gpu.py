@@ -17,7 +17,15 @@ thread sleeps, CuPy releases the GIL). A thread that waits for its own
 copy (``Engine.wait``: a cuda_ipc transfer through a lease) first polls the
 event for a bounded time (``KVX_CUDA_SPIN_US``, 100 us by default), since
 waking from a blocking-sync event costs more than a copy of a few MiB
-takes; the poll holds the GIL between queries. Nothing synchronises a device or another stream.
+takes. Nothing synchronises a device or another stream.
+
+Launches: where the C extension kvx._datapath._cuda is built and the CUDA
+driver (libcuda.so.1) opens, the copy kernel is launched through the driver
+from C (a leased copy's arguments copied to the device in the same call),
+and a thread's own copy is polled in C with the GIL released; else
+(KVX_CUDA_LAUNCH=cupy, the pure-Python data path, a stand-in CUDA) through
+CuPy from Python, where the poll holds the GIL between queries. Both launch
+the same kernel with the same arguments on the same stream.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvx._datapath import io as _io
 from kvx._datapath import staging as _staging
 from kvx._datapath.io import spin_us
 from kvx.errors import ConfigError, RegionError, TransferError
@@ -67,6 +76,10 @@ NOT_PACKED = (4, -1)
 # How long a thread polls the event of its own copy before it sleeps on it, in
 # microseconds (Engine.wait). KVX_CUDA_SPIN_US overrides; 0 never polls.
 SPIN_US = 100
+# How the copy kernel is launched: through the CUDA driver from C
+# (kvx._datapath._cuda) or through CuPy from Python. KVX_CUDA_LAUNCH overrides;
+# "driver" falls back to CuPy where the extension or the driver is missing.
+LAUNCH_METHODS = ("driver", "cupy")
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kvx_copy.cu"
 
@@ -252,6 +265,33 @@ def spin_seconds() -> float:
     return spin_us("KVX_CUDA_SPIN_US", SPIN_US) / 1e6
 
 
+def launch_method() -> str:
+    method = os.environ.get("KVX_CUDA_LAUNCH", "driver")
+    if method not in LAUNCH_METHODS:
+        raise ConfigError(f"KVX_CUDA_LAUNCH must be one of {', '.join(LAUNCH_METHODS)}, not {method!r}")
+    return method
+
+
+def _driver(kernel: Any) -> tuple[Any, int] | None:
+    """(kvx._datapath._cuda, the kernel's CUfunction) when launches go through
+    the driver from C; None when they go through CuPy."""
+    if kernel is None or launch_method() != "driver" or _io.IMPL != "native":
+        return None
+    try:
+        from kvx._datapath import _cuda
+
+        _cuda.load()
+    except (ImportError, OSError) as exc:
+        logger.debug("the copy kernel is launched through CuPy: %s", exc)
+        return None
+    # CuPy's RawModule answers a RawKernel (its CUfunction at .kernel.ptr) or a
+    # Function (at .ptr); anything else (a stand-in) launches through CuPy.
+    handle = getattr(getattr(kernel, "kernel", kernel), "ptr", None)
+    if not isinstance(handle, int) or handle == 0:
+        return None
+    return _cuda, handle
+
+
 _modules: dict[int, Any] = {}
 _modules_lock = threading.Lock()
 
@@ -276,6 +316,7 @@ class _Slot:
         self.packed: np.ndarray = np.zeros(0, np.uint64)  # self.host, as 3 * capacity words
         self.dev: Any = None
         self.event: Any = None  # of the last work that used these buffers
+        self.own_event: Any = None  # recorded again for each leased copy (driver launches)
 
     def wait(self) -> None:
         if self.event is not None:
@@ -324,6 +365,8 @@ class Engine:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.kernel = _kernel(cp, device) if self.method == "kernel" else None
             self.grid_limit = 8 * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            # (kvx._datapath._cuda, the CUfunction in this device's context), or None: CuPy.
+            self.driver = _driver(self.kernel)
         self.spin_s = spin_seconds()
         self._slots = [_Slot(cp), _Slot(cp), _Slot(cp)]  # 0, 1: staging; 2: direct copies
         self._pinned: list[Any] = []
@@ -336,6 +379,10 @@ class Engine:
 
     def _kernel_launch(self, args: int, k: int) -> None:
         assert self.kernel is not None  # compiled in __init__ when the method is "kernel"
+        if self.driver is not None:
+            cuda, function = self.driver
+            cuda.launch(function, self.stream.ptr, 0, args, 0, k, min(k, self.grid_limit), THREADS, 0)
+            return
         with self.stream:  # launches on the current stream
             self.kernel(
                 (min(k, self.grid_limit),),
@@ -391,6 +438,25 @@ class Engine:
                 got = pack(slot.host.ptr, 3 * min(slot.capacity, MAX_LAUNCH_PIECES))
             if isinstance(got, tuple):
                 return got
+            if self.driver is not None:
+                # One C call: the arguments to the device, the launch, the event (one per slot,
+                # recorded again: the slot's last copy has ended, slot.wait above).
+                if slot.own_event is None:
+                    slot.own_event = self.cp.cuda.Event(block=True, disable_timing=True)
+                cuda, function = self.driver
+                cuda.launch(
+                    function,
+                    self.stream.ptr,
+                    slot.host.ptr,
+                    slot.dev.ptr,
+                    24 * got,
+                    got,
+                    min(got, self.grid_limit),
+                    THREADS,
+                    slot.own_event.ptr,
+                )
+                slot.event = slot.own_event
+                return slot.event
             self._kernel_launch(slot.send(got, self.stream), got)
             slot.event = self._event()
             return slot.event
@@ -401,6 +467,13 @@ class Engine:
         the work failed. Returns or raises only once the work has ended: an
         exception raised into the poll (KeyboardInterrupt) waits for the
         copy first, since the caller then lets go of the memory it uses."""
+        if self.driver is not None:
+            # In C, with the GIL released: nothing is raised into it.
+            self.driver[0].wait(event.ptr, self.spin_s * 1e6)
+            slot = self._slots[2]
+            if slot.event is event:
+                slot.event = None  # ended: the slot's next copy need not wait for it again
+            return
         if self.spin_s > 0:
             deadline = time.perf_counter() + self.spin_s
             try:

@@ -1,10 +1,13 @@
 """Registering GPU memory, and the engine that copies it (one process)."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
 import kvx
 from kvx._datapath import gpu
+from kvx._datapath import io as _io
 from kvx.agent import parse_metadata
 from kvx.memory import MemoryKind
 from kvx.v1 import agent_pb2
@@ -47,11 +50,23 @@ def test_torch_cuda_tensors_register_in_bfloat16_too():
         assert region.address == t.data_ptr()
 
 
+def expect_launch(engine: gpu.Engine, launch: str) -> None:
+    """The engine launches as asked: through the driver from C wherever the
+    native data path is built, else through CuPy."""
+    if launch == "driver" and _io.IMPL == "native" and engine.method == "kernel":
+        assert engine.driver is not None
+    else:
+        assert engine.driver is None
+
+
+@pytest.mark.parametrize("launch", gpu.LAUNCH_METHODS)
 @pytest.mark.parametrize("method", gpu.COPY_METHODS)
 @pytest.mark.parametrize("align", [16, 4, 1])
-def test_the_engine_copies_scattered_triples(cp, monkeypatch, method, align):
+def test_the_engine_copies_scattered_triples(cp, monkeypatch, method, align, launch):
     monkeypatch.setenv("KVX_CUDA_COPY", method)
+    monkeypatch.setenv("KVX_CUDA_LAUNCH", launch)
     engine = gpu.Engine(0)
+    expect_launch(engine, launch)
     rng = np.random.default_rng(align)
     src = cp.asarray(rng.integers(0, 256, 8 << 20, dtype=np.uint8))
     dst = cp.zeros(8 << 20, cp.uint8)
@@ -69,8 +84,45 @@ def test_the_engine_copies_scattered_triples(cp, monkeypatch, method, align):
     assert np.array_equal(cp.asnumpy(dst), expected)
 
 
-def test_the_engine_stages_through_pinned_buffers(cp):
+@pytest.mark.parametrize("launch", gpu.LAUNCH_METHODS)
+def test_copy_packed_launches_and_waits_for_a_leased_copy(cp, monkeypatch, launch):
+    """The leased path: the triples packed straight into the engine's pinned
+    buffer, one launch, the slot's event recorded again for each copy."""
+    monkeypatch.setenv("KVX_CUDA_LAUNCH", launch)
     engine = gpu.Engine(0)
+    expect_launch(engine, launch)
+    rng = np.random.default_rng(7)
+    src = cp.asarray(rng.integers(0, 256, 8 << 20, dtype=np.uint8))
+    dst = cp.zeros(8 << 20, cp.uint8)
+    n, block = 256, 16384
+    srcs = (src.data.ptr + rng.permutation(512)[:n] * block).astype(np.uint64)
+    dsts = (dst.data.ptr + rng.permutation(512)[:n] * block).astype(np.uint64)
+    lens = np.full(n, block, np.uint64)
+
+    def pack(out: int, words: int) -> int | tuple[int, int]:
+        if words < 3 * n:
+            return (3, n)
+        packed = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * n)).from_address(out))
+        packed[:n], packed[n : 2 * n], packed[2 * n :] = srcs, dsts, lens
+        return n
+
+    host_src = cp.asnumpy(src)
+    for _ in range(3):
+        dst.fill(0)
+        engine.wait(engine.copy_packed(pack))
+        got = cp.asnumpy(dst)
+        for s, d in zip((srcs - src.data.ptr).tolist(), (dsts - dst.data.ptr).tolist(), strict=True):
+            assert np.array_equal(got[d : d + block], host_src[s : s + block])
+        assert int(np.count_nonzero(got)) <= n * block
+    # What pack refuses comes back as it is; nothing is launched.
+    assert engine.copy_packed(lambda out, words: (1, 7)) == (1, 7)
+
+
+@pytest.mark.parametrize("launch", gpu.LAUNCH_METHODS)
+def test_the_engine_stages_through_pinned_buffers(cp, monkeypatch, launch):
+    monkeypatch.setenv("KVX_CUDA_LAUNCH", launch)
+    engine = gpu.Engine(0)
+    expect_launch(engine, launch)
     src = cp.asarray(np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8))
     dst = cp.zeros(1 << 20, cp.uint8)
     addrs = (src.data.ptr + np.arange(0, 1 << 20, 8192)).astype(np.uint64)

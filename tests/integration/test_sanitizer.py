@@ -50,7 +50,7 @@ def test_native_data_path_under_asan(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(ROOT / "kvx", site / "kvx", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     built = sorted((build / "lib" / "kvx" / "_datapath").glob("_*.so"))
-    assert {so.name.split(".")[0] for so in built} == {"_native", "_cma"}
+    assert {so.name.split(".")[0] for so in built} == {"_native", "_cma", "_cuda"}
     for so in built:
         shutil.copy(so, site / "kvx" / "_datapath" / so.name)
     env.update(

@@ -64,7 +64,9 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.parametrize("align", [16, 8, 4, 1])
 @pytest.mark.parametrize("grid", [1, 3, 64])
-def test_the_kernel_copies_every_triple_exactly(kernel, align, grid):
+# 256 threads: most triples are shorter than one step; 7: many steps per triple.
+@pytest.mark.parametrize("threads", [gpu.THREADS, 7])
+def test_the_kernel_copies_every_triple_exactly(kernel, align, grid, threads):
     rng = np.random.default_rng(align * 100 + grid)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     dst = np.zeros(1 << 20, np.uint8)
@@ -77,7 +79,7 @@ def test_the_kernel_copies_every_triple_exactly(kernel, align, grid):
     dst_at[order] = np.cumsum(np.concatenate(([0], lens[order][:-1] + 2 * align))).astype(np.uint64)
     base_src, base_dst = src.ctypes.data, dst.ctypes.data
     assert base_src % 16 == 0 and base_dst % 16 == 0
-    kernel(base_dst + dst_at, base_src + src_at, lens, grid)
+    kernel(base_dst + dst_at, base_src + src_at, lens, grid, threads)
     expected = np.zeros_like(dst)
     for s, d, n in zip(src_at.tolist(), dst_at.tolist(), lens.tolist(), strict=True):
         expected[d : d + n] = src[s : s + n]

@@ -40,7 +40,7 @@ class CountingEvent:
 
 def _wait(spin_s: float, event: CountingEvent) -> float:
     started = time.perf_counter()
-    gpu.Engine.wait(types.SimpleNamespace(spin_s=spin_s), event)  # type: ignore[arg-type]
+    gpu.Engine.wait(types.SimpleNamespace(spin_s=spin_s, driver=None), event)  # type: ignore[arg-type]
     return time.perf_counter() - started
 
 
