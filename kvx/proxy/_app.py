@@ -227,9 +227,31 @@ class _Router:
             queued = choice.queued_tokens if choice else 0
             request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
             try:
-                response = await self.client.send(request, stream=True)
+                # httpx's timeout runs between reads: an instance sending its headers a byte at a
+                # time would hold the request for good. They must be in within timeout_s of the
+                # connection (connect_timeout_s) in all.
+                with anyio.fail_after(self.config.connect_timeout_s + self.config.timeout_s):
+                    response = await self.client.send(request, stream=True)
                 if not stream:
                     response = await self.whole(response, leg, instance.url)
+            except TimeoutError:
+                pool.release(instance, queued)
+                logger.warning(
+                    "request %s: %s instance %s sent no complete headers within %s s of connecting",
+                    request_id,
+                    leg,
+                    instance.url,
+                    self.config.timeout_s,
+                )
+                raise _LegFailed(
+                    _error(
+                        504,
+                        f"the {leg} instance {instance.url} did not send its answer's headers within "
+                        f"{self.config.timeout_s} s of connecting",
+                        "upstream_timeout",
+                        leg,
+                    )
+                ) from None
             except (self.httpx.ConnectError, self.httpx.ConnectTimeout) as exc:
                 # Nothing reached the instance, so another one may take the request.
                 pool.release(instance, queued)

@@ -599,6 +599,48 @@ def test_an_instance_answer_is_bounded_in_bytes_and_in_time(make_proxy, upstream
     assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["prefill"]))
 
 
+def test_an_instance_trickling_its_headers_is_cut_off(make_proxy, upstreams):
+    """httpx's timeout runs between reads: an instance sending its headers a
+    byte at a time held the request (and its slot on that instance) for as
+    long as it kept going. The headers must be in within timeout_s of connecting."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(0.2)
+            try:
+                conn.recv(65536)  # the request
+            except OSError:
+                pass
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.is_set():  # a header byte every 0.05 s: never a second's silence
+                try:
+                    conn.sendall(b"X")
+                except OSError:
+                    return
+                stop.wait(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        proxy = make_proxy(
+            prefill_urls=(f"http://127.0.0.1:{listener.getsockname()[1]}",),
+            timeout_s=1.0,
+            connect_timeout_s=0.5,
+        )
+        started = time.monotonic()
+        response = proxy.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 504 and time.monotonic() - started < 10, response.text
+        assert "did not send its answer's headers within 1.0 s" in response.json()["error"]["message"]
+        assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["prefill"]))
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
 def test_without_a_decode_instance_health_is_503_and_nothing_is_prefilled(make_proxy, upstreams):
     proxy = make_proxy(decode_urls=())
     health = proxy.get("/healthz")
