@@ -14,10 +14,13 @@
  *
  *   load() -> None            (OSError: no libcuda.so.1, or a symbol missing)
  *   launch(function, stream, host, dev, nbytes, n, grid, threads, event) -> None
- *       nbytes > 0: first copy nbytes of pinned host memory at host to dev;
- *       then launch function<<<grid, threads, 0, stream>>>(dev, dev + 8n,
- *       dev + 16n, n) (kvx_copy's arguments: srcs, dsts, lens of n triples);
- *       event != 0: record it on the stream after the launch.
+ *       nbytes > 0 (then exactly 24 n): first copy nbytes of pinned host
+ *       memory at host to dev; then launch function<<<grid, threads, 0,
+ *       stream>>>(dev, dev + 8n, dev + 16n, n) (kvx_copy's arguments: srcs,
+ *       dsts, lens of n triples); event != 0: record it on the stream after
+ *       the launch. When a step fails after an earlier one was queued, the
+ *       stream is synchronised before the error is raised, so that nothing
+ *       queued still reads the caller's buffers once the call has returned.
  *   wait(event, spin_us) -> None
  *       query the event for up to spin_us, then block on it (its flags say
  *       whether the thread sleeps); returns once the work before it ended.
@@ -47,6 +50,7 @@ static CUresult (*p_htod)(CUdeviceptr, const void *, size_t, CUstream);
 static CUresult (*p_record)(CUevent, CUstream);
 static CUresult (*p_query)(CUevent);
 static CUresult (*p_sync)(CUevent);
+static CUresult (*p_stream_sync)(CUstream);
 static CUresult (*p_error_name)(CUresult, const char **);
 static int loaded;
 
@@ -70,6 +74,7 @@ static PyObject *kvx_load(PyObject *self, PyObject *noargs)
         {"cuLaunchKernel", (void **)&p_launch},       {"cuMemcpyHtoDAsync_v2", (void **)&p_htod},
         {"cuEventRecord", (void **)&p_record},        {"cuEventQuery", (void **)&p_query},
         {"cuEventSynchronize", (void **)&p_sync},     {"cuGetErrorName", (void **)&p_error_name},
+        {"cuStreamSynchronize", (void **)&p_stream_sync},
     };
     for (size_t i = 0; i < sizeof symbols / sizeof symbols[0]; i++) {
         *symbols[i].slot = dlsym(lib, symbols[i].name);
@@ -100,41 +105,67 @@ static int need_loaded(void)
     return 0;
 }
 
+/* "O&" converter: a Python int in 0 .. 2**64 - 1 (OverflowError otherwise, not a wrap). */
+static int to_u64(PyObject *obj, void *out)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    *(unsigned long long *)out = value;
+    return 1;
+}
+
+/* Largest grid and block the launch takes (CUDA's limits for x: 2**31 - 1 blocks, 1024 threads). */
+#define MAX_GRID 0x7fffffffull
+#define MAX_THREADS 1024ull
+
 static PyObject *kvx_launch(PyObject *self, PyObject *args)
 {
     (void)self;
-    unsigned long long function, stream, host, dev, nbytes, event;
-    unsigned int n, grid, threads;
-    if (!PyArg_ParseTuple(args, "KKKKKIIIK:launch", &function, &stream, &host, &dev, &nbytes, &n, &grid, &threads,
+    unsigned long long function, stream, host, dev, nbytes, count, grid, threads, event;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&O&O&O&O&O&:launch", to_u64, &function, to_u64, &stream, to_u64, &host,
+                          to_u64, &dev, to_u64, &nbytes, to_u64, &count, to_u64, &grid, to_u64, &threads, to_u64,
                           &event))
         return NULL;
     if (need_loaded() < 0)
         return NULL;
-    if (function == 0 || grid == 0 || threads == 0 || (nbytes && (host == 0 || dev == 0))) {
-        PyErr_SetString(PyExc_ValueError, "launch: a null function, host or device buffer, or an empty grid");
+    if (function == 0 || dev == 0 || count == 0 || count > 0xffffffffull || grid == 0 || grid > MAX_GRID ||
+        threads == 0 || threads > MAX_THREADS || (nbytes && (host == 0 || nbytes != 24ull * count))) {
+        PyErr_SetString(PyExc_ValueError,
+                        "launch: a null function or buffer, no triples (or over 2**32), a grid or block out of "
+                        "range, or argument bytes other than 24 per triple");
         return NULL;
     }
+    unsigned int n = (unsigned int)count;
     CUdeviceptr srcs = dev, dsts = dev + 8ull * n, lens = dev + 16ull * n;
     void *params[] = {&srcs, &dsts, &lens, &n};
+    CUstream s = (CUstream)(uintptr_t)stream;
     const char *failed = NULL;
+    int queued = 0;
     CUresult rc = CUDA_SUCCESS;
     Py_BEGIN_ALLOW_THREADS
     if (nbytes) {
-        rc = p_htod(dev, (const void *)(uintptr_t)host, (size_t)nbytes, (CUstream)(uintptr_t)stream);
+        rc = p_htod(dev, (const void *)(uintptr_t)host, (size_t)nbytes, s);
         if (rc != CUDA_SUCCESS)
             failed = "cuMemcpyHtoDAsync";
+        else
+            queued = 1;
     }
     if (failed == NULL) {
-        rc = p_launch((CUfunction)(uintptr_t)function, grid, 1, 1, threads, 1, 1, 0, (CUstream)(uintptr_t)stream,
-                      params, NULL);
+        rc = p_launch((CUfunction)(uintptr_t)function, (unsigned)grid, 1, 1, (unsigned)threads, 1, 1, 0, s, params,
+                      NULL);
         if (rc != CUDA_SUCCESS)
             failed = "cuLaunchKernel";
+        else
+            queued = 1;
     }
     if (failed == NULL && event) {
-        rc = p_record((CUevent)(uintptr_t)event, (CUstream)(uintptr_t)stream);
+        rc = p_record((CUevent)(uintptr_t)event, s);
         if (rc != CUDA_SUCCESS)
             failed = "cuEventRecord";
     }
+    if (failed != NULL && queued)
+        (void)p_stream_sync(s); /* its own error, if any, is the one already raised */
     Py_END_ALLOW_THREADS
     if (failed != NULL)
         return cuda_error(failed, rc);

@@ -279,9 +279,17 @@ def _driver(kernel: Any) -> tuple[Any, int] | None:
         return None
     try:
         from kvx._datapath import _cuda
-
+    except ImportError as exc:
+        if os.environ.get("KVX_NATIVE") == "1":
+            raise ConfigError(
+                f"KVX_NATIVE=1 but the C extension kvx._datapath._cuda is not built ({exc}); "
+                "reinstall kvx with a C compiler"
+            ) from None
+        logger.debug("the copy kernel is launched through CuPy: %s", exc)
+        return None
+    try:
         _cuda.load()
-    except (ImportError, OSError) as exc:
+    except OSError as exc:  # no libcuda.so.1 beside CuPy: a stand-in CUDA
         logger.debug("the copy kernel is launched through CuPy: %s", exc)
         return None
     # CuPy's RawModule answers a RawKernel (its CUfunction at .kernel.ptr) or a
@@ -438,6 +446,8 @@ class Engine:
                 got = pack(slot.host.ptr, 3 * min(slot.capacity, MAX_LAUNCH_PIECES))
             if isinstance(got, tuple):
                 return got
+            if not 0 < got <= min(slot.capacity, MAX_LAUNCH_PIECES):
+                raise TransferError(f"the copy's arguments: {got} triples packed, room for {slot.capacity}")
             if self.driver is not None:
                 # One C call: the arguments to the device, the launch, the event (one per slot,
                 # recorded again: the slot's last copy has ended, slot.wait above).
@@ -463,10 +473,12 @@ class Engine:
 
     def wait(self, event: Any) -> None:
         """Wait for ``event`` of this engine's work: poll it for up to
-        ``spin_s``, then sleep on it. Raises as ``synchronize`` does when
-        the work failed. Returns or raises only once the work has ended: an
-        exception raised into the poll (KeyboardInterrupt) waits for the
-        copy first, since the caller then lets go of the memory it uses."""
+        ``spin_s``, then sleep on it. Raises when the work failed (CuPy's
+        error, or RuntimeError naming the driver call and the CUDA error).
+        Returns or raises only once the work has ended: an exception raised
+        into the poll (KeyboardInterrupt) waits for the copy first, since the
+        caller then lets go of the memory it uses; the driver's poll runs in
+        C, where nothing is raised into it."""
         if self.driver is not None:
             # In C, with the GIL released: nothing is raised into it.
             self.driver[0].wait(event.ptr, self.spin_s * 1e6)

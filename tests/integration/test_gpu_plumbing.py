@@ -363,6 +363,37 @@ def test_a_leased_gpu_copy_that_cannot_start_gives_its_lease_back(fake, make_age
     assert time.monotonic() - started < 3
 
 
+def test_an_interrupt_between_a_leased_copys_launch_and_its_wait_waits_for_the_copy(
+    fake, make_agent, monkeypatch
+):
+    """A KeyboardInterrupt after the launch, before the wait has begun, gave
+    the lease back while the copy could still be running (the stand-in's
+    copies run only when their event is waited for: here, never). The copy
+    now ends before the lease is given back and the interrupt goes on."""
+    a, b, peer, theirs, remote_region, mine, local_region = _leased_pair(fake, make_agent)
+    remote = peer.region(remote_region.id)
+    peer.read(local_region.descs(0, BLOCK), remote.descs(0, BLOCK)).wait(30)  # leased
+    conn = peer._channel.link.conns[0]
+    uses_at_unlease = []
+    unlease = conn.unlease
+
+    def recording_unlease(regions):
+        uses_at_unlease.append(mine.host[BLOCK : 2 * BLOCK].copy())
+        return unlease(regions)
+
+    def interrupted(self, event):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conn, "unlease", recording_unlease)
+    monkeypatch.setattr(gpu.Engine, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        peer.read(local_region.descs(BLOCK, BLOCK), remote.descs(BLOCK, BLOCK))
+    # When the lease was given back, the block had landed: the copy had ended.
+    assert len(uses_at_unlease) == 1
+    assert np.array_equal(uses_at_unlease[0], theirs.host[BLOCK : 2 * BLOCK])
+    assert not conn.lease_uses and not conn.copies
+
+
 def test_a_lease_placed_past_its_allocation_is_not_copied_through(fake, make_agent):
     """The one-C-call path bounds a lease by the allocation's length, as
     the full path does, when it maps the lease (once per lease)."""

@@ -249,6 +249,7 @@ class CudaIpcChannel(Channel):
         pinned = conn.lease([rid], writing)  # counts a use: a revoke waits for unlease
         if pinned is None:
             return None
+        launched: Any = None  # the copy's event, once it was launched
         try:
             args = self._leased_args(device, rid, writing, pinned)
             if args is None:
@@ -279,12 +280,19 @@ class CudaIpcChannel(Channel):
             )
             if isinstance(event, tuple):
                 return None
+            launched = event
             engine.wait(event)
         except KvxError as exc:
             return exc
         except Exception as exc:  # CuPy's CUDA errors, or a bug: the transfer must still finish
             logger.exception("CUDA IPC copy with peer %s failed", self._link.peer)
             return TransferError(f"CUDA IPC copy with peer {self._link.peer!r} failed: {exc!r}")
+        except BaseException:
+            # A KeyboardInterrupt between the launch and the wait: the copy must end before
+            # the lease is given back below (Engine.wait itself always waits for it).
+            if launched is not None:
+                launched.synchronize()
+            raise
         finally:
             conn.unlease([rid])
         return total_bytes(remote)

@@ -10,7 +10,7 @@
 typedef int CUresult;
 
 static unsigned long long last[8];  // function, grid, threads, srcs, dsts, lens, n, stream
-static unsigned long long counts[4];  // htod, launch, queries, syncs
+static unsigned long long counts[5];  // htod, launch, queries, syncs, stream syncs
 
 static int fails(const char* call) {
   const char* which = getenv("FAKE_CUDA_FAIL");
@@ -64,6 +64,12 @@ CUresult cuEventSynchronize(void* event) {
   counts[3]++;
   if (fails("sync")) return 700;
   *(int*)event = 0;
+  return 0;
+}
+
+CUresult cuStreamSynchronize(void* stream) {
+  (void)stream;
+  counts[4]++;
   return 0;
 }
 
