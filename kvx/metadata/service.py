@@ -38,7 +38,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from kvx._net import format_address, is_loopback, parse_listen_address
 from kvx.config import check_name, read_file
@@ -749,6 +749,10 @@ CLIENT_KEEPALIVE_TIMEOUT_S = 20.0
 # number of streams, each keyed by a name up to the message limit (600 KiB).
 MAX_HEALTH_WATCHES = 64
 MAX_HEALTH_SERVICE_CHARS = 256
+# Reflection needs no token either (grpcurl and friends): its streams are bounded
+# the same way, and one that asks nothing for REFLECTION_IDLE_S is ended.
+MAX_REFLECTION_STREAMS = 64
+REFLECTION_IDLE_S = 30.0
 
 
 class _BoundedHealth(health.aio.HealthServicer):  # type: ignore[name-defined]
@@ -790,6 +794,40 @@ class _BoundedHealth(health.aio.HealthServicer):  # type: ignore[name-defined]
             if not self._watching[service]:
                 del self._watching[service]
                 self._server_watchers.pop(service, None)
+
+
+class _BoundedReflection(reflection.aio.ReflectionServicer):  # type: ignore[name-defined]
+    """gRPC's server reflection with its streams bounded: MAX_REFLECTION_STREAMS
+    at once (RESOURCE_EXHAUSTED beyond), each ended once it has asked nothing
+    for REFLECTION_IDLE_S. The answers are gRPC's."""
+
+    def __init__(self, service_names: list[str]) -> None:
+        super().__init__(service_names)
+        self._open = 0
+
+    async def ServerReflectionInfo(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        if self._open >= MAX_REFLECTION_STREAMS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_REFLECTION_STREAMS} reflection streams are open already; retry later",
+            )
+        self._open += 1
+        try:
+            async for response in super().ServerReflectionInfo(_idle_bounded(request_iterator), context):
+                yield response
+        finally:
+            self._open -= 1
+
+
+async def _idle_bounded(requests: Any) -> Any:
+    """``requests``, ending when none comes for REFLECTION_IDLE_S."""
+    iterator = aiter(requests)
+    while True:
+        try:
+            request = await asyncio.wait_for(anext(iterator), REFLECTION_IDLE_S)
+        except (StopAsyncIteration, TimeoutError):
+            return
+        yield request
 
 
 def server_options(limits: ServiceLimits) -> list[tuple[str, int]]:
@@ -911,8 +949,8 @@ class MetadataServer:
         self._server = aio.server(options=options)
         self._server.add_generic_rpc_handlers((_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            _BoundedReflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]), self._server
         )
         self.address = format_address(host, self._add_port(self._server))
         await self._server.start()

@@ -376,6 +376,51 @@ def _bounded_health_watches(srv: ThreadedServer, most: int) -> None:
         channel.close()
 
 
+def test_reflection_streams_are_bounded_for_clients_without_the_token(monkeypatch):
+    """Reflection needs no token (grpcurl has none), and its streams were
+    unbounded: a stranger could open any number and keep them for good. Now
+    at most 64 at once, and one that asks nothing for REFLECTION_IDLE_S ends."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from kvx.metadata import service as service_module
+
+    monkeypatch.setattr(service_module, "REFLECTION_IDLE_S", 2.0)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    quiet, release = threading.Event(), threading.Event()
+
+    def chatty_then_silent():
+        yield ask
+        while not quiet.wait(0.3):  # asks again and again: never idle ...
+            yield ask
+        release.wait(30)  # ... until quiet, then asks nothing and keeps the stream open
+
+    with ThreadedServer(MetadataServer("127.0.0.1:0", token="s3cret-token-for-the-test")) as srv:
+        channel = grpc.insecure_channel(srv.address)
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        most = service_module.MAX_REFLECTION_STREAMS
+        streams = [reflect.ServerReflectionInfo(chatty_then_silent(), timeout=60) for _ in range(most)]
+        try:
+            for stream in streams:
+                assert next(stream).list_services_response.service
+            one_more = reflect.ServerReflectionInfo(iter([ask]), timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(one_more)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            quiet.set()
+            for stream in streams:  # each ends by itself, OK, once it has been idle for 2 s
+                for _ in stream:
+                    pass
+                assert stream.code() == grpc.StatusCode.OK
+            fresh = reflect.ServerReflectionInfo(iter([ask]), timeout=10)
+            assert "kvx.v1.MetadataService" in [s.name for s in next(fresh).list_services_response.service]
+        finally:
+            quiet.set()
+            release.set()
+            for stream in streams:
+                stream.cancel()
+            channel.close()
+
+
 def _watch_status(health) -> int | None:
     watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
     try:
