@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import gc
@@ -15,21 +16,50 @@ from kvx.metadata.store import Store
 from kvx.v1 import metadata_pb2
 
 
+# A store that reads every record to count them (etcd) is counted at most this
+# often, one count shared by the scrapes that arrive meanwhile: a scrape a second
+# of 100,000 agents, or a stranger asking for /metrics in a loop, must not read
+# them all each time on the event loop that answers lookups.
+COUNT_EVERY_S = 10.0
+
+
 class _StoreCollector:
     """Agents by role and lease expiries, read from the store at scrape time.
 
     The agent counts come from ``refresh()`` (async, called by /metrics
-    before it renders) because prometheus collectors are synchronous.
+    before it renders) because prometheus collectors are synchronous. A
+    store that keeps its counts is asked every time; one that reads its
+    records to count them, at most every COUNT_EVERY_S.
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.by_role: dict[str, int] = {}
+        self._counted_at = float("-inf")
+        self._counting: asyncio.Future[None] | None = None
 
     async def refresh(self) -> None:
+        if self.store.counts_kept:
+            await self._count()
+            return
+        if time.monotonic() - self._counted_at < COUNT_EVERY_S:
+            return
+        if self._counting is None or self._counting.done():
+            self._counting = asyncio.ensure_future(self._count())
+            # Its error reaches the scrapes that wait for it; none may be left to read it.
+            self._counting.add_done_callback(lambda done: done.cancelled() or done.exception())
+        counting = self._counting
+        try:
+            await asyncio.shield(counting)  # a scrape that goes away leaves the count to the others
+        finally:
+            if counting.done() and self._counting is counting:
+                self._counting = None
+
+    async def _count(self) -> None:
         counts = await self.store.count_by_role()
         named = {metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()}
         self.by_role = {role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
+        self._counted_at = time.monotonic()
 
     def collect(self):
         agents = GaugeMetricFamily("kvx_metadata_agents", "Registered agents, by role", labels=["role"])

@@ -113,6 +113,9 @@ class Store(abc.ABC):
     """The storage verbs the metadata service needs."""
 
     name: str
+    # Whether count_by_role answers from counts kept as records come and go (cheap), or
+    # reads every record (the default below): /metrics then counts at most every so often.
+    counts_kept = False
 
     async def start(self) -> None:
         """Connect and start background work."""
@@ -282,6 +285,7 @@ class MemoryStore(Store):
     """
 
     name = "memory"
+    counts_kept = True
 
     def __init__(self, *, expiry_interval_s: float = 0.1) -> None:
         # A registry of 100,000 agents is kept in containers that Python's cycle
