@@ -42,8 +42,8 @@
  * serve_read answers a small READ_REQ whose 32-byte header the caller has
  * read: it receives the payload_len bytes of descriptors (24 bytes each:
  * uint32 region, 4 bytes of padding, uint64 offset, uint64 length; at most
- * SERVE_MAX_DESCS), then pins the region table (`table`, a
- * kvx.memory.RegionTable: pin_table() gives (token, bases and sizes uint64,
+ * SERVE_MAX_DESCS), then pins the regions they name (`table`, a
+ * kvx.memory.RegionTable: pin_table(ids) gives (token, bases and sizes uint64,
  * flags uint8, devices int32, indexed by region id); release(token) after,
  * whatever happens), checks each descriptor (the region's flags carry
  * VALID and every bit of `need`, it is host memory (device < 0), the range
@@ -506,7 +506,30 @@ static PyObject *serve_request(int writing, int fd, Py_buffer *header, Py_ssize_
     Py_END_ALLOW_THREADS
     if (st != IO_OK)
         return raise_status(st, saved_errno, moved, (size_t)payload_len);
-    PyObject *pinned = PyObject_CallMethodNoArgs(table, s_pin_table);
+    /* Pin only the regions the descriptors name (pin_table(ids)): a request that lasts,
+     * its data trickled by its peer, holds back no other region's deregistration. */
+    size_t nd = (size_t)payload_len / DESC_BYTES, nids = 0;
+    uint32_t ids[SERVE_MAX_DESCS];
+    for (size_t i = 0; i < nd; i++) {
+        size_t j = 0;
+        while (j < nids && ids[j] != descs[i].region)
+            j++;
+        if (j == nids)
+            ids[nids++] = descs[i].region;
+    }
+    PyObject *id_tuple = PyTuple_New((Py_ssize_t)nids);
+    if (id_tuple == NULL)
+        return NULL;
+    for (size_t j = 0; j < nids; j++) {
+        PyObject *id = PyLong_FromUnsignedLong(ids[j]);
+        if (id == NULL) {
+            Py_DECREF(id_tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(id_tuple, (Py_ssize_t)j, id);
+    }
+    PyObject *pinned = PyObject_CallMethodOneArg(table, s_pin_table, id_tuple);
+    Py_DECREF(id_tuple);
     if (pinned == NULL)
         return NULL;
     if (!PyTuple_Check(pinned) || PyTuple_GET_SIZE(pinned) != 5) {

@@ -166,7 +166,8 @@ def _serve_request(
         raise ValueError(f"{name}: 1 to {SERVE_MAX_DESCS} whole descriptors of {_DESC.size} bytes")
     payload = bytearray(payload_len)
     _move_all(fd, [memoryview(payload)], False, timeout_ms)  # nothing pinned while it comes
-    pinned = table.pin_table()
+    # Only the regions the descriptors name: a request that lasts stalls no other's deregistration.
+    pinned = table.pin_table(tuple({region for region, _, _, _ in _DESC.iter_unpack(payload)}))
     try:
         if not isinstance(pinned, tuple) or len(pinned) != 5:
             raise ValueError(f"{name}: pin_table() must give a 5-tuple")

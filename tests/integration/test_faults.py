@@ -4,6 +4,7 @@ keeps serving other peers, and no byte outside a request is read or written."""
 import os
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -387,6 +388,46 @@ def test_deregister_with_transfers_in_flight_waits_or_refuses(make_worker, make_
     agent.deregister(region, timeout_s=10)  # waits for the read, then goes
     assert t.state is kvx.TransferState.DONE
     assert pool.tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+@pytest.mark.parametrize("notify", [b"", b"note"], ids=["one-call", "with-notification"])
+def test_a_trickled_write_holds_back_only_its_own_regions_deregistration(make_worker, notify, backend):
+    """An authenticated peer that trickles a WRITE's data (each byte restarts
+    io_s) kept the whole region table pinned: no region of the agent could be
+    deregistered while it went on. Now the WRITE holds back its own region's
+    deregistration only, on the one-call path and the full one alike."""
+    if backend != "tcp":
+        pytest.skip("a raw request to the target's tcp serving path, whatever backend agents pick: once")
+    worker = make_worker()
+    target, other = (worker.call("register", 1 << 16, True) for _ in range(2))
+    sock, _ = _session(worker)
+    descs = Descs.build(target, 0, 4096).array.tobytes()
+    header = _wire.pack(
+        MsgType.WRITE_REQ, 1, payload_len=len(descs) + len(notify), aux=len(notify), data_len=4096
+    )
+    sock.sendall(header + descs + notify + b"\xab")
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.2):  # a byte every 0.2 s: never io_s of silence
+            try:
+                sock.sendall(b"\xab")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        time.sleep(0.5)  # the WRITE's regions are pinned, its data coming a byte at a time
+        started = time.monotonic()
+        worker.call("deregister", other)
+        assert time.monotonic() - started < 5
+        done = threading.Event()
+        threading.Thread(target=lambda: (worker.call("deregister", target), done.set()), daemon=True).start()
+        assert not done.wait(0.5), "the WRITE's own region went while its data was still coming"
+    finally:
+        stop.set()
+        sock.close()  # the WRITE ends with the connection, and its pin with it
+    assert done.wait(10)
 
 
 def test_remote_deregister_cuts_off_access(make_worker, make_agent):

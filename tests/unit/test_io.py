@@ -264,8 +264,12 @@ class _Table:
         )
         self.pinned: set[int] = set()
         self.pins = 0
+        self.named: list[set[int]] = []  # per pin, the regions it was asked to hold back
 
-    def pin_table(self):
+    def pin_table(self, ids=None):
+        assert ids is not None, "a request pins the regions it names, not the whole table"
+        self.named.append(set(ids))
+        assert len(self.named[-1]) == len(ids), "each region once"
         self.pins += 1
         self.pinned.add(self.pins)
         return (self.pins, *self.tables)
@@ -295,6 +299,7 @@ def _serve(impl, table, descs, max_bytes=1 << 20):
             while chunk := a.recv(1 << 20):
                 sent += chunk
         assert (table.pins, table.pinned) == (1, set()), "one pin, released"
+        assert table.named == [{r for r, _, _ in descs}]
         return payload, got, sent
 
 
@@ -641,7 +646,7 @@ def test_serve_refuses_negative_limits_and_a_pin_that_is_not_one(impl):
             impl.serve_write(b.fileno(), b"W" * 32, 24, -1, _Table(), _WRITE_OK, 100)
         table = _Table()
         pin_table = table.pin_table
-        table.pin_table = lambda: list(pin_table())
+        table.pin_table = lambda ids: list(pin_table(ids))
         a.sendall(_payload([(0, 0, 8)]))
         with pytest.raises(ValueError, match="5-tuple"):
             impl.serve_read(b.fileno(), b"H" * 32, 24, table, _READ_OK, 1 << 20, 100)
