@@ -695,8 +695,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         type=_seconds,
         metavar="SECONDS",
         default=300.0,
-        help="longest wait for an instance to send the next bytes, for an answer's headers (from "
-        "connecting), and for the whole of an answer that is not a stream (default: 300)",
+        help="longest wait for an instance to send the next bytes, for an answer's headers (with "
+        "--connect-timeout-s, from sending), and for the whole of an answer that is not a stream "
+        "(default: 300)",
     )
     proxy.add_argument(
         "--connect-timeout-s",

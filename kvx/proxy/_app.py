@@ -227,31 +227,9 @@ class _Router:
             queued = choice.queued_tokens if choice else 0
             request = self.client.build_request(method, instance.url + path, headers=headers, content=content)
             try:
-                # httpx's timeout runs between reads: an instance sending its headers a byte at a
-                # time would hold the request for good. They must be in within timeout_s of the
-                # connection (connect_timeout_s) in all.
-                with anyio.fail_after(self.config.connect_timeout_s + self.config.timeout_s):
-                    response = await self.client.send(request, stream=True)
+                response = await self.send_request(request, leg, instance.url)
                 if not stream:
                     response = await self.whole(response, leg, instance.url)
-            except TimeoutError:
-                pool.release(instance, queued)
-                logger.warning(
-                    "request %s: %s instance %s sent no complete headers within %s s of connecting",
-                    request_id,
-                    leg,
-                    instance.url,
-                    self.config.timeout_s,
-                )
-                raise _LegFailed(
-                    _error(
-                        504,
-                        f"the {leg} instance {instance.url} did not send its answer's headers within "
-                        f"{self.config.timeout_s} s of connecting",
-                        "upstream_timeout",
-                        leg,
-                    )
-                ) from None
             except (self.httpx.ConnectError, self.httpx.ConnectTimeout) as exc:
                 # Nothing reached the instance, so another one may take the request.
                 pool.release(instance, queued)
@@ -279,6 +257,33 @@ class _Router:
             self._count_choice(leg, instance, choice, request_id)
             return instance, response, queued
         raise _LegFailed(failure or self._no_instance(leg))
+
+    @property
+    def headers_within_s(self) -> float:
+        """How long an instance has for the headers of its answer, from sending: a
+        connection (connect_timeout_s), then timeout_s."""
+        return self.config.connect_timeout_s + self.config.timeout_s
+
+    async def send_request(self, request: Any, leg: str, url: str) -> Any:
+        """``client.send(request, stream=True)`` within headers_within_s: httpx's
+        timeout runs between reads, so an instance sending its headers a byte at a
+        time would hold the request (and its slot there) for good. _LegFailed (504)
+        past it; httpx's own errors as they come."""
+        try:
+            with anyio.fail_after(self.headers_within_s):
+                return await self.client.send(request, stream=True)
+        except TimeoutError:
+            logger.warning(
+                "%s instance %s sent no complete headers within %s s", leg, url, self.headers_within_s
+            )
+            raise _LegFailed(
+                _error(
+                    504,
+                    f"the {leg} instance {url} did not send its answer's headers within {self.headers_within_s} s",
+                    "upstream_timeout",
+                    leg,
+                )
+            ) from None
 
     async def whole(self, response: Any, leg: str, url: str) -> Any:
         """A streamed httpx response read whole, as a response holding its body:

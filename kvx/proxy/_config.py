@@ -41,9 +41,10 @@ class ProxyConfig:
     metadata_options: token, TLS and per-call timeout for the metadata service.
     listen:          ``host:port`` the proxy serves on (``serve`` only).
     timeout_s:       longest wait for one upstream read, write or free pooled
-                     connection, for an answer's headers (from connecting), and
-                     for the whole of an answer that is not a stream; a stream
-                     may last longer as long as bytes keep coming.
+                     connection, for an answer's headers (with
+                     connect_timeout_s, from sending), and for the whole of an
+                     answer that is not a stream; a stream may last longer as
+                     long as bytes keep coming.
     header_timeout_s: longest wait for a client's request line and headers,
                      from its first byte (or from connecting); then the
                      connection is closed. Ends slowloris clients.

@@ -197,14 +197,17 @@ class DecodeUsage:
         chunks: list[bytes] = []
         size = 0
         try:
-            async with self.client.stream("GET", url + "/metrics", timeout=self.timeout_s) as response:
-                if response.status_code != 200:
-                    return None
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > MAX_METRICS_BYTES:
+            # In all within timeout_s (httpx's runs between reads: an instance trickling its
+            # answer would stall every instance's reading).
+            async with asyncio.timeout(self.timeout_s):
+                async with self.client.stream("GET", url + "/metrics", timeout=self.timeout_s) as response:
+                    if response.status_code != 200:
                         return None
-                    chunks.append(chunk)
-        except self.httpx.RequestError:
+                    async for chunk in response.aiter_bytes():
+                        size += len(chunk)
+                        if size > MAX_METRICS_BYTES:
+                            return None
+                        chunks.append(chunk)
+        except (self.httpx.RequestError, TimeoutError):
             return None
         return kv_usage(b"".join(chunks).decode("utf-8", "replace"))

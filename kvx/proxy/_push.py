@@ -101,7 +101,7 @@ class PushFlow:
                         "POST", instance.url + path, headers=headers, content=prefill_content
                     )
                     response = await r.whole(
-                        await r.client.send(request, stream=True), "prefill", instance.url
+                        await r.send_request(request, "prefill", instance.url), "prefill", instance.url
                     )
                     if response.status_code >= 400:
                         failed.append(_passthrough(response, "prefill"))
