@@ -799,7 +799,10 @@ class _BoundedHealth(health.aio.HealthServicer):  # type: ignore[name-defined]
 class _BoundedReflection(reflection.aio.ReflectionServicer):  # type: ignore[name-defined]
     """gRPC's server reflection with its streams bounded: MAX_REFLECTION_STREAMS
     at once (RESOURCE_EXHAUSTED beyond), each ended once it has asked nothing
-    for REFLECTION_IDLE_S. The answers are gRPC's."""
+    for REFLECTION_IDLE_S. The answers are gRPC's. A client that asks but
+    reads no answer leaves its stream waiting on flow control: it keeps its
+    slot, and what gRPC buffers for it (its flow-control window), until its
+    call ends."""
 
     def __init__(self, service_names: list[str]) -> None:
         super().__init__(service_names)

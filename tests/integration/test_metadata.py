@@ -421,6 +421,49 @@ def test_reflection_streams_are_bounded_for_clients_without_the_token(monkeypatc
             channel.close()
 
 
+def test_a_reflection_stream_whose_client_takes_no_answer_keeps_only_its_slot(monkeypatch):
+    """A client that asks and asks but reads nothing: gRPC's servicer waits on
+    a write that flow control holds back, so the idle bound does not end it.
+    What it holds is its slot (and what gRPC buffers for it, at most its
+    flow-control window) until its call ends; then the slot comes back."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from kvx.metadata import service as service_module
+
+    monkeypatch.setattr(service_module, "REFLECTION_IDLE_S", 1.0)
+    monkeypatch.setattr(service_module, "MAX_REFLECTION_STREAMS", 1)
+    big = reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvx.v1.MetadataService")
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    def fresh_stream_code(reflect) -> grpc.StatusCode:
+        call = reflect.ServerReflectionInfo(iter([ask]), timeout=10)
+        try:
+            next(call)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+        finally:
+            call.cancel()  # its slot back at once
+
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as srv:
+        flood_channel, channel = grpc.insecure_channel(srv.address), grpc.insecure_channel(srv.address)
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        try:
+            # Megabytes of answers that are never read: the server's writes stall.
+            flood = reflection_pb2_grpc.ServerReflectionStub(flood_channel).ServerReflectionInfo(
+                iter([big] * 5000), timeout=60
+            )
+            next(flood)  # it holds the slot; it reads nothing more
+            assert wait_until(lambda: fresh_stream_code(reflect) == grpc.StatusCode.RESOURCE_EXHAUSTED, 10)
+            time.sleep(2.5)  # past REFLECTION_IDLE_S: it lives on, and holds its slot
+            assert fresh_stream_code(reflect) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            flood.cancel()  # the call ends: its slot comes back
+            assert wait_until(lambda: fresh_stream_code(reflect) == grpc.StatusCode.OK, 10)
+        finally:
+            flood_channel.close()
+            channel.close()
+
+
 def _watch_status(health) -> int | None:
     watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
     try:
