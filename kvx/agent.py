@@ -844,7 +844,8 @@ class Peer:
         reading = op is READ
         need = LOCAL_WRITE | VALID if reading else VALID
         regions = agent._regions
-        pin = regions.pin_table()
+        # Only the regions named: a peer slow to answer holds back no other's deregistration.
+        pin = regions.pin_table(local_a["region"].tolist())
         try:
             got = _io.post_check(
                 local_a,

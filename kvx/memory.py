@@ -1,9 +1,10 @@
 """Registered memory: regions, and the table that guards every access.
 
-Every byte a peer touches goes through ``RegionTable.resolve``: it checks each
-descriptor against the registered bounds and access rights (vectorised), and
-pins the table until the access is released, so that ``deregister`` can wait
-until no transfer that might touch a region is left.
+Every byte a peer touches goes through ``RegionTable.resolve`` (or a C call
+that does its checks): it checks each descriptor against the registered
+bounds and access rights (vectorised), and pins the regions it names until
+the access is released, so that ``deregister`` can wait until no transfer
+that might touch a region is left.
 """
 
 from __future__ import annotations
@@ -143,13 +144,15 @@ class RegionTable:
         self._tables = (self._base, self._size, self._flags, self._device)
         self._cuda = 0  # CUDA regions registered
         self._next_id = 1  # id 0 never names a region: a zeroed descriptor is caught
-        # Pins: token -> None (a transfer's: any region it named), the one
+        # Pins: token -> None (the whole table: a pin_table without ids, which a
+        # deregistration that started after it need not wait for), the one
         # region a lease holds (a same-host peer's pin that outlives transfers),
-        # or the regions a pin_regions pin names (a same-host peer's pin for one
-        # transfer: a deregistration waits for it only if it names the region).
-        # pin_table and release change it without the lock (each a single
-        # dict operation, atomic under the GIL): read it whole (.copy()).
-        self._active: dict[int, int | frozenset[int] | None] = {}
+        # or the regions a pin names (a frozenset from pin_regions, a tuple from
+        # resolve or pin_table(ids): a deregistration waits for it only if it
+        # names the region). pin_table and release change it without the lock
+        # (each a single dict operation, atomic under the GIL): read it whole
+        # (.copy()).
+        self._active: dict[int, int | frozenset[int] | tuple[int, ...] | None] = {}
         # Called with a region id when its deregistration starts (outside the
         # lock): the listener revokes the leases on it (Listener.revoke).
         self.on_remove: Callable[[int], None] | None = None
@@ -278,7 +281,7 @@ class RegionTable:
                 while any(
                     held == rid
                     or (held is None and token in before)
-                    or (type(held) is frozenset and rid in held)
+                    or (isinstance(held, (frozenset, tuple)) and rid in held)
                     for token, held in self._active.copy().items()
                 ):
                     left = deadline - time.monotonic()
@@ -458,12 +461,12 @@ class RegionTable:
         and token counter, ordered reads), as kvx's C extensions do.
         """
         token = next(self._tokens)
-        self._active[token] = None if ids is None else frozenset(ids)
+        self._active[token] = None if ids is None else tuple(ids)
         return (token, *self._tables)
 
     def _pin(self, ids: Iterable[int] | None = None) -> int:
         token = next(self._tokens)
-        self._active[token] = None if ids is None else frozenset(ids)
+        self._active[token] = None if ids is None else tuple(ids)
         return token
 
     def release(self, token: int) -> None:

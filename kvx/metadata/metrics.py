@@ -56,10 +56,14 @@ class _StoreCollector:
                 self._counting = None
 
     async def _count(self) -> None:
-        counts = await self.store.count_by_role()
-        named = {metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()}
-        self.by_role = {role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
-        self._counted_at = time.monotonic()
+        try:
+            counts = await self.store.count_by_role()
+            named = {metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()}
+            self.by_role = {role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
+        finally:
+            # A failed count (etcd down) is not tried again at once either: the scrapes
+            # meanwhile show the last counts, and kvx_metadata_store_ready says why.
+            self._counted_at = time.monotonic()
 
     def collect(self):
         agents = GaugeMetricFamily("kvx_metadata_agents", "Registered agents, by role", labels=["role"])

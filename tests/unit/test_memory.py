@@ -192,6 +192,39 @@ def test_deregister_completes_once_released():
         table.remove(r, timeout_s=1)
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["short-list", "numpy"])
+def test_a_pin_on_named_regions_holds_back_only_their_deregistration(small):
+    """resolve() (both of its paths) and pin_table(ids) pin the regions their
+    descriptors name: a transfer that lasts (a peer trickling a WRITE's data,
+    a target slow to answer) holds back the deregistration of those, not of
+    any other region. A whole-table pin (pin_table()) still holds back all."""
+    table = RegionTable(16)
+    a, b, c = (table.add(np.zeros(1 << 16, np.uint8), remote_access=True) for _ in range(3))
+    n = 2 if small else 200  # resolve's short-list path, or its numpy one
+    descs = kvx.Descs.from_blocks(a, np.arange(n), 64).array
+    descs["region"][1] = b.id  # two regions named, a third not
+    _, _, _, named = table.resolve(descs, REMOTE_READ, "t")
+    started = time.monotonic()
+    table.remove(c, timeout_s=5)
+    assert time.monotonic() - started < 1, "a region the pin does not name waited for it"
+    for region in (a, b):
+        with pytest.raises(kvx.RegionBusyError, match="still has transfers in flight"):
+            table.remove(region, timeout_s=0.2)
+    table.release(named)
+    d = table.add(np.zeros(64, np.uint8), remote_access=True)
+    by_ids, *_ = table.pin_table((a.id, 999))  # an unknown id is pinned for nothing
+    whole, *_ = table.pin_table()
+    with pytest.raises(kvx.RegionBusyError):
+        table.remove(d, timeout_s=0.2)  # the whole-table pin
+    table.release(whole)
+    table.remove(d, timeout_s=5)
+    with pytest.raises(kvx.RegionBusyError):
+        table.remove(a, timeout_s=0.2)
+    table.release(by_ids)
+    table.remove(a, timeout_s=5)
+    table.remove(b, timeout_s=5)
+
+
 def test_a_table_pin_holds_deregister_and_a_later_one_sees_the_region_gone():
     """pin_table and release take no lock (the shm latency path): a pin taken
     before a deregister is waited for, and woken on, and one taken while the

@@ -51,6 +51,10 @@ def test_a_store_that_reads_its_records_is_counted_once_for_many_scrapes(monkeyp
         store.fail = True
         results = await asyncio.gather(collector.refresh(), collector.refresh(), return_exceptions=True)
         assert [type(r) for r in results] == [StoreError, StoreError] and store.calls == 3
+        monkeypatch.setattr(metrics, "COUNT_EVERY_S", 10.0)
+        await collector.refresh()  # nor is a failed count tried again at once: the last counts stand
+        assert store.calls == 3 and collector.by_role["prefill"] == 4
+        monkeypatch.setattr(metrics, "COUNT_EVERY_S", 0.0)
         store.fail, store.prefill = False, 5
         await collector.refresh()
         assert store.calls == 4 and collector.by_role["prefill"] == 5
