@@ -15,7 +15,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from kvx.metadata.store import Store
 from kvx.v1 import metadata_pb2
 
-
 # A store that reads every record to count them (etcd) is counted at most this
 # often, one count shared by the scrapes that arrive meanwhile: a scrape a second
 # of 100,000 agents, or a stranger asking for /metrics in a loop, must not read
@@ -58,8 +57,12 @@ class _StoreCollector:
     async def _count(self) -> None:
         try:
             counts = await self.store.count_by_role()
-            named = {metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()}
-            self.by_role = {role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")}
+            named = {
+                metadata_pb2.Role.Name(role).removeprefix("ROLE_").lower(): n for role, n in counts.items()
+            }
+            self.by_role = {
+                role: named.get(role, 0) for role in ("prefill", "decode", "other", "unspecified")
+            }
         finally:
             # A failed count (etcd down) is not tried again at once either: the scrapes
             # meanwhile show the last counts, and kvx_metadata_store_ready says why.
