@@ -47,12 +47,7 @@ class _StoreCollector:
             self._counting = asyncio.ensure_future(self._count())
             # Its error reaches the scrapes that wait for it; none may be left to read it.
             self._counting.add_done_callback(lambda done: done.cancelled() or done.exception())
-        counting = self._counting
-        try:
-            await asyncio.shield(counting)  # a scrape that goes away leaves the count to the others
-        finally:
-            if counting.done() and self._counting is counting:
-                self._counting = None
+        await asyncio.shield(self._counting)  # a scrape that goes away leaves the count to the others
 
     async def _count(self) -> None:
         try:
