@@ -406,6 +406,11 @@ class Registration:
         self.name = ""  # the registered record's name (logs name it, never its lease id)
         self._held_since: float | None = None  # the name is held by another lease since then
         self._held_warned = 0.0
+        # Registrations failing in a row (the service answered an error): logged sparingly.
+        self._failing_since: float | None = None
+        self._failed_text = ""
+        self._failures = 0
+        self._failed_warned = 0.0
         self._lock = threading.Lock()  # one registration call at a time
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -575,15 +580,18 @@ class Registration:
                     self._republish = False
                     self._register()
                 attempt = 0
+                self._failing_since = None
                 self._keep_alive()
             except NameHeldError as exc:
                 self.lease_id = None
+                self._failing_since = None
                 wait_s = exc.retry_after_s
                 self._log_held(exc)
             except MetadataError as exc:
-                logger.warning("metadata registration failed: %s; trying again", exc)
+                self._log_failed(exc)
                 self.lease_id = None
             except ConnectError as exc:
+                self._failing_since = None
                 if attempt == 0:
                     logger.warning("%s; registering again as soon as it is back", exc)
                 self.lease_id = None
@@ -597,6 +605,27 @@ class Registration:
                 self.lease_id = None
             self._stop.wait(wait_s)
             attempt += 1
+
+    def _log_failed(self, exc: MetadataError) -> None:
+        """The first of a run of the same refusal (a wrong token, a full registry), then
+        one line every _HELD_WARN_EVERY_S with the count: every retry (every 2 s) would
+        otherwise put a line in the agent's log for as long as the refusal lasts. Another
+        refusal starts a new run."""
+        now = time.monotonic()
+        text = str(exc)
+        if self._failing_since is None or text != self._failed_text:
+            self._failing_since, self._failures, self._failed_warned = now, 0, now
+            self._failed_text = text
+            logger.warning("metadata registration failed: %s; trying again", exc)
+        self._failures += 1
+        if now - self._failed_warned >= _HELD_WARN_EVERY_S:
+            self._failed_warned = now
+            logger.warning(
+                "metadata registration still failing (%d attempts in %.0f s): %s; trying again",
+                self._failures,
+                now - self._failing_since,
+                exc,
+            )
 
     def _log_held(self, exc: NameHeldError) -> None:
         now = time.monotonic()

@@ -239,3 +239,34 @@ def test_stop_ends_the_wait(registration, clock):
     with pytest.raises(NameHeldError):
         registration._wait_for_name(held(8, TERM))
     assert calls == []
+
+
+def test_a_registration_refused_for_minutes_logs_a_line_a_minute_not_each_retry(registration, clock, caplog):
+    """The service refuses the registration (a wrong token, say) for 200 s, then another
+    way for 100 s: the agent tries again every 2 s at most, and says so at the start of
+    each refusal, then once a minute."""
+    denied = MetadataError("metadata service refused: PERMISSION_DENIED: wrong token")
+    full = MetadataError("metadata service refused: RESOURCE_EXHAUSTED: the registry is full")
+    calls = script(registration, clock, lambda t: denied if t < 200 else full if t < 300 else None)
+    registered: list[float] = []
+
+    def keep_alive() -> None:  # registered at last: the loop ends
+        registered.append(clock.now)
+        clock.stopped = True
+
+    registration._keep_alive = keep_alive  # type: ignore[method-assign]
+    clock.is_set = lambda: clock.stopped  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING, logger="kvx.metadata.client"):
+        registration._run()
+    lines = [r.getMessage() for r in caplog.records if "registration" in r.getMessage()]
+    assert len(calls) > 140 and registered, (len(calls), registered)
+    # At 0, about 60, 120 and 180 s; at 200 s the new refusal at once, then about 260 s.
+    assert [("still" in line, "PERMISSION" in line) for line in lines] == [
+        (False, True),
+        (True, True),
+        (True, True),
+        (True, True),
+        (False, False),
+        (True, False),
+    ], lines
+    assert lines[0] == f"metadata registration failed: {denied}; trying again"
