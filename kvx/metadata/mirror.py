@@ -74,6 +74,7 @@ from kvx.metadata.store import (
     EventBatch,
     EventType,
     MemoryStore,
+    StaleCopyError,
     StoreError,
     _copy,
     _encode,
@@ -179,8 +180,8 @@ class MirrorStore(MemoryStore):
         if self._fresh():
             return
         if not self._synced_once:
-            raise StoreError(f"this read replica has not copied the records of {self.primary} yet")
-        raise StoreError(
+            raise StaleCopyError(f"this read replica has not copied the records of {self.primary} yet")
+        raise StaleCopyError(
             f"this read replica lost the primary {self.primary} {time.monotonic() - self._lost_at:.0f} s "
             f"ago (at most {self._stale_s:g} s of it is served)"
         )
@@ -359,7 +360,7 @@ class MirrorStore(MemoryStore):
         while True:
             await asyncio.sleep(min(self._stale_s / 4, 0.5))
             if self._watchers and not self._fresh():
-                error = StoreError(f"this read replica lost the primary {self.primary}")
+                error = StaleCopyError(f"this read replica lost the primary {self.primary}")
                 for queue in list(self._watchers):
                     self._cut_off(queue, error)
 

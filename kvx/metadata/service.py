@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -69,6 +70,7 @@ RETRY_AFTER_KEY = "kvx-retry-after-ms"
 # With it, when this service does not renew that lease itself: the etcd raft term
 # in which that time, etcd's, was read (RegisterAgentResult.lease_etcd_term).
 LEASE_ETCD_TERM_KEY = "kvx-lease-etcd-term"
+STORE_ERROR_LOG_EVERY_S = 10.0  # a failing store is logged at most this often
 # Leases one KeepAliveRequest may renew, lease_id included (proto/kvx/v1/metadata.proto).
 MAX_KEEP_ALIVE_LEASES = 1024
 # Registrations one RegisterAgentsRequest may carry (the proto's bound): a call's
@@ -319,8 +321,28 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         )
         metrics.watch_streams.labels("replica").set_function(lambda: self.replica_watch_streams)
         self._get_seconds = metrics.request_seconds.labels("GetAgent")
+        self._unavailable_logged = -math.inf  # when a store error was last logged
+        self._unavailable_since_log = 0  # requests answered UNAVAILABLE since then
 
     # Plumbing: auth, timing, error translation.
+
+    def _unavailable(self, exc: StoreError) -> str:
+        """What a caller is told when the store failed its request. The store's own words
+        name etcd's endpoints and its errors: they go to this service's log (a line every
+        STORE_ERROR_LOG_EVERY_S at most, with a count: an outage fails every request), not
+        to a caller, who may be any client that can reach the port."""
+        self._unavailable_since_log += 1
+        now = time.monotonic()
+        if now - self._unavailable_logged >= STORE_ERROR_LOG_EVERY_S:
+            logger.warning(
+                "metadata store unavailable: %s (%d request(s) answered UNAVAILABLE since the last such line)",
+                exc,
+                self._unavailable_since_log,
+            )
+            self._unavailable_logged, self._unavailable_since_log = now, 0
+        if exc.shown_to_callers:
+            return f"metadata store unavailable: {exc}"
+        return "metadata store unavailable (the metadata service's log says why); try again"
 
     async def _call(
         self, method: str, request: Any, context: aio.ServicerContext, fn: Callable[[], Awaitable[Any]]
@@ -333,7 +355,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
         finally:
             self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
 
@@ -456,7 +478,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                         result.lease_etcd_term = int(value)
             except StoreError as exc:
                 result.code = grpc.StatusCode.UNAVAILABLE.value[0]
-                result.message = f"metadata store unavailable: {exc}"
+                result.message = self._unavailable(exc)
         return response
 
     def _revoke_later(self, lease_id: int, name: str) -> None:
@@ -520,7 +542,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
 
     async def keep_alive(self, request: metadata_pb2.KeepAliveRequest) -> metadata_pb2.KeepAliveResponse:
         """Renews ``lease_id`` (when set) and every ``lease_ids`` entry with one store call."""
@@ -595,7 +617,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
         finally:
             self._get_seconds.observe(time.perf_counter() - start)
 
@@ -710,7 +732,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 "again (a new watch starts from the current records)",
             )
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata store unavailable: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
         finally:
             self.watch_streams -= 1
             self.replica_watch_streams -= replica

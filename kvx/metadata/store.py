@@ -63,7 +63,19 @@ PAGE_RECORDS = 100
 
 
 class StoreError(KvxError):
-    """The store failed or is unreachable (etcd down); callers may retry."""
+    """The store failed or is unreachable (etcd down); callers may retry.
+
+    Its words are the service's log's, not its callers' (they may name etcd's
+    endpoints), unless ``shown_to_callers``."""
+
+    shown_to_callers = False
+
+
+class StaleCopyError(StoreError):
+    """A read replica's copy of the primary is not fresh: it says which primary,
+    which every caller may know (the replica names it when it refuses a write)."""
+
+    shown_to_callers = True
 
 
 class WatchLagError(StoreError):

@@ -3,6 +3,7 @@ while etcd is down, several replicas serving one cluster."""
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 
@@ -60,7 +61,7 @@ def test_service_restart_loses_nothing_with_etcd(etcd_server):
             server.stop()
 
 
-def test_etcd_outage_makes_the_service_not_ready_until_it_returns(etcd_server):
+def test_etcd_outage_makes_the_service_not_ready_until_it_returns(etcd_server, caplog):
     with ThreadedServer(
         MetadataServer("127.0.0.1:0", EtcdStore(etcd_server.url, timeout_s=1.0), admin_listen="127.0.0.1:0")
     ) as srv:
@@ -70,8 +71,14 @@ def test_etcd_outage_makes_the_service_not_ready_until_it_returns(etcd_server):
         etcd_server.stop()
         assert _until(lambda: not _serving(srv.address), 10)
         assert httpx.get(f"{admin}/readyz", timeout=5).status_code == 503
-        with pytest.raises(kvx.ConnectError, match="unavailable"):
-            MetadataClient(srv.address, kvx.MetadataOptions(timeout_s=3)).get("kept")
+        client = MetadataClient(srv.address, kvx.MetadataOptions(timeout_s=3))
+        with caplog.at_level(logging.WARNING, logger="kvx.metadata.service"):
+            for call in (lambda: client.get("kept"), lambda: client.register(_record("new"), ttl_s=60)):
+                with pytest.raises(kvx.ConnectError, match="metadata store unavailable") as refused:
+                    call()
+                # etcd's address and its errors are for the service's log, not for any caller.
+                assert str(etcd_server.client_port) not in str(refused.value), refused.value
+        assert f"127.0.0.1:{etcd_server.client_port}" in caplog.text
         etcd_server.start()
         assert _until(lambda: _serving(srv.address), 15)
         assert httpx.get(f"{admin}/readyz", timeout=5).status_code == 200
