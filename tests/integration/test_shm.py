@@ -11,10 +11,12 @@ import json
 import logging
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -1001,3 +1003,75 @@ def test_forged_local_descriptors_are_refused_on_the_leased_path(make_worker, ma
         peer.read(second.descs(0, BLOCK), remote).wait(10)
     peer.read(first.descs(0, BLOCK), remote).wait(10)  # the other region still works
     assert buf[:BLOCK].tobytes() == worker.expected(0, BLOCK).tobytes()
+
+
+def _stop_reading(target: kvx.Agent, sock) -> int:
+    """Makes the raw peer ``sock`` one that reads nothing, its stream full: the target's
+    end of the connection is written to until the kernel takes no more. Returns how many
+    bytes that was (junk the peer reads past when it reads again)."""
+    port = sock.getsockname()[1]
+    (conn,) = [c for c in target._listener._inbound if c.address.endswith(f":{port}")]
+    sent = 0
+    with conn.send_lock:  # the serving thread sends nothing meanwhile
+        dup = socket.socket(fileno=os.dup(conn.sock.fileno()))
+        try:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    sent += dup.send(bytes(1 << 16), socket.MSG_DONTWAIT)
+        finally:
+            dup.close()
+    return sent
+
+
+def test_peers_that_read_nothing_hold_back_no_other_revoke_nor_deregisters_timeout(make_agent):
+    """The attack: authenticated peers lease a region, then read nothing, their streams
+    full. deregister sent each such peer its SHM_REVOKE in turn from the deregistering
+    thread, each send blocking for Timeouts.io_s, before the next peer heard of it or the
+    deregistration looked at its own timeout. Each revoke now goes out on a thread of its
+    own. A peer that reads nothing keeps its lease (it may still copy, as a stopped peer
+    may), and once it reads again it gets its revoke, whole, and gives the lease back."""
+    target = make_agent("target", timeouts=kvx.Timeouts(io_s=3.0))
+    region = target.register(np.zeros(1 << 16, np.uint8))
+    md = types.SimpleNamespace(metadata=target.metadata())
+    peers = []
+    for _ in range(4):
+        sock, _ = _session(md)
+        (msg_type, _), _ = _lease(sock, 1, region.id)
+        assert msg_type == MsgType.SHM_PIN_OK
+        peers.append(sock)
+    *stuck, healthy = peers
+    junk = [_stop_reading(target, sock) for sock in stuck]
+    outcome: list[object] = []
+    started = time.monotonic()
+    thread = threading.Thread(
+        target=lambda: outcome.append(_outcome(target.deregister, region, timeout_s=1.0))
+    )
+    thread.start()
+    assert _revoked(healthy) == region.id  # at once, whatever the stuck peers do
+    healthy.sendall(_wire.pack(MsgType.SHM_RELEASE, region.id))
+    thread.join(30)
+    # Within its own timeout, not after three sends of io_s each (9 s): the stuck peers'
+    # leases hold, for they may still copy.
+    assert time.monotonic() - started < 2.9 and isinstance(outcome[0], kvx.RegionBusyError), outcome
+
+    def read_again(sock, junk_bytes: int) -> None:
+        _recv(sock, junk_bytes)
+        assert _revoked(sock) == region.id  # whole, after what was written before it
+        sock.sendall(_wire.pack(MsgType.SHM_RELEASE, region.id))
+
+    readers = [threading.Thread(target=read_again, args=pair) for pair in zip(stuck, junk, strict=True)]
+    for reader in readers:
+        reader.start()
+    target.deregister(region, timeout_s=20)  # its revokes, or those still waiting, reach them
+    for reader in readers:
+        reader.join(10)
+    for sock in peers:
+        sock.close()
+
+
+def _outcome(fn, *args, **kwargs) -> object:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test compares it
+        return exc
+    return "ok"

@@ -18,7 +18,9 @@ import contextlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
+import select
 import socket
 import threading
 import time
@@ -329,11 +331,19 @@ class Listener:
 
     def revoke(self, region_id: int) -> None:
         """Ask every peer that leases ``region_id`` to give it back
-        (RegionTable.on_remove: a deregistration started)."""
+        (RegionTable.on_remove: a deregistration started). Each peer's
+        SHM_REVOKE is sent from a thread of its own: a peer that reads
+        nothing holds back neither the others' revokes nor the
+        deregistration, whose wait for the releases has its own deadline."""
         with self._lock:
             inbound = list(self._inbound)
         for conn in inbound:
-            conn.revoke(region_id)
+            if not conn.queue_revoke(region_id):
+                continue
+            try:
+                threading.Thread(target=conn.flush, name=f"kvx-revoke-{conn.address}", daemon=True).start()
+            except RuntimeError:  # no thread to be had (a threads or pids limit): send it from here
+                conn.flush()
 
     def _inbound_done(self, conn: InboundConnection) -> None:
         with self._lock:
@@ -548,38 +558,76 @@ class InboundConnection:
                     request_id,
                 )
             with self.send_lock:
+                # What waits in the outbox (a revoke sent in part, say) goes before any answer.
+                if self._outbox and not self._send_outbox():
+                    raise TimeoutError(f"peer {self.peer_name} takes no message")
                 handler(self, request_id, payload_len, aux, data_len)
             if self._outbox:
-                self._flush()
+                self.flush()
 
-    def revoke(self, region_id: int) -> None:
-        """Send SHM_REVOKE if this peer leases the region; its SHM_RELEASE
-        (or the end of the connection) releases the lease."""
+    def queue_revoke(self, region_id: int) -> bool:
+        """Queue SHM_REVOKE if this peer leases the region (True; ``flush`` sends
+        it); its SHM_RELEASE (or the end of the connection) releases the lease."""
         with self.lease_lock:
             if (region_id, False) not in self.leases and (region_id, True) not in self.leases:
-                return
+                return False
             self._outbox.append(_wire.pack(MsgType.SHM_REVOKE, region_id))
-        self._flush()
+        return True
 
     def send_oneway(self, message: bytes) -> None:
         """Send a message that gets no answer (a backend's notice, say
         RDMA_RESET) from any thread: now, or after the request being served."""
         with self.lease_lock:
             self._outbox.append(message)
-        self._flush()
+        self.flush()
 
-    def _flush(self) -> None:
-        """Send what waits in the outbox, unless the serving thread is
-        sending (it flushes after its request)."""
+    def flush(self) -> None:
+        """Send what waits in the outbox, unless another thread is sending
+        (the serving thread sends it before its next answer, and after its
+        request). What the peer does not take within Timeouts.io_s stays at
+        the head of the outbox, and the connection stays up: a peer that is
+        stopped keeps its leases, so deregister waits for it (and raises
+        RegionBusyError past its timeout) as for any stopped peer, for the
+        peer may still copy once it runs again."""
         while self._outbox and self.send_lock.acquire(blocking=False):
             try:
-                with self.lease_lock:
-                    messages, self._outbox = self._outbox, []
-                self.sock.sendall(b"".join(messages))
-            except OSError:
-                pass  # the connection is going; its end releases the leases
+                if not self._send_outbox():
+                    return
             finally:
                 self.send_lock.release()
+
+    def _send_outbox(self) -> bool:
+        """With send_lock held: send the outbox within Timeouts.io_s. False when
+        the peer took less: the rest goes back to the outbox's head, so that a
+        message sent in part is finished before anything else is sent."""
+        with self.lease_lock:
+            data, self._outbox = b"".join(self._outbox), []
+        view = memoryview(data)
+        deadline = time.monotonic() + self.ctx.timeouts.io_s
+        try:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLOUT)
+            while view:
+                left_ms = (deadline - time.monotonic()) * 1000
+                if left_ms <= 0 or not poller.poll(max(1, math.ceil(left_ms))):
+                    break
+                view = view[self.sock.send(view) :]
+        except TimeoutError:
+            pass  # nothing went in that call
+        except (OSError, ValueError):  # ValueError: the socket is closed
+            return True  # the connection is ending: its end releases the leases
+        if not view:
+            return True
+        with self.lease_lock:
+            self._outbox.insert(0, bytes(view))
+        if not self.closing:
+            logger.warning(
+                "peer %s took no message for %.3g s (Timeouts.io_s); what it has not taken waits, "
+                "and its leases hold deregister back",
+                self.peer_name,
+                self.ctx.timeouts.io_s,
+            )
+        return False
 
     def abandoned(self) -> bool:
         """The initiator reset the connection: it gave up on the requests
