@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from kvx._net import parse_address, parse_listen_address
 from kvx.errors import ConfigError
 from kvx.metadata.client import MetadataOptions
+from kvx.proxy._zmtp import parse_endpoint
 
 MiB = 1024 * 1024
 
@@ -66,10 +67,10 @@ class ProxyConfig:
     mode:            "pull" (prefill, then decode pulls) or "push" (both legs
                      at once; prefill WRITEs into decode's blocks as it computes).
     prefill_kv_events: (prefill URL, ZMQ endpoint) pairs: subscribe to that
-                     instance's vLLM KV cache events (``tcp://host:port`` of its
-                     ``--kv-events-config`` publisher, then optionally
-                     ``,tcp://host:port`` of its ``replay_endpoint``, asked for
-                     missed batches) and route prefill by the prompt's cached
+                     instance's vLLM KV cache events (``tcp://host:port`` or
+                     ``ipc://path`` of its ``--kv-events-config`` publisher, then
+                     optionally ``,`` and the same of its ``replay_endpoint``,
+                     asked for missed batches) and route prefill by the prompt's cached
                      prefix there (KV-aware routing; off when empty).
     kv_alpha:        weight of an instance's queued prompt tokens against its
                      cached ones: score = cached_tokens - kv_alpha * queued_tokens.
@@ -170,13 +171,17 @@ class ProxyConfig:
             if url in pairs:
                 raise ConfigError(f"--prefill-kv-events {url}: given twice; one endpoint per instance")
             parts = endpoint.split(",")
-            if len(parts) > 2 or not all(
-                p.startswith(("tcp://", "ipc://")) and len(p) > len("tcp://") for p in parts
-            ):
-                raise ConfigError(
-                    f"--prefill-kv-events {url}: endpoint {endpoint!r}: expected tcp://host:port "
-                    "(the instance's --kv-events-config endpoint, with its host for *), optionally "
-                    "followed by ,tcp://host:port of its replay_endpoint"
-                )
+            expected = (
+                f"--prefill-kv-events {url}: endpoint {endpoint!r}: expected tcp://host:port or "
+                "ipc://path (the instance's --kv-events-config endpoint, with its host for *), "
+                "optionally followed by a comma and the same of its replay_endpoint"
+            )
+            if len(parts) > 2:
+                raise ConfigError(expected)
+            for part in parts:
+                try:
+                    parse_endpoint(part)
+                except ConfigError as exc:
+                    raise ConfigError(f"{expected}: {exc}") from None
             pairs[url] = endpoint
         object.__setattr__(self, "prefill_kv_events", tuple(pairs.items()))

@@ -20,9 +20,12 @@ without vLLM's hash function. Blocks with a LoRA adapter, extra keys
 (multimodal inputs, cache salt), another KV-cache group than the first or
 another medium than the GPU are left out: a plain prompt cannot hit them.
 
-Everything that arrives is untrusted: each frame is bounded by
-``max_message_bytes`` (ZMQ drops larger ones), a message by three frames, a
-batch by ``MAX_EVENTS_PER_BATCH``, an event by ``MAX_BLOCKS_PER_EVENT`` and
+Everything that arrives is untrusted. The ZMQ connections are read by
+``kvx.proxy._zmtp``, which reads nothing ahead of this module: a frame is
+bounded by ``max_message_bytes`` and a message by ``MESSAGE_TIMEOUT_S`` and 64
+frames (beyond either, the publisher is cut off and reconnected after
+``RECONNECT_S``); a message of other than three frames is dropped; a batch
+is bounded by ``MAX_EVENTS_PER_BATCH``, an event by ``MAX_BLOCKS_PER_EVENT`` and
 ``MAX_BLOCK_SIZE``, and the index by ``max_blocks`` (the oldest go first). A
 batch that breaks the format is dropped whole, logged and counted. A
 publisher that stalls or dies only leaves the index as it was, and routing
@@ -41,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvx.errors import ConfigError, ProtocolError
+from kvx.proxy._zmtp import Stopped, ZmtpConnection, ZmtpTimeout, parse_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +57,7 @@ MAX_FRAMES = 3  # topic, seq, payload
 REPLAY_TIMEOUT_S = 2.0  # a replay not complete by then is given up: the gap stays
 MAX_REPLAY_BATCHES = 10_000  # vLLM's buffer_steps default; a longer gap is not replayed
 END_SEQ = -1  # vLLM's end-of-replay marker
-POLL_MS = 200  # how often the subscriber thread looks at its stop flag
 RECONNECT_S = 1.0  # pause before a new connection to a publisher that was lost
-RCVHWM = 1000  # messages queued unread; ZMQ drops beyond (seen as a gap in seq)
 LOG_EVERY_S = 10.0  # drops are logged at most this often per instance (all are counted)
 STOP_TIMEOUT_S = 5.0
 _TOKEN_TYPECODE = "I"  # token ids as 32-bit unsigned: a compact, exact key of a block's tokens
@@ -64,15 +66,14 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
 
-def require_zmq() -> tuple[Any, Any]:
+def require_msgspec() -> Any:
     try:
         import msgspec
-        import zmq
     except ImportError as exc:
         raise ConfigError(
-            "KV-aware routing (--prefill-kv-events) needs pyzmq and msgspec: pip install kvx[proxy]"
+            "KV-aware routing (--prefill-kv-events) needs msgspec: pip install kvx[proxy]"
         ) from exc
-    return zmq, msgspec
+    return msgspec
 
 
 def tokens_key(token_ids: Sequence[int]) -> bytes:
@@ -285,11 +286,14 @@ class KvEventSubscriber:
     ``"applied"``, or why it was dropped (``"malformed"``, ``"frames"``);
     besides, ``"gap"`` before a batch applied after missed sequence numbers,
     ``"restart"`` when the index was cleared, ``"disconnected"`` when the
-    connection was lost (a new one follows after ``RECONNECT_S``),
+    connection was lost or cut off for breaking a bound (a new one follows after
+    ``RECONNECT_S``),
     ``"replayed"`` for each missed batch recovered from ``replay_endpoint``
     (vLLM's ``replay_endpoint``, a ROUTER socket), ``"replay_failed"`` when a
     replay was given up. The replay blocks this thread for at most
-    ``REPLAY_TIMEOUT_S``; messages meanwhile wait in ZMQ's queue.
+    ``REPLAY_TIMEOUT_S``; live messages meanwhile wait in the publisher's queue
+    and the socket's buffers (a publisher drops what its queue cannot hold: a
+    gap).
     """
 
     def __init__(
@@ -302,11 +306,13 @@ class KvEventSubscriber:
         topic: str = "",
         replay_endpoint: str | None = None,
     ) -> None:
-        self.zmq, msgspec = require_zmq()
+        msgspec = require_msgspec()
+        for each in (endpoint, replay_endpoint):
+            if each is not None:
+                parse_endpoint(each)  # ConfigError now, not a failure a second from now on
         self.url = url
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self._context: Any = None
         self.index = index
         self.max_message_bytes = max_message_bytes
         self.on_batch = on_batch
@@ -317,14 +323,18 @@ class KvEventSubscriber:
         self._decode = msgspec.msgpack.Decoder().decode
         self._stop = threading.Event()
         self._last_log_s = 0.0
+        self._last_disconnect_log_s = -LOG_EVERY_S
         self._thread = threading.Thread(target=self._run, name=f"kvx-kv-events-{url}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
+        """Ends the subscription; with ``join``, waits up to STOP_TIMEOUT_S for its thread
+        (it looks at the stop flag at least every ``_zmtp.STOP_POLL_S``)."""
         self._stop.set()
-        self._thread.join(STOP_TIMEOUT_S)
+        if join:
+            self._thread.join(STOP_TIMEOUT_S)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -337,68 +347,60 @@ class KvEventSubscriber:
         }
 
     def _run(self) -> None:
-        context = self._context = self.zmq.Context()
-        try:
-            while not self._stop.is_set():
-                try:
-                    self._subscribe(context)
-                except Exception:  # noqa: BLE001 - e.g. a bad endpoint: routing goes on by load
-                    logger.exception(
-                        "KV events from %s failed; %s is routed by load", self.endpoint, self.url
-                    )
-                # ZMQ does not reconnect a peer it cut off (a frame over MAXMSGSIZE): a new socket
-                # does, after a pause that keeps a rogue publisher from spinning this thread.
-                self._stop.wait(RECONNECT_S)
-        finally:
-            context.term()
-
-    def _subscribe(self, context: Any) -> None:
-        """Read messages until the stop flag, or until the connection to the publisher is lost."""
-        zmq = self.zmq
-        sock = context.socket(zmq.SUB)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # larger frames: the peer is cut off
-            sock.setsockopt(zmq.RCVHWM, RCVHWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-            sock.connect(self.endpoint)
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
-            while not self._stop.is_set():
-                ready = dict(poller.poll(POLL_MS))
-                if sock in ready:
-                    frames = self._receive(sock)
-                    try:
-                        self._handle(frames)
-                    except Exception:  # noqa: BLE001 - a bug here must not end the subscription
-                        logger.exception("KV events from %s: handling a message failed", self.endpoint)
-                elif monitor in ready:
-                    monitor.recv_multipart()
+        failures = 0  # connections in a row that failed before a message: logged once
+        while not self._stop.is_set():
+            connected = False
+            try:
+                with ZmtpConnection(self.endpoint, "SUB", self.max_message_bytes, self._stop.is_set) as conn:
+                    connected = True
+                    failures = 0
+                    conn.subscribe(self.topic)
+                    self._read(conn)
+            except Stopped:
+                return
+            except (OSError, ProtocolError) as exc:
+                # Lost, refused, or cut off for breaking a bound: a new connection follows,
+                # after a pause that keeps a rogue publisher from spinning this thread.
+                if connected:
                     self.on_batch("disconnected")
-                    logger.info(
-                        "KV events from %s: disconnected; reconnecting in %s s", self.endpoint, RECONNECT_S
-                    )
-                    return
-        finally:
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
+                    now_s = time.monotonic()  # a publisher cut off every second: a line per LOG_EVERY_S
+                    if now_s - self._last_disconnect_log_s >= LOG_EVERY_S:
+                        self._last_disconnect_log_s = now_s
+                        logger.warning(
+                            "KV events from %s: %s; reconnecting in %s s (each loss is counted in "
+                            'kvx_proxy_kv_event_batches_total{outcome="disconnected"})',
+                            self.endpoint,
+                            exc,
+                            RECONNECT_S,
+                        )
+                else:
+                    failures += 1
+                    if failures == 1:
+                        logger.warning(
+                            "KV events from %s: cannot connect (%s); %s is routed by load until it "
+                            "can; retrying every %s s",
+                            self.endpoint,
+                            exc,
+                            self.url,
+                            RECONNECT_S,
+                        )
+            except Exception:  # noqa: BLE001 - a bug here must not end the subscription
+                logger.exception("KV events from %s failed; %s is routed by load", self.endpoint, self.url)
+            self._stop.wait(RECONNECT_S)
 
-    def _receive(self, sock: Any, count: int = MAX_FRAMES) -> list[bytes] | None:
-        """One message's frames, or None when it has not ``count`` of them (the rest is read and dropped)."""
-        frames: list[bytes] = []
-        more = True
-        while more:
-            frame = sock.recv(self.zmq.NOBLOCK)
-            if len(frames) <= count:
-                frames.append(frame)
-            more = bool(sock.getsockopt(self.zmq.RCVMORE))
-        return frames if len(frames) == count else None
+    def _read(self, conn: ZmtpConnection) -> None:
+        """Handle messages until the connection fails or the stop flag is set."""
+        while True:
+            frames = conn.receive(MAX_FRAMES)
+            try:
+                self._handle(frames)
+            except Stopped:
+                raise
+            except Exception:  # noqa: BLE001 - a bug here must not end the subscription
+                logger.exception("KV events from %s: handling a message failed", self.endpoint)
 
     def _handle(self, frames: list[bytes] | None) -> None:
-        if frames is None:
+        if frames is None or len(frames) != MAX_FRAMES:
             self._drop("frames", "a message without exactly 3 frames [topic, seq, payload]")
             return
         _, seq_bytes, payload = frames
@@ -429,36 +431,33 @@ class KvEventSubscriber:
     def _replay(self, start: int, end: int) -> None:
         """Apply batches ``start`` to ``end - 1`` from the replay socket, in order; stop at
         the first one missing, malformed or late (what was applied stays applied)."""
-        zmq = self.zmq
-        sock = self._context.socket(zmq.DEALER)
+        assert self.replay_endpoint is not None
         expected = start
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
         try:
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.replay_endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
-            deadline = time.monotonic() + REPLAY_TIMEOUT_S
-            while expected < end:
-                wait_ms = int((deadline - time.monotonic()) * 1000)
-                if wait_ms <= 0 or not sock.poll(wait_ms):
-                    break
-                frames = self._receive(sock, count=4)  # b"", topic, seq, payload
-                if frames is None or len(frames[2]) != 8:
-                    break
-                seq = int.from_bytes(frames[2], "big", signed=True)
-                if seq == END_SEQ or seq > expected:
-                    break  # the publisher's buffer no longer holds it
-                if seq < expected:
-                    continue
-                apply(self.index, parse_batch(frames[3], self._decode))
-                self.on_batch("replayed")
-                expected += 1
-        except (ProtocolError, zmq.ZMQError) as exc:
+            with ZmtpConnection(
+                self.replay_endpoint, "DEALER", self.max_message_bytes, self._stop.is_set, REPLAY_TIMEOUT_S
+            ) as conn:
+                conn.send([b"", start.to_bytes(8, "big")], timeout_s=max(0.0, deadline - time.monotonic()))
+                while expected < end:
+                    # [b"", topic, seq, payload] (vLLM 0.32's replay), or [b"", seq, payload]
+                    frames = conn.receive(4, deadline)
+                    if frames is None or len(frames) < 3 or len(frames[-2]) != 8:
+                        break
+                    seq = int.from_bytes(frames[-2], "big", signed=True)
+                    if seq == END_SEQ or seq > expected:
+                        break  # the publisher's buffer no longer holds it
+                    if seq < expected:
+                        continue
+                    apply(self.index, parse_batch(frames[-1], self._decode))
+                    self.on_batch("replayed")
+                    expected += 1
+        except ZmtpTimeout:
+            pass  # counted below
+        except (ProtocolError, OSError) as exc:
             logger.warning(
                 "KV events from %s: replay from %s failed: %s", self.endpoint, self.replay_endpoint, exc
             )
-        finally:
-            sock.close(0)
         if expected < end:
             self.on_batch("replay_failed")
 

@@ -84,6 +84,8 @@ class KvRouting:
 
     def stop(self) -> None:
         for subscriber in self.subscribers.values():
+            subscriber.stop(join=False)  # all at once: each then ends within a poll
+        for subscriber in self.subscribers.values():
             subscriber.stop()
 
     def has_blocks(self) -> bool:

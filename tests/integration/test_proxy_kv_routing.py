@@ -21,6 +21,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
+import kvx.proxy._zmtp
 from kvx.errors import ConfigError
 from kvx.proxy import ProxyConfig, build_app
 from kvx.proxy._instances import Instance
@@ -271,11 +272,15 @@ def test_a_sequence_that_restarts_clears_the_index(publisher, subscribe):
 
 class Replayer:
     """vLLM's replay endpoint: a ROUTER that answers [b"", start seq] with each buffered
-    batch from start on, then the end marker; or, with ``garbage``, with that instead."""
+    batch from start on, then the end marker, each as [b"", topic, seq, payload] (vLLM
+    0.32), or without the topic; or, with ``garbage``, with that instead."""
 
-    def __init__(self, publisher: Publisher, garbage: list[list[bytes]] | None = None) -> None:
+    def __init__(
+        self, publisher: Publisher, garbage: list[list[bytes]] | None = None, with_topic: bool = True
+    ) -> None:
         self.buffer: list[tuple[int, bytes]] = []
         self.garbage = garbage
+        self.topic = [b""] if with_topic else []
         self.sock = publisher.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
@@ -294,8 +299,8 @@ class Replayer:
                 self.sock.send_multipart([client, *frames])
             for seq, payload in self.buffer if self.garbage is None else []:
                 if seq >= int.from_bytes(start, "big"):
-                    self.sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
-            self.sock.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    self.sock.send_multipart([client, b"", *self.topic, seq.to_bytes(8, "big"), payload])
+            self.sock.send_multipart([client, b"", *self.topic, (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self._stop.set()
@@ -303,8 +308,9 @@ class Replayer:
         self.sock.close(0)
 
 
-def test_missed_batches_are_replayed_from_the_replay_endpoint(publisher, subscribe):
-    replayer = Replayer(publisher)
+@pytest.mark.parametrize("with_topic", [True, False], ids=["topic-seq-payload", "seq-payload"])
+def test_missed_batches_are_replayed_from_the_replay_endpoint(publisher, subscribe, with_topic):
+    replayer = Replayer(publisher, with_topic=with_topic)
     try:
         sub = subscribe(publisher.endpoint, replay_endpoint=replayer.endpoint)
         publisher.sync(sub)
@@ -378,7 +384,7 @@ def test_a_rogue_publisher_is_dropped_and_counted_never_fatal(publisher, subscri
     assert wait_until(lambda: sub.outcomes.get("malformed", 0) == len(attacks) + 2, WAIT_S), sub.outcomes
     assert wait_until(lambda: sub.outcomes.get("frames", 0) == 1, WAIT_S), sub.outcomes
     assert sub.index.match(good) == 0
-    # A frame over max_message_bytes: ZMQ cuts the publisher off; it reconnects, and good
+    # A frame over max_message_bytes: the publisher is cut off; it reconnects, and good
     # batches flow again (a huge token list is refused before it is decoded).
     huge = chain(list(range(200_000)), 1000)  # about 1 MiB
     assert len(msgspec.msgpack.encode([0.0, [huge], 0])) > 256 * 1024
@@ -401,6 +407,341 @@ def test_a_publisher_that_never_answers_or_dies_leaves_routing_by_load(subscribe
     started = time.monotonic()
     sub.stop()
     assert time.monotonic() - started < 5.0 and not sub._thread.is_alive()
+
+
+# -- the ZMQ connection, attacked -------------------------------------------------
+#
+# A rogue publisher written byte by byte (ZMTP 3.0): libzmq would queue an endless
+# message's frames without bound, and wait forever on a silent or trickling peer.
+
+
+def zmtp_frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    flags = (0x01 if more else 0) | (0x04 if command else 0)
+    if len(body) > 255:
+        return bytes((flags | 0x02,)) + len(body).to_bytes(8, "big") + body
+    return bytes((flags, len(body))) + body
+
+
+def zmtp_hello(mechanism: bytes = b"NULL", socket_type: bytes = b"PUB") -> bytes:
+    greeting = (
+        b"\xff"
+        + (1).to_bytes(8, "big")
+        + b"\x7f"
+        + b"\x03\x00"
+        + mechanism.ljust(20, b"\0")
+        + b"\0"
+        + bytes(31)
+    )
+    ready = b"\x05READY\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    return greeting + zmtp_frame(ready, command=True)
+
+
+def good_message(seq: int, *events: dict) -> bytes:
+    payload = msgspec.msgpack.encode([time.time(), list(events), 0])
+    return zmtp_frame(b"", more=True) + zmtp_frame(seq.to_bytes(8, "big"), more=True) + zmtp_frame(payload)
+
+
+class RawPublisher:
+    """A TCP listener on loopback: the first connection runs ``attack(conn)``, every later
+    one says hello and sends a good batch, so the test sees the subscriber recover."""
+
+    def __init__(self, attack: Any, good: list[int]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.attack, self.good = attack, good
+        self.accepted = 0
+        self.attack_ended: BaseException | str | None = None  # how the attack's connection ended
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            threading.Thread(target=self._run, args=(conn, self.accepted), daemon=True).start()
+
+    def _run(self, conn: socket.socket, n: int) -> None:
+        with conn:
+            try:
+                if n == 1:
+                    self.attack(conn, self._stop)
+                    self.attack_ended = "the attack ran out"
+                else:
+                    conn.sendall(zmtp_hello() + good_message(7, chain(self.good, 500)))
+                    self._stop.wait(WAIT_S)
+            except OSError as exc:
+                if n == 1:
+                    self.attack_ended = exc
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+def endless_frames(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello())
+    frame = zmtp_frame(b"x" * 200, more=True)
+    for _ in range(2_000_000):  # 400 MB, more than any kernel buffer holds
+        if stop.is_set():
+            return
+        conn.sendall(frame * 100)
+
+
+def a_huge_length(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello() + b"\x02" + (1 << 62).to_bytes(8, "big") + b"x" * 1000)
+    stop.wait(WAIT_S)
+
+
+def a_trickled_message(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello() + zmtp_frame(b"", more=True) + b"\x01\x08")
+    while not stop.wait(0.1):
+        conn.sendall(b"\x00")  # one byte of the sequence number at a time, forever
+
+
+def a_command_inside_a_message(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello() + zmtp_frame(b"", more=True) + zmtp_frame(b"\x04PING\x00\x01", command=True))
+    stop.wait(WAIT_S)
+
+
+@pytest.mark.parametrize(
+    "attack", [endless_frames, a_huge_length, a_trickled_message, a_command_inside_a_message]
+)
+def test_a_publisher_breaking_a_bound_is_cut_off_and_the_next_connection_works(
+    attack, subscribe, monkeypatch
+):
+    monkeypatch.setattr(kvx.proxy._zmtp, "MESSAGE_TIMEOUT_S", 1.0)
+    good = list(range(900, 908))
+    publisher = RawPublisher(attack, good)
+    try:
+        sub = subscribe(publisher.endpoint, max_message_bytes=64 * 1024)
+        # The subscriber closes the connection (the attacker's send fails, or its wait ends
+        # on a closed socket), counts it, and reads the good batch of the next connection.
+        assert wait_until(lambda: sub.index.match(good) == 8, WAIT_S), (sub.outcomes, publisher.attack_ended)
+        assert sub.outcomes.get("disconnected") == 1 and publisher.accepted == 2, sub.outcomes
+        if attack is endless_frames:
+            assert isinstance(publisher.attack_ended, OSError), publisher.attack_ended
+        assert sub._thread.is_alive()
+    finally:
+        publisher.close()
+
+
+def silent(conn: socket.socket, stop: threading.Event) -> None:
+    stop.wait(WAIT_S)
+
+
+def curve(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello(mechanism=b"CURVE"))
+    stop.wait(WAIT_S)
+
+
+def a_router(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello(socket_type=b"ROUTER"))
+    stop.wait(WAIT_S)
+
+
+def not_zmq(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 64)
+    stop.wait(WAIT_S)
+
+
+@pytest.mark.parametrize("attack", [silent, curve, a_router, not_zmq])
+def test_a_handshake_that_fails_or_never_ends_is_given_up(attack, subscribe, monkeypatch):
+    monkeypatch.setattr(kvx.proxy._zmtp, "HANDSHAKE_TIMEOUT_S", 1.0)
+    good = list(range(910, 918))
+    publisher = RawPublisher(attack, good)
+    try:
+        sub = subscribe(publisher.endpoint)
+        assert wait_until(lambda: sub.index.match(good) == 8, WAIT_S), sub.outcomes
+        # Never connected: nothing to count as lost.
+        assert not sub.outcomes.get("disconnected") and publisher.accepted == 2
+    finally:
+        publisher.close()
+
+
+def test_stop_is_prompt_while_a_message_trickles_in(subscribe):
+    publisher = RawPublisher(a_trickled_message, [])
+    try:
+        sub = subscribe(publisher.endpoint)
+        assert wait_until(lambda: publisher.accepted == 1, WAIT_S)
+        time.sleep(0.5)  # inside the trickled message now
+        started = time.monotonic()
+        sub.stop()
+        assert not sub._thread.is_alive() and time.monotonic() - started < 2.0
+    finally:
+        publisher.close()
+
+
+def replay_silent(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello(socket_type=b"ROUTER"))
+    stop.wait(WAIT_S)
+
+
+def replay_endless(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(zmtp_hello(socket_type=b"ROUTER"))
+    frame = zmtp_frame(b"x" * 200, more=True)
+    while not stop.is_set():
+        conn.sendall(frame * 100)
+
+
+@pytest.mark.parametrize("attack", [replay_silent, replay_endless, silent])
+def test_a_rogue_replay_peer_is_given_up_within_the_replay_timeout(publisher, subscribe, attack):
+    replayer = RawPublisher(attack, [])
+    try:
+        sub = subscribe(publisher.endpoint, replay_endpoint=replayer.endpoint)
+        publisher.sync(sub)
+        next(publisher.seq)  # one missed: the replay peer is asked for it
+        good = list(range(930, 934))
+        seq = publisher.publish(chain(good, 1))
+        assert publisher.applied(sub, seq) and sub.index.match(good) == 4
+        assert sub.outcomes.get("replay_failed") == 1 and replayer.accepted == 1, sub.outcomes
+        # The replay took at most REPLAY_TIMEOUT_S: live batches flow again at once.
+        later = list(range(940, 944))
+        seq = publisher.publish(chain(later, 2))
+        assert publisher.applied(sub, seq) and sub.index.match(later) == 4
+    finally:
+        replayer.close()
+
+
+class ScriptedPeer:
+    """One connection on loopback, served by ``script(conn)`` on a thread: for tests of a
+    ZmtpConnection on its own."""
+
+    def __init__(self, script: Any) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.result: Any = None
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script: Any) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(WAIT_S)
+            self.result = script(conn)
+
+    def close(self) -> None:
+        self.thread.join(WAIT_S)
+        self.listener.close()
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        assert chunk, "closed"
+        data += chunk
+    return data
+
+
+def test_a_message_of_64_frames_is_read_and_one_of_65_cuts_the_peer_off():
+    def script(conn: socket.socket) -> None:
+        conn.sendall(zmtp_hello())
+        conn.sendall(zmtp_frame(b"a", more=True) * 63 + zmtp_frame(b"z"))
+        conn.sendall(zmtp_frame(b"", more=True) * 2 + zmtp_frame(b"last"))
+        conn.sendall(zmtp_frame(b"a", more=True) * 65 + zmtp_frame(b"z"))
+        conn.recv(1 << 16)  # until the subscriber closes
+
+    peer = ScriptedPeer(script)
+    try:
+        with kvx.proxy._zmtp.ZmtpConnection(peer.endpoint, "SUB", 1024) as conn:
+            assert conn.receive(3) is None  # 64 frames: read, dropped (more than 3)
+            assert conn.receive(3) == [b"", b"", b"last"]  # the stream is still in step
+            with pytest.raises(kvx.proxy._zmtp.ZmtpError, match="more than 64 frames"):
+                conn.receive(3)
+    finally:
+        peer.close()
+
+
+def test_a_ping_between_messages_is_answered_and_an_error_ends_the_connection():
+    def script(conn: socket.socket) -> bytes:
+        conn.sendall(zmtp_hello())
+        _read_exactly(conn, 64)  # the subscriber's greeting
+        flags, size = _read_exactly(conn, 2)
+        _read_exactly(conn, size)  # its READY
+        conn.sendall(zmtp_frame(b"\x04PING\x00\x0acontext-16bytes!", command=True) + zmtp_frame(b"after"))
+        pong = _read_exactly(conn, 2 + len(b"\x04PONGcontext-16bytes!"))
+        conn.sendall(zmtp_frame(b"\x05ERROR\x0bgo away now", command=True))
+        return pong
+
+    peer = ScriptedPeer(script)
+    try:
+        with kvx.proxy._zmtp.ZmtpConnection(peer.endpoint, "SUB", 1024) as conn:
+            assert conn.receive(3) == [b"after"]
+            with pytest.raises(kvx.proxy._zmtp.ZmtpError, match="sent ERROR: 'go away now'"):
+                conn.receive(3)
+    finally:
+        peer.close()
+    assert peer.result == zmtp_frame(b"\x04PONGcontext-16bytes!", command=True)
+
+
+def test_zmq_endpoints_are_checked_before_anything_connects():
+    parse = kvx.proxy._zmtp.parse_endpoint
+    for bad in (
+        "tcp://a:\u00b2",
+        "tcp://a:\u0665\u0665",
+        "tcp://" + "x" * 70 + ".example:1",
+        "ipc://@",
+        "ipc://",
+        "tcp://a:65536",
+    ):
+        with pytest.raises(ConfigError, match="ZMQ endpoint"):
+            parse(bad)
+    assert parse("tcp://[::1]:5") == ("tcp", ("::1", 5))
+    assert parse("ipc://@name") == ("ipc", "\0name") and parse("ipc:///run/x") == ("ipc", "/run/x")
+    with pytest.raises(ConfigError, match="ZMQ endpoint"):
+        KvEventSubscriber("http://p", "tcp://*:5557", PrefixIndex(10), 1024)
+
+
+def test_stop_is_prompt_while_a_connect_waits(subscribe):
+    """A publisher host that drops SYNs (here: a listener whose accept queue is full)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    fillers = []
+    try:
+        for _ in range(2):  # the queue's one place, and one more to be sure
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+            fillers.append(filler)
+        time.sleep(0.2)
+        sub = subscribe(endpoint)
+        time.sleep(0.5)  # inside its connect now
+        started = time.monotonic()
+        sub.stop()
+        assert not sub._thread.is_alive() and time.monotonic() - started < 2.0
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def test_events_over_ipc_from_a_real_zmq_publisher(subscribe, tmp_path):
+    context = zmq.Context()
+    sock = context.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/events"
+    sock.bind(endpoint)
+    try:
+        sub = subscribe(endpoint)
+        good = list(range(920, 928))
+        deadline = time.monotonic() + WAIT_S
+        while sub.index.match(good) != 8 and time.monotonic() < deadline:
+            sock.send_multipart(
+                [b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [chain(good, 1)], 0])]
+            )
+            time.sleep(0.1)
+        assert sub.index.match(good) == 8, sub.outcomes
+    finally:
+        sock.close(0)
+        context.term()
 
 
 # -- the proxy ------------------------------------------------------------------
@@ -600,8 +941,11 @@ def test_a_dead_publisher_or_tokenizer_routes_by_load_without_waiting(engines):
 def test_kv_events_config_is_checked():
     with pytest.raises(ConfigError, match="not a prefill instance"):
         ProxyConfig(prefill_urls=("http://a:1",), prefill_kv_events=(("http://b:1", "tcp://b:2"),))
-    with pytest.raises(ConfigError, match="expected tcp://host:port"):
-        ProxyConfig(prefill_urls=("http://a:1",), prefill_kv_events=(("http://a:1", "http://a:2"),))
+    for endpoint in ("http://a:2", "tcp://*:5557", "tcp://a", "tcp://a:0", "tcp://a:2,tcp://a:3,tcp://a:4"):
+        with pytest.raises(ConfigError, match="expected tcp://host:port"):
+            ProxyConfig(prefill_urls=("http://a:1",), prefill_kv_events=(("http://a:1", endpoint),))
+    for endpoint in ("tcp://a:2,tcp://a:3", "tcp://[::1]:2", "ipc:///run/vllm-events", "ipc://@events"):
+        ProxyConfig(prefill_urls=("http://a:1",), prefill_kv_events=(("http://a:1", endpoint),))
     with pytest.raises(ConfigError, match="kv_alpha"):
         ProxyConfig(kv_alpha=-1.0)
 
