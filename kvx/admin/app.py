@@ -135,7 +135,7 @@ def create_app(server: Any) -> FastAPI:
 
     @app.exception_handler(StoreError)
     async def _store_down(request: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse({"detail": f"metadata store unavailable: {exc}"}, status_code=503)
+        return JSONResponse({"detail": server.servicer.unavailable(exc)}, status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

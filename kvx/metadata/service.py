@@ -326,7 +326,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     # Plumbing: auth, timing, error translation.
 
-    def _unavailable(self, exc: StoreError) -> str:
+    def unavailable(self, exc: StoreError) -> str:
         """What a caller is told when the store failed its request. The store's own words
         name etcd's endpoints and its errors: they go to this service's log (a line every
         STORE_ERROR_LOG_EVERY_S at most, with a count: an outage fails every request), not
@@ -355,7 +355,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable(exc))
         finally:
             self.metrics.request_seconds.labels(method).observe(time.perf_counter() - start)
 
@@ -478,7 +478,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                         result.lease_etcd_term = int(value)
             except StoreError as exc:
                 result.code = grpc.StatusCode.UNAVAILABLE.value[0]
-                result.message = self._unavailable(exc)
+                result.message = self.unavailable(exc)
         return response
 
     def _revoke_later(self, lease_id: int, name: str) -> None:
@@ -542,7 +542,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused))
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable(exc))
 
     async def keep_alive(self, request: metadata_pb2.KeepAliveRequest) -> metadata_pb2.KeepAliveResponse:
         """Renews ``lease_id`` (when set) and every ``lease_ids`` entry with one store call."""
@@ -617,7 +617,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, str(refused), trailing_metadata=refused.trailing_metadata)
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable(exc))
         finally:
             self._get_seconds.observe(time.perf_counter() - start)
 
@@ -732,7 +732,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 "again (a new watch starts from the current records)",
             )
         except StoreError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable(exc))
         finally:
             self.watch_streams -= 1
             self.replica_watch_streams -= replica

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import re
 import select
 import socket
@@ -126,14 +127,17 @@ class _DownStore(MemoryStore):
         return await super().list_page(after, limit)
 
 
-def test_unready_store_gives_503(make_server):
+def test_unready_store_gives_503(make_server, caplog):
     threaded = make_server(store=_DownStore(), admin_token=TOKEN)
-    with admin(threaded) as http:
+    with admin(threaded) as http, caplog.at_level(logging.WARNING, logger="kvx.metadata.service"):
         assert http.get("/healthz").status_code == 200
         ready = http.get("/readyz")
         assert ready.status_code == 503 and ready.json()["ready"] is False
         listed = http.get("/v1/agents")
         assert listed.status_code == 503 and "unavailable" in listed.json()["detail"]
+        # The store's own words are for the service's log, not for a caller.
+        assert "connection refused (test)" not in listed.json()["detail"]
+    assert "connection refused (test)" in caplog.text
 
 
 def test_list_filters_by_role_and_labels(server):
