@@ -72,6 +72,30 @@ async def _parse_json(raw: bytes) -> Any:
     return await anyio.to_thread.run_sync(json.loads, raw)
 
 
+def _check_identity(response: Any, leg: str, url: str) -> None:
+    """_LegFailed (502) for an answer with a content encoding: the proxy asks for none
+    (Accept-Encoding: identity), and reads answers raw, bounded in bytes."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise _LegFailed(
+            _error(
+                502,
+                f"the {leg} instance {url} answered with Content-Encoding {encoding[:40]!r} though "
+                "asked for identity",
+                "bad_upstream_response",
+                leg,
+            )
+        )
+
+
+async def _raw_bytes(response: Any, leg: str, url: str) -> AsyncIterator[bytes]:
+    """An answer's body as it came (de-chunked, never decoded): as many bytes in
+    memory as were read, which a compressed answer's decoding would not bound."""
+    _check_identity(response, leg, url)
+    async for chunk in response.aiter_raw():
+        yield chunk
+
+
 def _error(status: int, message: str, kind: str, leg: str | None = None, close: bool = False) -> JSONResponse:
     headers = {FAILED_LEG_HEADER: leg} if leg is not None else {}
     if close:  # the server then closes the connection instead of reading what the client still sends
@@ -143,6 +167,9 @@ class _Router:
             ),
             # The instances are cluster-local: an HTTP(S)_PROXY meant for the internet must not apply.
             trust_env=False,
+            # Answers are read raw and bounded in bytes: a compressed one (a gzip bomb turns 64
+            # KiB read into 64 MiB decoded) is refused, not decoded (_raw_bytes).
+            headers={"Accept-Encoding": "identity"},
         )
         if self.discovery is not None:
             await self.discovery.start()
@@ -295,7 +322,7 @@ class _Router:
         size = 0
         try:
             with anyio.fail_after(self.config.timeout_s):
-                async for chunk in response.aiter_bytes():
+                async for chunk in _raw_bytes(response, leg, url):
                     size += len(chunk)
                     if size > limit:
                         raise _LegFailed(
@@ -320,7 +347,7 @@ class _Router:
         finally:
             with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
                 await response.aclose()
-        # The body is decoded already: its encoding and framing headers no longer apply.
+        # The body is whole: its framing headers no longer apply (and it had no encoding).
         headers = [
             (key, value)
             for key, value in response.headers.multi_items()
@@ -490,6 +517,11 @@ class _Router:
         except BaseException:
             await close()
             raise
+        try:
+            _check_identity(response, "decode", instance.url)  # before the status line goes out
+        except BaseException:
+            await close()
+            raise
         headers_out = {"content-type": response.headers.get("content-type", "text/event-stream")}
         return _Stream(
             self._relay(response, instance.url, request_id),
@@ -501,7 +533,7 @@ class _Router:
     async def _relay(self, response: Any, url: str, request_id: str) -> AsyncIterator[bytes]:
         at_boundary = True
         try:
-            async for chunk in response.aiter_bytes():
+            async for chunk in _raw_bytes(response, "decode", url):
                 if chunk:
                     at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
                     yield chunk

@@ -203,9 +203,10 @@ class DecodeUsage:
             # answer would stall every instance's reading).
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("GET", url + "/metrics", timeout=self.timeout_s) as response:
-                    if response.status_code != 200:
-                        return None
-                    async for chunk in response.aiter_bytes():
+                    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+                    if response.status_code != 200 or encoding != "identity":
+                        return None  # a compressed answer is not decoded: 4 MiB of it could be gigabytes
+                    async for chunk in response.aiter_raw():
                         size += len(chunk)
                         if size > MAX_METRICS_BYTES:
                             return None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import gzip
 import json
 import logging
 import os
@@ -29,7 +31,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvx.errors import ConfigError
 from kvx.metadata.client import MetadataClient
@@ -119,6 +121,16 @@ class FakeVllm:
             return JSONResponse(
                 {"error": {"message": f"{self.name} says no", "code": status}}, status_code=status
             )
+        if test.get("gzip") == self.role:  # a gzip bomb: 16 KiB on the wire, 16 MiB decoded
+            if body.get("stream"):
+
+                async def bomb():
+                    yield _bomb()
+
+                return StreamingResponse(
+                    bomb(), media_type="text/event-stream", headers={"content-encoding": "gzip"}
+                )
+            return Response(_bomb(), media_type="application/json", headers={"content-encoding": "gzip"})
         if test.get("huge") == self.role:  # an answer of this many bytes
             return JSONResponse({"pad": "x" * test["bytes"], "kv_transfer_params": self.kv_params})
         if test.get("trickle") == self.role:  # an answer a byte at a time, for 10 s
@@ -156,6 +168,11 @@ class FakeVllm:
 
     def bodies(self) -> list[dict]:
         return [r["body"] for r in self.received]
+
+
+@functools.cache
+def _bomb() -> bytes:
+    return gzip.compress(b" " * (16 * MiB), compresslevel=9)
 
 
 class Upstreams:
@@ -597,6 +614,24 @@ def test_an_instance_answer_is_bounded_in_bytes_and_in_time(make_proxy, upstream
     assert response.status_code == 504 and time.monotonic() - started < 5, response.text
     assert "did not finish its answer within 1.0 s" in response.json()["error"]["message"]
     assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["prefill"]))
+
+
+def test_a_compressed_answer_is_refused_not_decoded(make_proxy, upstreams):
+    """The attack: an instance answers in gzip, a bomb of 16 KiB that decodes to 16 MiB.
+    httpx decoded each read whole before the byte bound was looked at (and a stream was
+    relayed decoded, unbounded). The proxy asks for identity, reads answers raw, and
+    refuses an encoded one with 502, on either leg and as a stream."""
+    proxy = make_proxy(max_answer_bytes=1 * MiB)
+    for role, stream in (("prefill", False), ("decode", False), ("decode", True)):
+        response = proxy.post(
+            "/v1/completions", json={"prompt": "x", "stream": stream, "test": {"gzip": role}}
+        )
+        assert response.status_code == 502, (role, stream, response.text[:200])
+        assert "Content-Encoding 'gzip' though asked for identity" in response.json()["error"]["message"]
+    asked = {r["headers"].get("accept-encoding") for r in upstreams.got("prefill") + upstreams.got("decode")}
+    assert asked == {"identity"}, asked
+    assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["decode"]))
 
 
 def test_an_instance_trickling_its_headers_is_cut_off(make_proxy, upstreams):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gzip
 import itertools
 import socket
 import threading
@@ -756,6 +757,7 @@ class FakeEngine:
         self.completions: list[dict] = []
         self.tokenized = 0
         self.metrics_text = ""
+        self.metrics_gzip = False
         self.kv_params: dict = {"remote_engine_id": name}  # a prefill answer's kv_transfer_params
         self.gate: threading.Event | None = None  # set: a decode answers only once it is set
         app = FastAPI()
@@ -772,6 +774,8 @@ class FakeEngine:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": 4096}
 
     async def metrics(self) -> Response:
+        if self.metrics_gzip:  # the text, compressed: refused, not decoded
+            return Response(gzip.compress(self.metrics_text.encode()), headers={"content-encoding": "gzip"})
         return Response(self.metrics_text, media_type="text/plain")
 
     async def complete(self, request: Request) -> dict:
@@ -1002,6 +1006,11 @@ def test_equally_loaded_decode_goes_to_the_most_free_kv_cache(engines):
         d1.metrics_text = "x" * (MAX_METRICS_BYTES + 1)
         d0.metrics_text = "garbage {{{ \n"
         assert wait_until(lambda: usage() == {d0.url: None, d1.url: None}, WAIT_S)
+        # A compressed answer (4 MiB of it could decode to gigabytes) is not decoded.
+        d0.metrics_text = 'vllm:kv_cache_usage_perc{engine="0"} 0.3\n'
+        assert wait_until(lambda: usage()[d0.url] == 0.3, WAIT_S)
+        d0.metrics_gzip = True
+        assert wait_until(lambda: usage()[d0.url] is None, WAIT_S)
         client.close()
     finally:
         served.stop()
