@@ -764,8 +764,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         default=[],
         metavar="URL=ENDPOINT[,REPLAY]",
         help="KV-aware routing: subscribe to the KV cache events of the prefill instance URL "
-        "(also given with --prefill), published by its vLLM on ENDPOINT (tcp://host:port of "
-        "--kv-events-config; REPLAY: that of its replay_endpoint, asked for missed batches), and "
+        "(also given with --prefill), published by its vLLM on ENDPOINT (tcp://host:port or "
+        "ipc://path of --kv-events-config; REPLAY: that of its replay_endpoint, asked for missed "
+        "batches), and "
         "send each prompt to the prefill instance with the longest cached prefix, balanced "
         "against load (repeatable; default: route by load only)",
     )
