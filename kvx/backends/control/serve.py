@@ -399,6 +399,8 @@ class InboundConnection:
         # threads' messages (SHM_REVOKE) wait in the outbox until it is free.
         self.send_lock = threading.Lock()
         self._outbox: list[bytes] = []
+        self._flush_waiter = False  # a thread waits to send what the peer did not take
+        self._stuck = False  # the peer did not take all of the outbox in time (warned once)
         self.spins_caught = 0  # polls for the next request that ended readable (KVX_SERVE_SPIN_US)
         # Run once the connection has ended (a backend forgets what it set up for it).
         self._close_hooks: list[Callable[[], None]] = []
@@ -422,7 +424,14 @@ class InboundConnection:
                     logger.warning("closing connection from %s: %s", self.peer_name, fatal.error)
                 else:  # anyone can connect: a flood of bad handshakes must not flood the log
                     self.listener.refused_handshake(self, fatal.error)
-                self.send_error(fatal.request_id, fatal.error)
+                # Under send_lock, as every send after the handshake: another thread's message
+                # must not be cut into; one sent in part would garble the ERROR (then skipped).
+                if self.send_lock.acquire(timeout=_LINGER_S):
+                    try:
+                        if not self._outbox:
+                            self.send_error(fatal.request_id, fatal.error)
+                    finally:
+                        self.send_lock.release()
                 self._linger()
         except (PeerLostError, TimeoutError, OSError) as exc:
             if not self.closing:
@@ -592,9 +601,45 @@ class InboundConnection:
         while self._outbox and self.send_lock.acquire(blocking=False):
             try:
                 if not self._send_outbox():
+                    self._flush_when_writable()
                     return
             finally:
                 self.send_lock.release()
+
+    def _flush_when_writable(self) -> None:
+        """One thread per connection (at most) that sends what the peer did not take once
+        its socket takes bytes again, until nothing waits or the connection ends: a peer
+        that leases and copies sends no request that would carry it out."""
+        with self.lease_lock:
+            if self._flush_waiter:
+                return
+            self._flush_waiter = True
+
+        def wait() -> None:
+            again = False
+            try:
+                poller = select.poll()
+                poller.register(self.sock, select.POLLOUT)
+                while self._outbox and not self.closing:
+                    if poller.poll(1000):
+                        self.flush()  # bounded; a failure leaves it to this thread again
+                        time.sleep(0.05)  # the lock busy, or the peer took only a little
+                again = True
+            except (OSError, ValueError):
+                pass  # the connection is ending: its end releases the leases
+            finally:
+                with self.lease_lock:
+                    self._flush_waiter = False
+                    # A message queued as this thread ended, whose own flush found it running.
+                    again = again and bool(self._outbox) and not self.closing
+            if again:
+                self._flush_when_writable()
+
+        try:
+            threading.Thread(target=wait, name=f"kvx-flush-{self.address}", daemon=True).start()
+        except RuntimeError:  # no thread to be had: the next request or revoke sends it
+            with self.lease_lock:
+                self._flush_waiter = False
 
     def _send_outbox(self) -> bool:
         """With send_lock held: send the outbox within Timeouts.io_s. False when
@@ -617,10 +662,12 @@ class InboundConnection:
         except (OSError, ValueError):  # ValueError: the socket is closed
             return True  # the connection is ending: its end releases the leases
         if not view:
+            self._stuck = False
             return True
         with self.lease_lock:
             self._outbox.insert(0, bytes(view))
-        if not self.closing:
+            warn, self._stuck = not self._stuck and not self.closing, True
+        if warn:  # once until the peer takes it all
             logger.warning(
                 "peer %s took no message for %.3g s (Timeouts.io_s); what it has not taken waits, "
                 "and its leases hold deregister back",
