@@ -36,6 +36,7 @@ from kvx.proxy._legs import (
     _dumps,
     _LegFailed,
     _passthrough,
+    content_encoding,
     prefill_body,
 )
 from kvx.proxy._metrics import ProxyMetrics
@@ -75,8 +76,8 @@ async def _parse_json(raw: bytes) -> Any:
 def _check_identity(response: Any, leg: str, url: str) -> None:
     """_LegFailed (502) for an answer with a content encoding: the proxy asks for none
     (Accept-Encoding: identity), and reads answers raw, bounded in bytes."""
-    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
+    encoding = content_encoding(response)
+    if encoding:
         raise _LegFailed(
             _error(
                 502,
@@ -314,7 +315,7 @@ class _Router:
 
     async def whole(self, response: Any, leg: str, url: str) -> Any:
         """A streamed httpx response read whole, as a response holding its body:
-        at most max_answer_bytes (decoded), within timeout_s in all, so that an
+        at most max_answer_bytes (as sent: never decoded), within timeout_s in all, so that an
         instance can neither fill the proxy's memory nor trickle its answer for
         good. Closes ``response``; _LegFailed (502, 504) past either bound."""
         limit = self.config.max_answer_bytes

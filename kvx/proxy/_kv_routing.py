@@ -27,6 +27,7 @@ from typing import Any
 
 from kvx.proxy._instances import Instance
 from kvx.proxy._kv_events import KvEventSubscriber, PrefixIndex
+from kvx.proxy._legs import content_encoding
 from kvx.proxy._metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,7 @@ class DecodeUsage:
             # answer would stall every instance's reading).
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("GET", url + "/metrics", timeout=self.timeout_s) as response:
-                    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-                    if response.status_code != 200 or encoding != "identity":
+                    if response.status_code != 200 or content_encoding(response):
                         return None  # a compressed answer is not decoded: 4 MiB of it could be gigabytes
                     async for chunk in response.aiter_raw():
                         size += len(chunk)

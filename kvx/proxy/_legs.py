@@ -62,3 +62,9 @@ class _LegFailed(Exception):
             return str(json.loads(bytes(self.response.body))["error"]["message"])
         except (ValueError, KeyError, TypeError):
             return f"HTTP {self.response.status_code}"
+
+
+def content_encoding(response: Any) -> str:
+    """The codings an answer's Content-Encoding names besides identity ("" for none)."""
+    codings = [c.strip().lower() for c in ",".join(response.headers.get_list("content-encoding")).split(",")]
+    return ", ".join(c for c in codings if c and c != "identity")

@@ -38,7 +38,7 @@ from kvx.metadata.client import MetadataClient
 from kvx.metadata.service import MetadataServer, ThreadedServer
 from kvx.proxy import ProxyConfig, build_app
 from kvx.proxy._instances import InstancePool
-from kvx.proxy._legs import PREFILL_KV_TRANSFER_PARAMS, prefill_body
+from kvx.proxy._legs import PREFILL_KV_TRANSFER_PARAMS, content_encoding, prefill_body
 from kvx.proxy._serve import uvicorn_config
 from kvx.v1 import metadata_pb2
 from tests.conftest import native_pass_only, wait_until
@@ -632,6 +632,15 @@ def test_a_compressed_answer_is_refused_not_decoded(make_proxy, upstreams):
     assert asked == {"identity"}, asked
     assert proxy.post("/v1/completions", json={"prompt": "x"}).status_code == 200
     assert wait_until(lambda: all(i["in_flight"] == 0 for i in proxy.get("/healthz").json()["decode"]))
+
+
+def test_content_encodings_besides_identity_are_named():
+    def named(*values: str) -> str:
+        return content_encoding(httpx.Response(200, headers=[("content-encoding", v) for v in values]))
+
+    assert named() == named("") == named("identity") == named("Identity, identity ") == ""
+    assert named("identity, gzip") == named("identity", " GZIP") == "gzip"
+    assert named("br") == "br" and named("gzip, br") == "gzip, br"
 
 
 def test_an_instance_trickling_its_headers_is_cut_off(make_proxy, upstreams):
