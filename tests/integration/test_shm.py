@@ -1072,6 +1072,25 @@ def test_peers_that_read_nothing_hold_back_no_other_revoke_nor_deregisters_timeo
         sock.close()
 
 
+def test_a_notice_to_a_peer_that_reads_nothing_does_not_hold_its_sender(make_agent):
+    """A backend's one-way notice (RDMA_RESET goes to every peer of a rail that was
+    reset, in turn) waited up to Timeouts.io_s for each peer that read nothing; it is
+    sent from a thread of its own now, and reaches the peer, whole, once it reads."""
+    target = make_agent("target", timeouts=kvx.Timeouts(io_s=2.0))
+    target.register(np.zeros(4096, np.uint8))
+    sock, _ = _session(types.SimpleNamespace(metadata=target.metadata()))
+    junk = _stop_reading(target, sock)
+    port = sock.getsockname()[1]
+    (conn,) = [c for c in target._listener._inbound if c.address.endswith(f":{port}")]
+    notice = _wire.pack(MsgType.SHM_REVOKE, 77)  # any one-way message
+    started = time.monotonic()
+    conn.send_oneway(notice)
+    assert time.monotonic() - started < 1.0  # not io_s
+    _recv(sock, junk)
+    assert _revoked(sock) == 77
+    sock.close()
+
+
 def _outcome(fn, *args, **kwargs) -> object:
     try:
         fn(*args, **kwargs)

@@ -338,12 +338,8 @@ class Listener:
         with self._lock:
             inbound = list(self._inbound)
         for conn in inbound:
-            if not conn.queue_revoke(region_id):
-                continue
-            try:
-                threading.Thread(target=conn.flush, name=f"kvx-revoke-{conn.address}", daemon=True).start()
-            except RuntimeError:  # no thread to be had (a threads or pids limit): send it from here
-                conn.flush()
+            if conn.queue_revoke(region_id):
+                conn.flush_soon()
 
     def _inbound_done(self, conn: InboundConnection) -> None:
         with self._lock:
@@ -585,10 +581,19 @@ class InboundConnection:
 
     def send_oneway(self, message: bytes) -> None:
         """Send a message that gets no answer (a backend's notice, say
-        RDMA_RESET) from any thread: now, or after the request being served."""
+        RDMA_RESET) from any thread, without waiting for the peer to take it:
+        from a thread of its own, after the request being served."""
         with self.lease_lock:
             self._outbox.append(message)
-        self.flush()
+        self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """``flush`` on a thread of its own: a caller with a message for each of
+        several peers is held back by none that reads nothing."""
+        try:
+            threading.Thread(target=self.flush, name=f"kvx-send-{self.address}", daemon=True).start()
+        except RuntimeError:  # no thread to be had (a threads or pids limit): send it from here
+            self.flush()
 
     def flush(self) -> None:
         """Send what waits in the outbox, unless another thread is sending
