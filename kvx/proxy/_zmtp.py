@@ -101,7 +101,6 @@ class ZmtpConnection:
         timeout_s: float | None = None,
     ) -> None:
         scheme, address = parse_endpoint(endpoint)
-        self.endpoint = endpoint
         self.max_frame_bytes = max_frame_bytes
         self._stopping = stopping
         self._buffer = bytearray()
