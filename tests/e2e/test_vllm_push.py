@@ -55,6 +55,15 @@ ENGINE_ARGS = [
     "--max-model-len",
     str(MAX_MODEL_LEN),
 ]
+# Prefill stops a push whose id starts with "killed-" after its first WRITE landed, and says
+# so in its log (stall_push/sitecustomize.py): test_prefill_killed_mid_push kills it there.
+STALL_PREFIX = "killed-"
+STALL_ENV = {
+    "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).parent / "stall_push"), os.environ.get("PYTHONPATH")])
+    ),
+    "E2E_STALL_PUSH_PREFIX": STALL_PREFIX,
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +86,7 @@ def cluster(long_model: Path, tmp_path_factory: pytest.TempPathFactory):
             long_model,
             tmp,
             kvx_config("kv_producer", mode="push", lease_s=LEASE_S),
+            extra_env=STALL_ENV,
             extra_args=ENGINE_ARGS,
         ),
         "decode": Engine(
@@ -299,8 +309,6 @@ def test_a_push_that_never_comes_ends_within_the_lease(
 
 
 def _side_channel(cluster: dict[str, Any], name: str) -> tuple[str, int]:
-    import re
-
     m = re.search(
         r"kvx side channel for engine \S+ on ([\d.]+):(\d+)", cluster[name].log.read_text(errors="replace")
     )
@@ -371,21 +379,21 @@ def test_a_rogue_agent_can_neither_redirect_nor_fake_a_push(
 
 def test_prefill_killed_mid_push(cluster: dict[str, Any], reference: dict[int, list[int]]) -> None:
     """Runs last: it kills the prefill engine while it pushes. Both legs of the 3,000-token
-    prompt go out (47 chunks, two WRITEs each); once prefill's request has met decode's
-    registration and its WRITEs begin, prefill is stopped and killed, and decode never sees
-    every layer land. Its load fails at once (the agent is lost, no lease runs out), vLLM's
-    "recompute" computes the prompt locally, and decode counts the failed transfer."""
+    prompt go out (47 chunks, two WRITEs each); prefill's first WRITE lands in decode's
+    blocks, prefill posts no other (its start-up hook stalls the push there) and is stopped
+    and killed, so decode never sees every layer land. Its load fails at once (the agent is
+    lost, no lease runs out), vLLM's "recompute" computes the prompt locally, and decode
+    counts the failed transfer."""
     ident = pull_identity(cluster)
     prompt, expected = PROMPTS[4], reference[4]
     prefill, decode = cluster["prefill"], cluster["decode"]
     failed = decode.metric("vllm:kvx_num_failed_transfers_total")
     lease_ran_out = log_count(cluster, "decode", "prefill did not push within the lease")
-    push_id = f"killed-{uuid.uuid4().hex}"
+    push_id = f"{STALL_PREFIX}{uuid.uuid4().hex}"
     # Both engines computed this prompt before (the reference, earlier pushes): a prefix-cache
     # hit would leave prefill one chunk to compute and send every block with it, at once. A
     # salt of this push's own makes both compute it: prefill in 47 steps.
     salt = {"cache_salt": push_id}
-    log_from = prefill.log.stat().st_size
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         fut = pool.submit(complete, decode.url, prompt, kv=decode_push_params(ident, push_id), **salt)
         wait_until(
@@ -396,17 +404,9 @@ def test_prefill_killed_mid_push(cluster: dict[str, Any], reference: dict[int, l
         pool.submit(
             complete, prefill.url, prompt, max_tokens=1, kv=prefill_push_params(push_id), timeout_s=5, **salt
         )
-        # Prefill logs when its request meets decode's registration and the WRITEs begin: stop
-        # it right then (the log's new bytes are watched closely; the 47 steps take far longer).
-        deadline = time.monotonic() + 30
-        registered = re.compile(rf"push {push_id}: decode \S+ registered".encode())
-        with prefill.log.open("rb") as log:
-            log.seek(log_from)
-            seen = b""
-            while not registered.search(seen):
-                assert time.monotonic() < deadline, "prefill did not start the push within 30 s"
-                time.sleep(0.005)
-                seen = seen[-4096:] + log.read()
+        stalled = f"e2e: push {push_id} stalled after its first WRITE"
+        wait_until(lambda: log_count(cluster, "prefill", stalled) > 0, 30, "prefill's first WRITE")
+        assert log_count(cluster, "prefill", f"{stalled} (landed)") == 1, "its first WRITE did not land"
         prefill.signal(signal.SIGSTOP)
         killed_at = time.monotonic()
         prefill.signal(signal.SIGKILL)
