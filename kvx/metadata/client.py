@@ -15,13 +15,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -141,6 +142,8 @@ MAX_REGISTRATIONS_PER_CALL = 128
 _MAX_BATCH_BYTES = 256 * 1024
 # The most names one watch may name (WatchAgentsRequest.names; the proto's bound).
 MAX_WATCH_NAMES = 4096
+# The most names one GetAgents call may look up (GetAgentsRequest.names; the proto's bound).
+MAX_LOOKUPS_PER_CALL = 64
 # KeepAlive messages sent and not yet answered past which a renewal round is skipped.
 _MAX_UNANSWERED_MESSAGES = 256
 
@@ -259,6 +262,22 @@ def call_metadata(opts: MetadataOptions) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {opts.token}")] if opts.token else None
 
 
+def read_many_through(
+    reader: MetadataClient, service: MetadataClient, names: Sequence[str]
+) -> list[AgentRecord | None]:
+    """``read_through`` of several names, a GetAgents call (or a few) each way: the names
+    ``reader`` lacks (or all, when it does not answer) are asked of ``service``."""
+    records: list[AgentRecord | None] = [None] * len(names)
+    if reader is not service:
+        with contextlib.suppress(ConnectError):
+            records = reader.get_many(names)
+    missing = [i for i, record in enumerate(records) if record is None]
+    if missing:
+        for i, record in zip(missing, service.get_many([names[i] for i in missing]), strict=True):
+            records[i] = record
+    return records
+
+
 def read_through(
     reader: MetadataClient, service: MetadataClient, name: str
 ) -> tuple[AgentRecord | None, MetadataClient]:
@@ -275,6 +294,33 @@ def read_through(
         if record is not None:
             return record, reader
     return service.get(name), service
+
+
+def _match(
+    asked: list[str], response: metadata_pb2.GetAgentsResponse, target: str
+) -> list[AgentRecord | None]:
+    """The records of the names ``response`` answered (it covers ``asked[:answered]``),
+    None for each name it left out; checked, since a service names what it sends."""
+    covered = asked[: response.answered]
+    if not 0 < response.answered <= len(asked):
+        raise MetadataError(
+            f"metadata service at {target}: GetAgents answered {response.answered} of {len(asked)} names"
+        )
+    found = iter(response.records)
+    out: list[AgentRecord | None] = []
+    record = next(found, None)
+    for name in covered:
+        if record is not None and record.name == name:
+            out.append(record)
+            record = next(found, None)
+        else:
+            out.append(None)
+    if record is not None:
+        raise MetadataError(
+            f"metadata service at {target}: GetAgents answered a record of {record.name!r}, "
+            "not one of the names asked, or out of their order"
+        )
+    return out
 
 
 class MetadataClient:
@@ -295,6 +341,7 @@ class MetadataClient:
             self._channel = grpc.insecure_channel(target, options=channel_opts)
         self.stub = metadata_pb2_grpc.MetadataServiceStub(self._channel)
         self.call_metadata = call_metadata(opts)
+        self._one_by_one = False  # the service answered GetAgents UNIMPLEMENTED
 
     def close(self) -> None:
         self._channel.close()
@@ -366,6 +413,26 @@ class MetadataClient:
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
+
+    def get_many(self, names: Sequence[str]) -> list[AgentRecord | None]:
+        """Each name's record (None where no agent has it), in order: in GetAgents calls
+        of MAX_LOOKUPS_PER_CALL names at most, or one GetAgent per name from a service
+        older than GetAgents."""
+        out: list[AgentRecord | None] = []
+        while len(out) < len(names):
+            if self._one_by_one:
+                out.append(self.get(names[len(out)]))
+                continue
+            asked = list(names[len(out) : len(out) + MAX_LOOKUPS_PER_CALL])
+            try:
+                response = self._unary(self.stub.GetAgents, metadata_pb2.GetAgentsRequest(names=asked))
+            except MetadataError as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._one_by_one = True
+                continue
+            out += _match(asked, response, self.target)
+        return out
 
     def list(self, role: str | None = None, labels: dict[str, str] | None = None) -> list[AgentRecord]:
         request = metadata_pb2.ListAgentsRequest(role=role_filter(role), labels=labels or {}, page_size=1000)

@@ -3,7 +3,7 @@
 The memory store lives in one process, and that process's one event loop
 answers every renewal and every lookup: under the renewals of 100,000
 agents, lookups queue behind them. A mirror is a second service that holds
-a copy of the primary's records and answers the reads (GetAgent,
+a copy of the primary's records and answers the reads (GetAgent, GetAgents,
 ListAgents, WatchAgents, the admin API's reads) from it, so that agents
 that look peers up there (``MetadataOptions.read_target``) never wait on
 the primary's loop. Several mirrors of one

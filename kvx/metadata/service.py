@@ -18,7 +18,7 @@ only the lease's holder unregisters a record; the admin API evicts.
 
 Bounds (``ServiceLimits``): registered agents, concurrent watch streams,
 changes queued or kept per watch (a watcher too far behind is cut off), records and bytes per
-list page. Nothing a client asks for copies the whole registry at once.
+list page, names and bytes per GetAgents answer. Nothing a client asks for copies the whole registry at once.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -82,6 +82,8 @@ _REGISTER_MARGIN_S = 0.5
 _REGISTER_TURN = 8
 # WatchAgentsRequest.names: at most this many (the proto's bound).
 MAX_WATCH_NAMES = 4096
+# GetAgentsRequest.names: at most this many (the proto's bound).
+MAX_LOOKUPS_PER_CALL = 64
 # The longest valid agent name (kvx.config.check_name), in bytes (ASCII only).
 _MAX_NAME_BYTES = 128
 # The largest valid names list of a WatchAgentsRequest, encoded: a tag byte, a
@@ -95,6 +97,9 @@ WATCH_BATCH_BYTES_MAX = 1 << 20
 # The tag of WatchAgentsResponse.events (field 4, length-delimited): a batch is the
 # events' cached encodings, each behind this tag and its length.
 _EVENTS_TAG = b"\x22"
+# The tag of GetAgentsResponse.answered (field 2, a varint). Its records are field 1, as
+# GetAgentResponse's record is: the stored GetAgent answers, joined, are its records.
+_ANSWERED_TAG = b"\x10"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +226,9 @@ def _as_is(answer: bytes) -> bytes:
 
 
 # Methods whose servicer returns (or yields) its answers already encoded, sent as they
-# are: GetAgent's cached per record, WatchAgents' encoded once per event for every watcher.
-_ENCODED_ANSWERS = frozenset({"GetAgent", "WatchAgents"})
+# are: GetAgent's cached per record (GetAgents' joins them), WatchAgents' encoded once per
+# event for every watcher.
+_ENCODED_ANSWERS = frozenset({"GetAgent", "GetAgents", "WatchAgents"})
 
 
 def _handlers(servicer: Any) -> grpc.GenericRpcHandler:
@@ -627,6 +633,36 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             raise _not_found(name)
         record.ClearField("lease_id")  # the registrant's secret
         return metadata_pb2.GetAgentResponse(record=record)
+
+    async def GetAgents(self, request, context):  # noqa: N802
+        return await self._call("GetAgents", request, context, lambda: self.get_many(request.names))
+
+    async def get_many(self, names: Sequence[str]) -> bytes:
+        """The encoded GetAgentsResponse: the stored GetAgent answers of the names found,
+        joined, up to ``max_page_bytes`` (at least one name's), and how many names it covers."""
+        if len(names) > MAX_LOOKUPS_PER_CALL:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(names)} names in one GetAgentsRequest; at most {MAX_LOOKUPS_PER_CALL}: "
+                "split them over several calls",
+            )
+        for name in names:
+            try:
+                check_name(name)
+            except ConfigError as exc:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"names: {exc}") from None
+        parts: list[bytes] = []
+        size = answered = 0
+        for name in names:
+            answer = await self.store.get_answer(name)
+            if answer is not None:
+                if answered and size + len(answer) > self.limits.max_page_bytes:
+                    break
+                parts.append(answer)
+                size += len(answer)
+            answered += 1
+        parts += (_ANSWERED_TAG, _varint(answered))
+        return b"".join(parts)
 
     async def ListAgents(self, request, context):  # noqa: N802
         return await self._call("ListAgents", request, context, lambda: self.list(request))

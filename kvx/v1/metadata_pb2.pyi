@@ -149,6 +149,20 @@ class GetAgentResponse(_message.Message):
     record: AgentRecord
     def __init__(self, record: _Optional[_Union[AgentRecord, _Mapping]] = ...) -> None: ...
 
+class GetAgentsRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetAgentsResponse(_message.Message):
+    __slots__ = ("records", "answered")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[AgentRecord]
+    answered: int
+    def __init__(self, records: _Optional[_Iterable[_Union[AgentRecord, _Mapping]]] = ..., answered: _Optional[int] = ...) -> None: ...
+
 class ListAgentsRequest(_message.Message):
     __slots__ = ("role", "labels", "page_size", "page_token")
     class LabelsEntry(_message.Message):

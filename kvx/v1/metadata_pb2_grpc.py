@@ -59,6 +59,11 @@ class MetadataServiceStub(object):
                 request_serializer=kvx_dot_v1_dot_metadata__pb2.GetAgentRequest.SerializeToString,
                 response_deserializer=kvx_dot_v1_dot_metadata__pb2.GetAgentResponse.FromString,
                 _registered_method=True)
+        self.GetAgents = channel.unary_unary(
+                '/kvx.v1.MetadataService/GetAgents',
+                request_serializer=kvx_dot_v1_dot_metadata__pb2.GetAgentsRequest.SerializeToString,
+                response_deserializer=kvx_dot_v1_dot_metadata__pb2.GetAgentsResponse.FromString,
+                _registered_method=True)
         self.ListAgents = channel.unary_unary(
                 '/kvx.v1.MetadataService/ListAgents',
                 request_serializer=kvx_dot_v1_dot_metadata__pb2.ListAgentsRequest.SerializeToString,
@@ -113,6 +118,19 @@ class MetadataServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetAgents(self, request, context):
+        """Several lookups in one call (the agents of one engine, a rank each): the
+        records of the names found, in the order asked, each as GetAgent answers
+        it; a name no agent has is left out. At most 64 names (more is refused
+        with INVALID_ARGUMENT). An answer ends early at the service's page byte
+        bound, always covering at least one name: `answered` says how many of the
+        names, from the first, it covers; ask again for the rest. A service
+        without it answers UNIMPLEMENTED: look the names up one by one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListAgents(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -157,6 +175,11 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.GetAgent,
                     request_deserializer=kvx_dot_v1_dot_metadata__pb2.GetAgentRequest.FromString,
                     response_serializer=kvx_dot_v1_dot_metadata__pb2.GetAgentResponse.SerializeToString,
+            ),
+            'GetAgents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAgents,
+                    request_deserializer=kvx_dot_v1_dot_metadata__pb2.GetAgentsRequest.FromString,
+                    response_serializer=kvx_dot_v1_dot_metadata__pb2.GetAgentsResponse.SerializeToString,
             ),
             'ListAgents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAgents,
@@ -304,6 +327,33 @@ class MetadataService(object):
             '/kvx.v1.MetadataService/GetAgent',
             kvx_dot_v1_dot_metadata__pb2.GetAgentRequest.SerializeToString,
             kvx_dot_v1_dot_metadata__pb2.GetAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAgents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvx.v1.MetadataService/GetAgents',
+            kvx_dot_v1_dot_metadata__pb2.GetAgentsRequest.SerializeToString,
+            kvx_dot_v1_dot_metadata__pb2.GetAgentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -161,3 +161,209 @@ def test_get_agent_needs_the_token_and_well_formed_requests():
             kvx.Agent("no-token", metadata=srv.address)
         assert stub.GetAgent(metadata_pb2.GetAgentRequest(name="t"), metadata=good).record.epoch == 1
         channel.close()
+
+
+def _raw_get_many(channel, names, metadata=None) -> bytes:
+    """GetAgents' answer as the bytes that crossed the wire."""
+    call = channel.unary_unary(f"/{SERVICE_NAME}/GetAgents")
+    return call(metadata_pb2.GetAgentsRequest(names=names).SerializeToString(), timeout=10, metadata=metadata)
+
+
+def _big(name: str, epoch: int) -> metadata_pb2.AgentRecord:
+    """A record of about 12 KiB: three full engine_info values."""
+    record = _record(name, epoch, 1)
+    for key in ("a", "b", "c"):
+        record.engine_info[key] = key * 4000
+    return record
+
+
+def test_get_agents_answers_each_name_in_order_as_get_agent_does(service):
+    """One call answers several names: each found name's record exactly as GetAgent
+    answers it (no lease id), in the order asked, a name no agent has left out; a
+    client looks up any number of names in calls of MAX_LOOKUPS_PER_CALL."""
+    from kvx.metadata.client import MAX_LOOKUPS_PER_CALL, MetadataClient
+
+    metrics = service.server.metrics.registry
+
+    def calls(method):
+        return metrics.get_sample_value("kvx_metadata_request_seconds_count", {"method": method}) or 0
+
+    channel = grpc.insecure_channel(service.address)
+    stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+    leases = []
+    for i in range(70):
+        reply = stub.RegisterAgent(
+            metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}", 100 + i, i, i + 1), ttl_s=30)
+        )
+        leases.append(reply.lease_id)
+    names = ["m3", "nobody", "m0", "m3", "m69"]
+    raw = _raw_get_many(channel, names)
+    answer = metadata_pb2.GetAgentsResponse.FromString(raw)
+    assert answer.answered == len(names)
+    assert [r.name for r in answer.records] == ["m3", "m0", "m3", "m69"]
+    for record in answer.records:
+        alone = metadata_pb2.GetAgentResponse(record=record).SerializeToString()
+        assert alone == _raw_get(channel, record.name)  # the very bytes GetAgent sends
+        _no_lease_in(alone, *leases)
+    assert metadata_pb2.GetAgentsResponse.FromString(_raw_get_many(channel, [])).answered == 0
+
+    client = MetadataClient(service.address)
+    before_many, before_one = calls("GetAgents"), calls("GetAgent")
+    asked = [f"m{i}" for i in range(70)] + ["nobody", "m5"] + [f"m{i}" for i in range(60)]
+    got = client.get_many(asked)
+    assert [r.epoch if r is not None else None for r in got] == [
+        None if name == "nobody" else 100 + int(name[1:]) for name in asked
+    ]
+    assert all(r is None or r.lease_id == 0 for r in got)
+    assert calls("GetAgents") - before_many == -(-len(asked) // MAX_LOOKUPS_PER_CALL)  # 3 calls
+    assert calls("GetAgent") == before_one
+    client.close()
+    channel.close()
+
+
+def test_get_agents_is_bounded_and_checked_like_every_call():
+    """The attacks: more names than the bound, a name no agent may have, no token,
+    garbage bytes. And an answer stops at the page byte bound (always answering one
+    name, however large its record), the client asking again for the rest."""
+    from kvx.metadata.client import MAX_LOOKUPS_PER_CALL, MetadataClient, MetadataOptions
+    from kvx.metadata.service import ServiceLimits
+
+    limits = ServiceLimits(max_page_bytes=30_000)
+    with ThreadedServer(MetadataServer("127.0.0.1:0", token=TOKEN, limits=limits)) as srv:
+        channel = grpc.insecure_channel(srv.address)
+        good = (("authorization", f"Bearer {TOKEN}"),)
+        stub = metadata_pb2_grpc.MetadataServiceStub(channel)
+        for i in range(5):
+            stub.RegisterAgent(
+                metadata_pb2.RegisterAgentRequest(record=_big(f"b{i}", i + 1), ttl_s=30), metadata=good
+            )
+
+        too_many = [f"b{i % 5}" for i in range(MAX_LOOKUPS_PER_CALL + 1)]
+        code, details = _code(lambda: _raw_get_many(channel, too_many, good))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"at most {MAX_LOOKUPS_PER_CALL}" in details
+        for bad in ("", "a/b", "x" * 129, "b0\n"):
+            code, details = _code(lambda bad=bad: _raw_get_many(channel, ["b0", bad], good))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid agent name" in details, bad
+        for metadata in (None, (("authorization", "Bearer wrong-token-0123456789"),)):
+            code, _ = _code(lambda metadata=metadata: _raw_get_many(channel, ["b0", "nobody"], metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        call = channel.unary_unary(f"/{SERVICE_NAME}/GetAgents")
+        for garbage in (b"\xff\xff\xff\xff\x0f", b"\x0a\x05ab"):
+            code, details = _code(lambda garbage=garbage: call(garbage, timeout=10, metadata=good))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in details, garbage
+
+        # About 12 KiB a record, 30,000 bytes a page: two records, then the rest.
+        answer = metadata_pb2.GetAgentsResponse.FromString(
+            _raw_get_many(channel, ["b0", "nobody", "b1", "b2", "b3"], good)
+        )
+        assert (answer.answered, [r.name for r in answer.records]) == (3, ["b0", "b1"])
+        tight = ServiceLimits(max_page_bytes=1000)
+        srv.server.servicer.limits = tight  # smaller than one record: one name an answer
+        answer = metadata_pb2.GetAgentsResponse.FromString(_raw_get_many(channel, ["b4", "b0"], good))
+        assert (answer.answered, [r.name for r in answer.records]) == (1, ["b4"])
+        srv.server.servicer.limits = limits
+        client = MetadataClient(srv.address, MetadataOptions(token=TOKEN))
+        got = client.get_many(["b4", "b3", "nobody", "b2", "b1", "b0"])
+        assert [r.epoch if r else None for r in got] == [5, 4, None, 3, 2, 1]
+        client.close()
+        channel.close()
+
+
+def test_a_service_without_get_agents_is_asked_one_name_at_a_time():
+    """A service older than GetAgents answers UNIMPLEMENTED: the client looks each
+    name up with GetAgent from then on, and gets the same answer."""
+    from concurrent import futures
+
+    from kvx.metadata.client import MetadataClient
+
+    records = {name: _record(name, 7, 1) for name in ("x0", "x1")}
+    asked: list[str] = []
+
+    def get_agent(request: bytes, context) -> bytes:
+        name = metadata_pb2.GetAgentRequest.FromString(request).name
+        asked.append(name)
+        if name not in records:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no agent {name!r}")
+        return metadata_pb2.GetAgentResponse(record=records[name]).SerializeToString()
+
+    old = grpc.server(futures.ThreadPoolExecutor(2))
+    old.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME, {"GetAgent": grpc.unary_unary_rpc_method_handler(get_agent)}
+            )
+        ]
+    )
+    port = old.add_insecure_port("127.0.0.1:0")
+    old.start()
+    try:
+        client = MetadataClient(f"127.0.0.1:{port}")
+        assert [r.name if r else None for r in client.get_many(["x1", "nobody", "x0"])] == ["x1", None, "x0"]
+        assert [r.name if r else None for r in client.get_many(["x0"])] == ["x0"]
+        assert asked == ["x1", "nobody", "x0", "x0"]
+        client.close()
+    finally:
+        old.stop(None)
+
+
+def test_an_answer_of_names_not_asked_is_refused():
+    """A GetAgents answer is checked against the names asked: a record of a name not
+    asked (or out of order), or a count of names answered that is out of range, is an
+    error, not a record handed to the caller under another name."""
+    from kvx.metadata.client import _match
+
+    def answer(answered, *names):
+        return metadata_pb2.GetAgentsResponse(answered=answered, records=[_record(n, 1) for n in names])
+
+    assert [r.name if r else None for r in _match(["a", "b", "c"], answer(3, "a", "c"), "t")] == [
+        "a",
+        None,
+        "c",
+    ]
+    assert [r.name if r else None for r in _match(["a", "b", "c"], answer(2, "b"), "t")] == [None, "b"]
+    for bad in (answer(3, "c", "a"), answer(2, "a", "c"), answer(3, "evil"), answer(0), answer(4, "a")):
+        with pytest.raises(kvx.MetadataError, match="GetAgents answered"):
+            _match(["a", "b", "c"], bad, "t")
+
+
+def test_names_a_read_replica_lacks_are_asked_of_the_service():
+    """read_many_through: one GetAgents call to the replica, one to the service for the
+    names the replica lacks (or for all, when the replica does not answer)."""
+    from kvx.metadata.client import MetadataClient, read_many_through
+
+    with (
+        ThreadedServer(MetadataServer("127.0.0.1:0")) as replica,
+        ThreadedServer(MetadataServer("127.0.0.1:0")) as primary,
+    ):
+        for address, epochs in ((replica.address, {"r0": 1}), (primary.address, {"r0": 2, "r1": 2})):
+            stub = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(address))
+            for name, epoch in epochs.items():
+                stub.RegisterAgent(
+                    metadata_pb2.RegisterAgentRequest(record=_record(name, epoch, 1), ttl_s=30)
+                )
+
+        def calls(srv):
+            registry = srv.server.metrics.registry
+            return (
+                registry.get_sample_value("kvx_metadata_request_seconds_count", {"method": "GetAgents"}) or 0
+            )
+
+        reader, service = MetadataClient(replica.address, reader=True), MetadataClient(primary.address)
+        got = read_many_through(reader, service, ["r0", "r1", "nobody"])
+        assert [(r.name, r.epoch) if r else None for r in got] == [("r0", 1), ("r1", 2), None]
+        assert (calls(replica), calls(primary)) == (1, 1)
+        assert [r.epoch for r in read_many_through(service, service, ["r0", "r1"])] == [2, 2]
+        reader.close()
+        dead = MetadataClient(f"127.0.0.1:{_closed_port()}", reader=True)
+        got = read_many_through(dead, service, ["r0", "nobody"])
+        assert [(r.name, r.epoch) if r else None for r in got] == [("r0", 2), None]
+        dead.close()
+        service.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
