@@ -45,7 +45,7 @@ from kvx.connectors.vllm.meta import (
 from kvx.connectors.vllm.push import PushWorker, check_push_groups
 from kvx.descs import Descs
 from kvx.errors import ConfigError, EpochError, KvxError, PeerLostError, ProtocolError
-from kvx.metadata.client import MetadataOptions
+from kvx.metadata.client import MAX_LOOKUPS_PER_CALL, MetadataOptions
 from kvx.transfer import Transfer
 
 if TYPE_CHECKING:
@@ -519,7 +519,7 @@ class KvxWorker:
             )
         import json
 
-        from kvx.metadata.client import MetadataClient, read_through
+        from kvx.metadata.client import MetadataClient, read_many_through
 
         if self._metadata_client is None:
             client = MetadataClient(self.cfg.metadata, self._metadata_options())
@@ -533,17 +533,32 @@ class KvxWorker:
         ranks: list[Any] = []
         info: dict[str, Any] = {}
         epochs = [str(e) for e in params["kvx"].get("epochs", ())]
-        for i, name in enumerate(params["kvx"]["agents"]):
-            record, _ = read_through(self._metadata_reader, self._metadata_client, str(name))
-            if (
-                record is not None
-                and self._metadata_reader is not self._metadata_client
-                and i < len(epochs)
-                and f"{record.epoch:#x}" != epochs[i]
-            ):
-                # Another epoch than the request names: a read replica may not have copied a
-                # restart of a moment ago; the service itself has the last word.
-                record = self._metadata_client.get(str(name))
+        names = params["kvx"]["agents"]
+        if (
+            not isinstance(names, list)
+            or not 0 < len(names) <= MAX_LOOKUPS_PER_CALL
+            or not all(isinstance(name, str) for name in names)
+        ):
+            shown = f"{len(names)} entries" if isinstance(names, list) else type(names).__name__
+            raise ProtocolError(
+                f"kv_transfer_params' kvx.agents must list 1 to {MAX_LOOKUPS_PER_CALL} agent names "
+                f"(one per prefill rank), not {shown}"
+            )
+        # One GetAgents call for every rank.
+        records = read_many_through(self._metadata_reader, self._metadata_client, names)
+        if self._metadata_reader is not self._metadata_client:
+            # Another epoch than the request names: a read replica may not have copied a
+            # restart of a moment ago; the service itself has the last word.
+            stale = [
+                i
+                for i, record in enumerate(records)
+                if record is not None and i < len(epochs) and f"{record.epoch:#x}" != epochs[i]
+            ]
+            if stale:
+                fresh = self._metadata_client.get_many([names[i] for i in stale])
+                for i, record in zip(stale, fresh, strict=True):
+                    records[i] = record
+        for name, record in zip(names, records, strict=True):
             if record is None:
                 raise PeerLostError(
                     f"prefill agent {name!r} is not registered in the metadata service "
