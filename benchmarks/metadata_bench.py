@@ -10,6 +10,8 @@ Every mode prints one JSON object. The goal figures, one command each:
     python benchmarks/metadata_bench.py --agents 100000 --lookups-per-s 1000 --duration-s 60 --read-replicas 2
     # service CPU per lookup (no renewals) and per renewal (no lookups)
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --no-keepalive
+    # the same, the 8 ranks of an engine looked up in one GetAgents call
+    python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --no-keepalive --lookup-batch 8
     python benchmarks/metadata_bench.py --agents 100000 --duration-s 60 --renewals-only
     # registration storm: the service is killed and restarted, every agent registers again
     python benchmarks/metadata_bench.py --mode storm --agents 100000
@@ -35,6 +37,9 @@ watchers to the read replicas when there are any):
     one has answered), each latency measured from its scheduled time
     (lookup_*); also how late the generator started each call
     (lookup_start_late_*) and the latency from that start (lookup_from_start_*).
+    With --lookup-batch N, GetAgents of N consecutive agents (an engine's
+    ranks) at --lookups-per-s / N calls a second: rates and CPU per lookup
+    count names, latencies count calls.
   - watchers (--watch-procs, watch mode): --watchers WatchAgents streams, each
     on --names-per-watcher names of the --watched-agents agents (or all
     agents with --watch-all).
@@ -551,11 +556,23 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
 
     from kvx.v1 import metadata_pb2
 
-    requests = [metadata_pb2.GetAgentRequest(name=_name(i)).SerializeToString() for i in range(cfg["agents"])]
+    batch = cfg["lookup_batch"]
+    if batch == 1:
+        method = "GetAgent"
+        requests = [
+            metadata_pb2.GetAgentRequest(name=_name(i)).SerializeToString() for i in range(cfg["agents"])
+        ]
+    else:  # an engine's ranks: consecutive agents
+        method = "GetAgents"
+        requests = [
+            metadata_pb2.GetAgentsRequest(names=[_name(j) for j in range(i, i + batch)]).SerializeToString()
+            for i in range(0, cfg["agents"] - batch + 1, batch)
+        ]
+    rate /= batch  # calls a second
 
     async def main() -> dict:
         chans = [_channel(a) for a in cfg["read_addresses"]]
-        methods = [c.unary_unary(SERVICE + "GetAgent") for c in chans]
+        methods = [c.unary_unary(SERVICE + method) for c in chans]
         for m in methods:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await m(requests[0], timeout=10)
@@ -570,7 +587,11 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
             code = 0
             started = time.monotonic()
             try:
-                await methods[k % len(methods)](requests[random.randrange(len(requests))], timeout=10)
+                answer = await methods[k % len(methods)](
+                    requests[random.randrange(len(requests))], timeout=10
+                )
+                if batch > 1 and len(metadata_pb2.GetAgentsResponse.FromString(answer).records) < batch:
+                    code = 1  # a name not found (or not answered)
             except grpc.aio.AioRpcError as exc:
                 code = 1 if exc.code() == grpc.StatusCode.NOT_FOUND else 2
                 if code == 2:
@@ -604,7 +625,7 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
         return {
             "sent": k,
             "unanswered": k - len(lat_ms),  # still waiting 15 s after the window
-            "rate_per_s": round(k / elapsed, 1),
+            "rate_per_s": round(k * batch / elapsed, 1),  # names
             "cpu_cores": round(cpu / elapsed, 3),
             "errors": dict(errors),
             "at": np.asarray(at_s),
@@ -993,6 +1014,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--agent-procs", type=int, default=2, help="agent-host load generator processes")
     p.add_argument("--lookup-procs", type=int, default=1)
     p.add_argument(
+        "--lookup-batch",
+        type=int,
+        default=1,
+        help="names per lookup call: 1 sends GetAgent, more send GetAgents of that many consecutive agents",
+    )
+    p.add_argument(
         "--register-concurrency", type=int, default=64, help="registration calls in flight per process"
     )
     p.add_argument(
@@ -1045,6 +1072,8 @@ def _parse() -> argparse.Namespace:
         "others, so that they do not take turns on the same cores (default: all share all)",
     )
     args = p.parse_args()
+    if not 1 <= args.lookup_batch <= min(64, args.agents):
+        p.error("--lookup-batch: 1 to 64 names a call (GetAgentsRequest's bound), at most --agents")
     if args.replicas > 1 and args.store == "memory":
         p.error("--replicas > 1 needs a shared store: --store etcd or etcd://...")
     if args.read_replicas < 0 or (args.read_replicas and args.store != "memory"):
@@ -1087,6 +1116,7 @@ def main() -> int:
         "agents": args.agents,
         "agents_per_process": args.agents_per_process,
         "register_batch": args.register_batch,
+        "lookup_batch": args.lookup_batch,
     }
     try:
         for _ in range(args.replicas):
@@ -1113,6 +1143,7 @@ def main() -> int:
             "watch_all": args.watch_all,
             "load_cpus": _load_cpus(args.service_cpus),
             "load_event_loop": args.load_event_loop,
+            "lookup_batch": args.lookup_batch,
         }
         first = args.watched_agents if args.mode == "watch" else 0
         shares = _split(first, args.agents, args.agent_procs) if first < args.agents else []
@@ -1340,7 +1371,11 @@ def _lookup_figures(
         result["lookups_not_found"] = int((code == 1).sum())
         result["lookup_errors"] = int((code == 2).sum())
         if args.no_keepalive and ok.any():
-            result["service_cpu_us_per_lookup"] = round(service_cpu * window / ok.sum() * 1e6, 1)
+            # Per name looked up; per call too when a call looks up several.
+            per_call = service_cpu * window / ok.sum() * 1e6
+            result["service_cpu_us_per_lookup"] = round(per_call / args.lookup_batch, 1)
+            if args.lookup_batch > 1:
+                result["service_cpu_us_per_call"] = round(per_call, 1)
     result["lookup_error_codes"] = _merge(r["errors"] for r in looks.values())
     result["lookups_unanswered"] = sum(r["unanswered"] for r in looks.values())
 
