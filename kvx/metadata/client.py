@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
@@ -144,6 +145,9 @@ _MAX_BATCH_BYTES = 256 * 1024
 MAX_WATCH_NAMES = 4096
 # The most names one GetAgents call may look up (GetAgentsRequest.names; the proto's bound).
 MAX_LOOKUPS_PER_CALL = 64
+# A service that answered GetAgents UNIMPLEMENTED is asked one name a call this long,
+# then GetAgents again (it, or the one behind its address, may have been upgraded).
+ONE_BY_ONE_S = 60.0
 # KeepAlive messages sent and not yet answered past which a renewal round is skipped.
 _MAX_UNANSWERED_MESSAGES = 256
 
@@ -341,7 +345,7 @@ class MetadataClient:
             self._channel = grpc.insecure_channel(target, options=channel_opts)
         self.stub = metadata_pb2_grpc.MetadataServiceStub(self._channel)
         self.call_metadata = call_metadata(opts)
-        self._one_by_one = False  # the service answered GetAgents UNIMPLEMENTED
+        self._one_by_one_until = -math.inf  # the service answered GetAgents UNIMPLEMENTED
 
     def close(self) -> None:
         self._channel.close()
@@ -415,24 +419,33 @@ class MetadataClient:
             raise
 
     def get_many(self, names: Sequence[str]) -> list[AgentRecord | None]:
-        """Each name's record (None where no agent has it), in order: in GetAgents calls
-        of MAX_LOOKUPS_PER_CALL names at most, or one GetAgent per name from a service
-        older than GetAgents."""
-        out: list[AgentRecord | None] = []
-        while len(out) < len(names):
-            if self._one_by_one:
-                out.append(self.get(names[len(out)]))
+        """Each name's record (None where no agent has it), in order: each name asked once,
+        in GetAgents calls of MAX_LOOKUPS_PER_CALL names at most; from a service that
+        answers GetAgents UNIMPLEMENTED (older than it), one GetAgent per name for the
+        next ONE_BY_ONE_S."""
+        unique = list(dict.fromkeys(names))
+        found: list[AgentRecord | None] = []
+        while len(found) < len(unique):
+            name = unique[len(found)]
+            if time.monotonic() < self._one_by_one_until:
+                record = self.get(name)
+                if record is not None and record.name != name:
+                    raise MetadataError(
+                        f"metadata service at {self.target}: GetAgent of {name!r} answered {record.name!r}'s record"
+                    )
+                found.append(record)
                 continue
-            asked = list(names[len(out) : len(out) + MAX_LOOKUPS_PER_CALL])
+            asked = unique[len(found) : len(found) + MAX_LOOKUPS_PER_CALL]
             try:
                 response = self._unary(self.stub.GetAgents, metadata_pb2.GetAgentsRequest(names=asked))
             except MetadataError as exc:
                 if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                     raise
-                self._one_by_one = True
+                self._one_by_one_until = time.monotonic() + ONE_BY_ONE_S
                 continue
-            out += _match(asked, response, self.target)
-        return out
+            found += _match(asked, response, self.target)
+        by_name = dict(zip(unique, found, strict=True))
+        return [by_name[name] for name in names]
 
     def list(self, role: str | None = None, labels: dict[str, str] | None = None) -> list[AgentRecord]:
         request = metadata_pb2.ListAgentsRequest(role=role_filter(role), labels=labels or {}, page_size=1000)

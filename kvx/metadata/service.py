@@ -18,7 +18,7 @@ only the lease's holder unregisters a record; the admin API evicts.
 
 Bounds (``ServiceLimits``): registered agents, concurrent watch streams,
 changes queued or kept per watch (a watcher too far behind is cut off), records and bytes per
-list page, names and bytes per GetAgents answer. Nothing a client asks for copies the whole registry at once.
+list page, bytes per GetAgents answer (and MAX_LOOKUPS_PER_CALL names a call). Nothing a client asks for copies the whole registry at once.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ class ServiceLimits:
                         and resynchronises). On etcd, past it, it is cut off.
     max_page_size, max_page_bytes: one ListAgents page (larger page sizes
                         are lowered; a page ends early at the byte bound,
-                        always holding at least one record).
+                        always holding at least one record). A GetAgents
+                        answer ends early at max_page_bytes too.
     max_list_scan:      records one ListAgents call looks at to fill a
                         filtered page; past it the page is returned short,
                         with a next_page_token.
@@ -638,8 +639,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         return await self._call("GetAgents", request, context, lambda: self.get_many(request.names))
 
     async def get_many(self, names: Sequence[str]) -> bytes:
-        """The encoded GetAgentsResponse: the stored GetAgent answers of the names found,
-        joined, up to ``max_page_bytes`` (at least one name's), and how many names it covers."""
+        """The encoded GetAgentsResponse: the GetAgent answers of the names found (the
+        stored ones, on the memory store and a read replica), joined, up to
+        ``max_page_bytes`` (at least one name's), and how many names it covers."""
         if len(names) > MAX_LOOKUPS_PER_CALL:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -651,10 +653,12 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 check_name(name)
             except ConfigError as exc:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"names: {exc}") from None
+        if len(set(names)) != len(names):
+            # Each copy would be answered in full: a small request, a large answer.
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "names: a name is given twice")
         parts: list[bytes] = []
         size = answered = 0
-        for name in names:
-            answer = await self.store.get_answer(name)
+        for answer in await self.store.get_answers(names):
             if answer is not None:
                 if answered and size + len(answer) > self.limits.max_page_bytes:
                     break

@@ -173,6 +173,11 @@ class Store(abc.ABC):
         record = await self.get(name)
         return None if record is None else encode_answer(record)
 
+    async def get_answers(self, names: Sequence[str]) -> list[bytes | None]:
+        """``get_answer`` of each of ``names`` (GetAgents), in order. This default asks
+        one after another: right for stores that answer from memory without waiting."""
+        return [await self.get_answer(name) for name in names]
+
     @abc.abstractmethod
     async def lease_ttl(self, lease_id: int) -> int:
         """A lease's remaining time to live in whole seconds (rounded up), without

@@ -121,11 +121,12 @@ class MetadataServiceServicer(object):
     def GetAgents(self, request, context):
         """Several lookups in one call (the agents of one engine, a rank each): the
         records of the names found, in the order asked, each as GetAgent answers
-        it; a name no agent has is left out. At most 64 names (more is refused
-        with INVALID_ARGUMENT). An answer ends early at the service's page byte
-        bound, always covering at least one name: `answered` says how many of the
-        names, from the first, it covers; ask again for the rest. A service
-        without it answers UNIMPLEMENTED: look the names up one by one.
+        it; a name no agent has is left out. At most 64 names, each valid and
+        given once (else INVALID_ARGUMENT). An answer ends early at the service's
+        page byte bound, covering at least one name when any is asked: `answered`
+        says how many of the names, from the first, it covers; ask again for the
+        rest. A service without it answers UNIMPLEMENTED: look the names up one
+        by one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

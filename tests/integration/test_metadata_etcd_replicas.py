@@ -20,6 +20,7 @@ import pytest
 
 from kvx.metadata.etcd import EXPIRY_GRACE_S, FORWARDS_MAX, TAKEOVER_EXTRA_S, EtcdStore
 from kvx.metadata.store import AgentRecord, EventType, StoreError, WatchLagError
+from kvx.v1.metadata_pb2 import GetAgentResponse
 from tests.conftest import native_pass_only
 
 pytestmark = [pytest.mark.slow, native_pass_only]
@@ -109,6 +110,49 @@ def test_mirror_answers_gets_and_follows_other_replicas(etcd_server):
             assert await a.delete_if("n1", rev2)
             await until(lambda: "n1" not in b._mirror, 5, "b to see a's delete")
             assert await b.get("n1") is None and await b.count() == 0
+
+    run(body())
+
+
+def test_get_answers_reads_what_the_mirror_lacks_from_etcd_at_once(etcd_server):
+    """GetAgents on etcd: names the mirror lacks (it lags here) are read from etcd
+    concurrently, not one read after another; names it holds are read from it alone.
+    Every answer is GetAgent's, lease id cleared."""
+
+    async def body():
+        async with replicas(etcd_server, slow_mirror_s=0.5) as (a, b):
+            lease = await a.grant_lease(30)
+            revs = [await a.put_if(record(f"g{i}", v=str(i)), lease, 0) for i in range(3)]
+            in_flight, most = 0, 0
+            call = b._call
+
+            async def counted(*args, **kwargs):
+                nonlocal in_flight, most
+                in_flight += 1
+                most = max(most, in_flight)
+                try:
+                    return await call(*args, **kwargs)
+                finally:
+                    in_flight -= 1
+
+            b._call = counted  # type: ignore[method-assign]
+            names = ["g0", "g1", "nobody", "g2"]
+            assert not any(n in b._mirror for n in names)
+            reads = b.etcd_reads
+            answers = await b.get_answers(names)
+            assert b.etcd_reads - reads == 4 and most == 4  # all four at once
+            got = [None if a is None else GetAgentResponse.FromString(a).record for a in answers]
+            assert [(r.name, r.revision, r.lease_id) if r else None for r in got] == [
+                ("g0", revs[0], 0),
+                ("g1", revs[1], 0),
+                None,
+                ("g2", revs[2], 0),
+            ]
+            await until(lambda: all(f"g{i}" in b._mirror for i in range(3)), 5, "b's mirror to see them")
+            reads = b.etcd_reads
+            assert await b.get_answers(["g2", "g0"]) == [answers[3], answers[0]]
+            assert b.etcd_reads == reads  # from the mirror
+            assert await b.get_answers([]) == []
 
     run(body())
 

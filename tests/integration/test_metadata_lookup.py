@@ -4,6 +4,7 @@ they were made from, and go through the same checks (token, request bytes)
 as every other call."""
 
 import functools
+import time
 
 import grpc
 import pytest
@@ -196,11 +197,11 @@ def test_get_agents_answers_each_name_in_order_as_get_agent_does(service):
             metadata_pb2.RegisterAgentRequest(record=_record(f"m{i}", 100 + i, i, i + 1), ttl_s=30)
         )
         leases.append(reply.lease_id)
-    names = ["m3", "nobody", "m0", "m3", "m69"]
+    names = ["m3", "nobody", "m0", "m69"]
     raw = _raw_get_many(channel, names)
     answer = metadata_pb2.GetAgentsResponse.FromString(raw)
     assert answer.answered == len(names)
-    assert [r.name for r in answer.records] == ["m3", "m0", "m3", "m69"]
+    assert [r.name for r in answer.records] == ["m3", "m0", "m69"]
     for record in answer.records:
         alone = metadata_pb2.GetAgentResponse(record=record).SerializeToString()
         assert alone == _raw_get(channel, record.name)  # the very bytes GetAgent sends
@@ -215,7 +216,8 @@ def test_get_agents_answers_each_name_in_order_as_get_agent_does(service):
         None if name == "nobody" else 100 + int(name[1:]) for name in asked
     ]
     assert all(r is None or r.lease_id == 0 for r in got)
-    assert calls("GetAgents") - before_many == -(-len(asked) // MAX_LOOKUPS_PER_CALL)  # 3 calls
+    # Each name asked once: 71 names, two calls.
+    assert calls("GetAgents") - before_many == -(-len(set(asked)) // MAX_LOOKUPS_PER_CALL) == 2
     assert calls("GetAgent") == before_one
     client.close()
     channel.close()
@@ -244,6 +246,9 @@ def test_get_agents_is_bounded_and_checked_like_every_call():
         for bad in ("", "a/b", "x" * 129, "b0\n"):
             code, details = _code(lambda bad=bad: _raw_get_many(channel, ["b0", bad], good))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid agent name" in details, bad
+        # A name twice would be answered twice: 64 copies of a large record for one name.
+        code, details = _code(lambda: _raw_get_many(channel, ["b0", "b1", "b0"], good))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in details
         for metadata in (None, (("authorization", "Bearer wrong-token-0123456789"),)):
             code, _ = _code(lambda metadata=metadata: _raw_get_many(channel, ["b0", "nobody"], metadata))
             assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -269,12 +274,21 @@ def test_get_agents_is_bounded_and_checked_like_every_call():
         channel.close()
 
 
-def test_a_service_without_get_agents_is_asked_one_name_at_a_time():
+def test_a_service_without_get_agents_is_asked_one_name_at_a_time(monkeypatch):
     """A service older than GetAgents answers UNIMPLEMENTED: the client looks each
-    name up with GetAgent from then on, and gets the same answer."""
+    name up with GetAgent for ONE_BY_ONE_S, and gets the same answer; then it tries
+    GetAgents again (the service may have been upgraded since)."""
     from concurrent import futures
 
+    from kvx.metadata import client as client_mod
     from kvx.metadata.client import MetadataClient
+
+    monkeypatch.setattr(client_mod, "ONE_BY_ONE_S", 1.0)
+    tried_many: list[int] = []
+
+    def get_agents(request: bytes, context) -> bytes:
+        tried_many.append(1)
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     records = {name: _record(name, 7, 1) for name in ("x0", "x1")}
     asked: list[str] = []
@@ -290,7 +304,11 @@ def test_a_service_without_get_agents_is_asked_one_name_at_a_time():
     old.add_generic_rpc_handlers(
         [
             grpc.method_handlers_generic_handler(
-                SERVICE_NAME, {"GetAgent": grpc.unary_unary_rpc_method_handler(get_agent)}
+                SERVICE_NAME,
+                {
+                    "GetAgent": grpc.unary_unary_rpc_method_handler(get_agent),
+                    "GetAgents": grpc.unary_unary_rpc_method_handler(get_agents),
+                },
             )
         ]
     )
@@ -299,8 +317,11 @@ def test_a_service_without_get_agents_is_asked_one_name_at_a_time():
     try:
         client = MetadataClient(f"127.0.0.1:{port}")
         assert [r.name if r else None for r in client.get_many(["x1", "nobody", "x0"])] == ["x1", None, "x0"]
-        assert [r.name if r else None for r in client.get_many(["x0"])] == ["x0"]
-        assert asked == ["x1", "nobody", "x0", "x0"]
+        assert [r.name if r else None for r in client.get_many(["x0", "x0"])] == ["x0", "x0"]
+        assert asked == ["x1", "nobody", "x0", "x0"] and len(tried_many) == 1
+        time.sleep(1.1)
+        assert [r.name if r else None for r in client.get_many(["x1"])] == ["x1"]
+        assert len(tried_many) == 2  # asked again once the minute (here a second) was over
         client.close()
     finally:
         old.stop(None)
