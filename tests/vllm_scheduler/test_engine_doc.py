@@ -90,6 +90,7 @@ def test_prefill_ranks_come_in_one_lookup_and_a_stale_replica_is_overruled():
         [],
         "vllm-p-tp0",
         ["vllm-p-tp0", {"name": "vllm-p-tp1"}],
+        ["vllm-p-tp0", "../etc"],
         None,
     ],
 )

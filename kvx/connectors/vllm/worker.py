@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvx.agent import Agent, Peer
-from kvx.config import Timeouts, read_file
+from kvx.config import NAME_RE, Timeouts, read_file
 from kvx.connectors import side_channel
 from kvx.connectors.kvcache import RankCache, layer_geometry, plan_read
 from kvx.connectors.vllm.config import KvxConnectorConfig
@@ -537,12 +537,12 @@ class KvxWorker:
         if (
             not isinstance(names, list)
             or not 0 < len(names) <= MAX_LOOKUPS_PER_CALL
-            or not all(isinstance(name, str) for name in names)
+            or not all(isinstance(name, str) and NAME_RE.fullmatch(name) for name in names)
         ):
             shown = f"{len(names)} entries" if isinstance(names, list) else type(names).__name__
             raise ProtocolError(
-                f"kv_transfer_params' kvx.agents must list 1 to {MAX_LOOKUPS_PER_CALL} agent names "
-                f"(one per prefill rank), not {shown}"
+                f"kv_transfer_params' kvx.agents must list 1 to {MAX_LOOKUPS_PER_CALL} valid agent "
+                f"names (one per prefill rank), not {shown}"
             )
         # One GetAgents call for every rank.
         records = read_many_through(self._metadata_reader, self._metadata_client, names)
