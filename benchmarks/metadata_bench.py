@@ -590,8 +590,13 @@ def _lookup_proc(cfg: dict, idx: int, rate: float, ctl: dict, out: Any) -> None:
                 answer = await methods[k % len(methods)](
                     requests[random.randrange(len(requests))], timeout=10
                 )
-                if batch > 1 and len(metadata_pb2.GetAgentsResponse.FromString(answer).records) < batch:
-                    code = 1  # a name not found (or not answered)
+                if batch > 1:
+                    got = metadata_pb2.GetAgentsResponse.FromString(answer)
+                    if got.answered < batch:  # cut at the service's page bytes: not a lookup done
+                        code = 2
+                        errors["CUT_SHORT"] = errors.get("CUT_SHORT", 0) + 1
+                    elif len(got.records) < batch:
+                        code = 1  # a name not found
             except grpc.aio.AioRpcError as exc:
                 code = 1 if exc.code() == grpc.StatusCode.NOT_FOUND else 2
                 if code == 2:
