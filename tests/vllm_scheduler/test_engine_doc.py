@@ -7,6 +7,9 @@ lookup. Real metadata services on loopback; the worker's lookup half alone."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -47,6 +50,8 @@ def _worker(service: str, replica: str | None) -> worker_mod.KvxWorker:
     w.cfg = KvxConnectorConfig(metadata=service, metadata_read=replica)
     w._metadata_client = MetadataClient(service)
     w._metadata_reader = MetadataClient(replica, reader=True) if replica else w._metadata_client
+    w._engines, w._engine_locks, w._engine_locks_lock = {}, {}, threading.Lock()
+    w.agent = object()  # not reached: every connect here fails at its lookup
     return w
 
 
@@ -102,3 +107,38 @@ def test_a_request_naming_too_many_agents_or_no_list_is_refused_before_any_looku
         with pytest.raises(ProtocolError, match="kvx.agents must list"):
             w._engine_doc(_params(agents))
         assert _lookups(primary, "GetAgents") == _lookups(primary, "GetAgent") == 0
+
+
+def test_connects_to_made_up_engines_leave_nothing_behind():
+    """remote_engine_id comes from decode's API callers: a connect's lock lives only while
+    connects to that engine are under way, so made-up engine ids, each failing its lookup,
+    grow nothing; connects to one engine at once still take turns."""
+    with ThreadedServer(MetadataServer("127.0.0.1:0")) as primary:
+        w = _worker(primary.address, None)
+        for i in range(200):
+            params = dict(_params([f"ghost-{i}-tp0"], ["0x1"]), remote_engine_id=f"ghost-{i}")
+            with pytest.raises(PeerLostError):
+                w._remote_engine(params)
+        assert w._engine_locks == {} and w._engines == {}
+
+        inside, most = 0, 0
+        lookup = w._engine_doc
+
+        def counted(params):
+            nonlocal inside, most
+            inside += 1
+            most = max(most, inside)
+            try:
+                time.sleep(0.05)  # long enough for the others to arrive
+                return lookup(params)
+            finally:
+                inside -= 1
+
+        w._engine_doc = counted  # type: ignore[method-assign]
+        params = dict(_params(["ghost-tp0"], ["0x1"]), remote_engine_id="ghost")
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(w._remote_engine, params) for _ in range(8)]
+            for f in futures:
+                with pytest.raises(PeerLostError):
+                    f.result(30)
+        assert most == 1 and w._engine_locks == {}

@@ -131,7 +131,10 @@ class KvxWorker:
         self._metadata_client: Any = None
         self._metadata_reader: Any = None  # a read replica (metadata_read), else the same client
         self._engines: dict[tuple[str, tuple[str, ...]], _RemoteEngine] = {}
-        self._engine_locks: dict[str, threading.Lock] = {}
+        # engine id -> [its connect lock, threads holding or waiting for it]: an entry lives
+        # while a connect to that engine is under way (engine ids come from the network).
+        self._engine_locks: dict[str, list[Any]] = {}
+        self._engine_locks_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvx-recv")
         self.block_size = int(vllm_config.cache_config.block_size)
         self.push: PushWorker | None = None  # push mode, once the caches are registered
@@ -500,16 +503,25 @@ class KvxWorker:
         engine = self._engines.get(key)
         if engine is not None and all(p.alive for p in engine.peers.values()):
             return engine
-        with self._engine_locks.setdefault(engine_id, threading.Lock()):
-            engine = self._engines.get(key)
-            if engine is not None and all(p.alive for p in engine.peers.values()):
+        with self._engine_locks_lock:
+            entry = self._engine_locks.setdefault(engine_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                engine = self._engines.get(key)
+                if engine is not None and all(p.alive for p in engine.peers.values()):
+                    return engine
+                engine = self._connect(params)
+                # A restarted prefill engine has new epochs: forget the old one.
+                for old in [k for k in self._engines if k[0] == engine_id]:
+                    del self._engines[old]
+                self._engines[key] = engine
                 return engine
-            engine = self._connect(params)
-            # A restarted prefill engine has new epochs: forget the old one.
-            for old in [k for k in self._engines if k[0] == engine_id]:
-                del self._engines[old]
-            self._engines[key] = engine
-            return engine
+        finally:
+            with self._engine_locks_lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._engine_locks[engine_id]
 
     def _engine_doc(self, params: dict[str, Any]) -> dict[str, Any]:
         """Prefill's ranks, from the metadata service when one is configured, else its side channel."""
