@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kvx.metadata.etcd import EXPIRY_GRACE_S, FORWARDS_MAX, TAKEOVER_EXTRA_S, EtcdStore
+from kvx.metadata.etcd import EXPIRY_GRACE_S, FORWARDS_MAX, GET_ANSWERS_AT_ONCE, TAKEOVER_EXTRA_S, EtcdStore
 from kvx.metadata.store import AgentRecord, EventType, StoreError, WatchLagError
 from kvx.v1.metadata_pb2 import GetAgentResponse
 from tests.conftest import native_pass_only
@@ -153,6 +153,32 @@ def test_get_answers_reads_what_the_mirror_lacks_from_etcd_at_once(etcd_server):
             assert await b.get_answers(["g2", "g0"]) == [answers[3], answers[0]]
             assert b.etcd_reads == reads  # from the mirror
             assert await b.get_answers([]) == []
+            # At most GET_ANSWERS_AT_ONCE reads of one call at a time.
+            most, reads = 0, b.etcd_reads
+            assert await b.get_answers([f"none{i}" for i in range(GET_ANSWERS_AT_ONCE + 4)]) == [None] * (
+                GET_ANSWERS_AT_ONCE + 4
+            )
+            assert b.etcd_reads - reads == GET_ANSWERS_AT_ONCE + 4 and most == GET_ANSWERS_AT_ONCE
+
+            # The first read that fails fails the call and cancels the others at once.
+            cancelled = 0
+
+            async def get(name):
+                nonlocal cancelled
+                if name == "bad":
+                    await asyncio.sleep(0.01)
+                    raise StoreError("etcd unavailable")
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    cancelled += 1
+                    raise
+
+            b.get = get  # type: ignore[method-assign]
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="etcd unavailable"):
+                await b.get_answers(["slow1", "bad", "slow2", "slow3"])
+            assert cancelled == 3 and time.monotonic() - started < 5
 
     run(body())
 
