@@ -512,10 +512,11 @@ class KvxWorker:
                 if engine is not None and all(p.alive for p in engine.peers.values()):
                     return engine
                 engine = self._connect(params)
-                # A restarted prefill engine has new epochs: forget the old one.
-                for old in [k for k in self._engines if k[0] == engine_id]:
-                    del self._engines[old]
-                self._engines[key] = engine
+                with self._engine_locks_lock:  # connects to other engines change it too
+                    # A restarted prefill engine has new epochs: forget the old one.
+                    for old in [k for k in self._engines if k[0] == engine_id]:
+                        del self._engines[old]
+                    self._engines[key] = engine
                 return engine
         finally:
             with self._engine_locks_lock:
@@ -551,10 +552,15 @@ class KvxWorker:
             or not 0 < len(names) <= MAX_LOOKUPS_PER_CALL
             or not all(isinstance(name, str) and NAME_RE.fullmatch(name) for name in names)
         ):
-            shown = f"{len(names)} entries" if isinstance(names, list) else type(names).__name__
+            if not isinstance(names, list):
+                got = f"a {type(names).__name__}"
+            elif not 0 < len(names) <= MAX_LOOKUPS_PER_CALL:
+                got = f"{len(names)} entries"
+            else:
+                got = "an entry that is not an agent name"
             raise ProtocolError(
                 f"kv_transfer_params' kvx.agents must list 1 to {MAX_LOOKUPS_PER_CALL} valid agent "
-                f"names (one per prefill rank), not {shown}"
+                f"names (one per prefill rank); it has {got}"
             )
         # One GetAgents call for every rank.
         records = read_many_through(self._metadata_reader, self._metadata_client, names)
