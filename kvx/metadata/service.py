@@ -291,18 +291,20 @@ def _batched(events: list[bytes], limit: int) -> Iterator[bytes]:
         yield parts[1] if count == 1 else b"".join(parts)
 
 
-def _check_watch_names(names: Any) -> frozenset[str] | None:
-    if len(names) > MAX_WATCH_NAMES:
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{len(names)} names to watch; at most {MAX_WATCH_NAMES}: watch fewer, "
-            "or watch every name (no names)",
-        )
+def _check_names(names: Sequence[str], most: int, counted: str, advice: str) -> None:
+    """INVALID_ARGUMENT for more than ``most`` names ("N ``counted``; at most ``most``:
+    ``advice``"), or for one that is not a valid agent name."""
+    if len(names) > most:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{len(names)} {counted}; at most {most}: {advice}")
     for name in names:
         try:
             check_name(name)
         except ConfigError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"names: {exc}") from None
+
+
+def _check_watch_names(names: Any) -> frozenset[str] | None:
+    _check_names(names, MAX_WATCH_NAMES, "names to watch", "watch fewer, or watch every name (no names)")
     return frozenset(names) if names else None
 
 
@@ -642,17 +644,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         """The encoded GetAgentsResponse: the GetAgent answers of the names found (the
         stored ones, on the memory store and a read replica), joined, up to
         ``max_page_bytes`` (at least one name's), and how many names it covers."""
-        if len(names) > MAX_LOOKUPS_PER_CALL:
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(names)} names in one GetAgentsRequest; at most {MAX_LOOKUPS_PER_CALL}: "
-                "split them over several calls",
-            )
-        for name in names:
-            try:
-                check_name(name)
-            except ConfigError as exc:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"names: {exc}") from None
+        _check_names(
+            names, MAX_LOOKUPS_PER_CALL, "names in one GetAgentsRequest", "split them over several calls"
+        )
         if len(set(names)) != len(names):
             # Each copy would be answered in full: a small request, a large answer.
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "names: a name is given twice")
